@@ -1,0 +1,472 @@
+"""Platforms, capabilities, PJRT plugins and the kernel registry.
+
+Every fused op (``layernorm``, ``rmsnorm``, ``softmax``, ``activation``, ``attention``, ``fp8_gemm``,
+...) has named implementations: ``"xla"`` (the plain jax.numpy reference, runs everywhere) and
+kernels such as ``"pallas_triton"``, ``"pallas_mosaic"``, ``"cudnn"`` or ``"triton"``. Each declares
+the capabilities it needs (and optionally the platforms it is limited to and a predicate on the call's
+static configuration). `dispatch` picks one:
+
+1. the call's ``implementation=`` argument;
+2. else the per-op override in ``mtjax.config.config.implementations`` (env ``MTJAX_IMPL_<OP>``);
+3. else, per *lowering* platform, the available implementation of highest priority that supports the
+   configuration, staged with `jax.lax.platform_dependent`, so a function exported for ``cuda`` on a
+   CPU-only machine carries the GPU kernel and the same function exported for ``cpu`` the reference.
+
+An explicit choice (1 or 2) that cannot run here raises `ValueError`. Automatic selection never
+fails: it falls back to the reference and logs that once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax._src import xla_bridge
+
+from mtjax.config import config
+
+logger = logging.getLogger("mtjax")
+
+REFERENCE = "xla"
+
+# Capability names a platform can offer and an implementation can require.
+FP8_GEMM = "fp8_gemm"
+PALLAS_TRITON = "pallas_triton"
+PALLAS_MOSAIC_GPU = "pallas_mosaic_gpu"
+CUDNN_ATTENTION = "cudnn_attention"
+ALL_CAPABILITIES = (FP8_GEMM, PALLAS_TRITON, PALLAS_MOSAIC_GPU, CUDNN_ATTENTION)
+
+BUILTIN_PLATFORMS = ("cpu", "cuda", "rocm")
+
+
+# --------------------------------------------------------------------------------------------------
+# Platforms and capabilities
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformInfo:
+    """What mtjax knows of a platform added with `register_platform`."""
+
+    name: str
+    capabilities: frozenset[str]
+    kernels: Mapping[str, str]
+
+
+_registered_platforms: dict[str, PlatformInfo] = {}
+
+
+def platform() -> str:
+    """The lowering platform of the default backend: ``cpu``, ``cuda``, ``rocm`` or a plugin's name."""
+    device_platform = jax.devices()[0].platform
+    return xla_bridge.canonicalize_platform(device_platform)
+
+
+def _local_devices_of(platform_name: str) -> list[Any]:
+    try:
+        return [d for d in jax.devices() if xla_bridge.canonicalize_platform(d.platform) == platform_name]
+    except RuntimeError:
+        return []
+
+
+def _cuda_capability_tuple(text: str) -> tuple[int, int]:
+    major, _, minor = str(text).partition(".")
+    return int(major), int(minor or 0)
+
+
+def capabilities(platform_name: str | None = None) -> frozenset[str]:
+    """What ``platform_name`` (default: the current platform) can run.
+
+    For ``cuda`` the compute capability of the local devices decides; without one (lowering for
+    ``cuda`` on a CPU-only host) ``config.cuda_compute_capability`` is assumed. On any platform,
+    ``config.pallas_interpret`` makes the Pallas kernels runnable (in interpret mode).
+    """
+    name = platform() if platform_name is None else platform_name
+    caps: set[str] = set()
+    if name in _registered_platforms:
+        caps |= _registered_platforms[name].capabilities
+    elif name == "cuda":
+        devices = _local_devices_of("cuda")
+        cc_text = getattr(devices[0], "compute_capability", None) if devices else None
+        cc = _cuda_capability_tuple(cc_text or config.cuda_compute_capability)
+        if cc >= (8, 0):
+            caps |= {PALLAS_TRITON, CUDNN_ATTENTION}
+        if cc >= (8, 9):
+            caps.add(FP8_GEMM)
+        if cc[0] in (9, 10):
+            caps.add(PALLAS_MOSAIC_GPU)
+    elif name == "rocm":
+        caps.add(PALLAS_TRITON)
+        devices = _local_devices_of("rocm")
+        arch = str(getattr(devices[0], "compute_capability", "")) if devices else ""
+        if arch.startswith(("gfx94", "gfx95")):
+            caps.add(FP8_GEMM)
+    if config.pallas_interpret:
+        caps |= {PALLAS_TRITON, PALLAS_MOSAIC_GPU}
+    return frozenset(caps)
+
+
+def known_platforms() -> tuple[str, ...]:
+    """The platforms `dispatch` stages a branch for: the built-in ones and every registered one."""
+    return BUILTIN_PLATFORMS + tuple(p for p in _registered_platforms if p not in BUILTIN_PLATFORMS)
+
+
+def register_platform(
+    name: str,
+    kernels: Mapping[str, str] | None = None,
+    *,
+    capabilities: Iterable[str] = (),
+) -> PlatformInfo:
+    """Tell mtjax what a new platform (a PJRT plugin's) can run.
+
+    Args:
+      name: the platform name jax lowers for (what ``jax.devices()[0].platform`` reports).
+      kernels: ``{op: implementation}`` to prefer on this platform, e.g. ``{"layernorm": "pallas_triton"}``.
+      capabilities: capability names from `ALL_CAPABILITIES`; a Triton-capable vendor GPU passes
+        ``("pallas_triton",)`` and gets every Pallas Triton kernel. A platform registered with none
+        gets the references only.
+    """
+    caps = frozenset(capabilities)
+    unknown = caps - set(ALL_CAPABILITIES)
+    if unknown:
+        raise ValueError(f"register_platform(capabilities=...): unknown {sorted(unknown)}; accepted: {ALL_CAPABILITIES}")
+    kernels = dict(kernels or {})
+    for op, impl_name in kernels.items():
+        if op in _registry and impl_name not in _registry[op]:
+            raise ValueError(
+                f"register_platform(kernels=...): op {op!r} has no implementation {impl_name!r}; "
+                f"registered: {implementations(op)}"
+            )
+        if op in _registry:
+            caps |= _registry[op][impl_name].requires
+    info = PlatformInfo(name=name, capabilities=caps, kernels=kernels)
+    _registered_platforms[name] = info
+    if PALLAS_TRITON in caps:
+        _lower_pallas_triton_on(name)
+    return info
+
+
+def _lower_pallas_triton_on(platform_name: str) -> None:
+    """Lower ``pallas_call`` on ``platform_name`` as on ``cuda``: through Triton.
+
+    jax only knows Triton lowering rules for ``cuda`` and ``rocm``; a vendor GPU whose PJRT plugin
+    runs Triton kernels reuses the ``cuda`` rule under its own platform name.
+    """
+    if platform_name in BUILTIN_PLATFORMS:
+        return
+    from jax._src.interpreters import mlir
+    from jax._src.pallas import pallas_call as pallas_call_lib
+
+    def lowering(ctx, *args, **params):
+        cuda_ctx = ctx.replace(module_context=ctx.module_context.replace(platforms=("cuda",)))
+        return pallas_call_lib._pallas_call_lowering(cuda_ctx, *args, **params)
+
+    mlir.register_lowering(pallas_call_lib.pallas_call_p, lowering, platform=platform_name)
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = "NVIDIA H200", num_cores: int = 132) -> Iterator[None]:
+    """Lower GPU kernels for ``device_kind`` on a machine without that GPU (e.g. CPU-only CI).
+
+    ``with abstract_gpu(): jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))`` runs the
+    Pallas Triton lowering as it would run on that device.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    device = AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
+    mesh = AbstractMesh((1,), ("_abstract_gpu",), (AxisType.Auto,), abstract_device=device)
+    with use_abstract_mesh(mesh):
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# PJRT plugins
+# --------------------------------------------------------------------------------------------------
+
+_loaded_plugins: dict[str, str] = {}
+
+
+def gpu_plugin_options() -> dict[str, Any]:
+    """The client options jax passes to its own GPU PJRT plugins (memory fraction, allocator...)."""
+    from jax._src.lib import xla_client
+
+    return dict(xla_client.generate_pjrt_gpu_plugin_options())
+
+
+def load_plugin(name: str, library_path: str | os.PathLike, options: Mapping[str, Any] | None = None) -> None:
+    """Register a PJRT plugin library (e.g. a vendor GPU's ``libpjrt_musa.so``) with jax.
+
+    Must run before jax initialises its backends (before the first array or ``jax.devices()``).
+    Select it with ``JAX_PLATFORMS=<name>`` or as the highest-priority backend, then call
+    `register_platform` to tell mtjax which kernels it can run.
+
+    Raises:
+      FileNotFoundError: ``library_path`` does not exist.
+      ValueError: the file is no PJRT plugin (no ``GetPjrtApi`` symbol) or ``name`` is taken.
+      RuntimeError: jax's backends are already initialised; loading now would be ignored.
+    """
+    path = os.fspath(library_path)
+    if not name or not name.replace("_", "").isalnum():
+        raise ValueError(f"load_plugin(name={name!r}): expected a platform name of letters, digits and '_'")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_plugin(library_path={path!r}): no such file")
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as err:
+        raise ValueError(f"load_plugin(library_path={path!r}): not a loadable shared library: {err}") from err
+    if not hasattr(library, "GetPjrtApi"):
+        raise ValueError(f"load_plugin(library_path={path!r}): not a PJRT plugin (it exports no GetPjrtApi)")
+    if name in _loaded_plugins or name in xla_bridge._backend_factories:
+        raise ValueError(f"load_plugin(name={name!r}): a backend of that name is already registered")
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            f"load_plugin({name!r}) called after jax initialised its backends; call it before the "
+            "first jax computation, or name it in MTJAX_PJRT_PLUGINS so it loads when mtjax is imported"
+        )
+    xla_bridge.register_plugin(name, library_path=path, options=dict(options) if options else None)
+    _loaded_plugins[name] = path
+    logger.info("loaded PJRT plugin %s from %s", name, path)
+
+
+def parse_plugin_spec(spec: str) -> dict[str, str]:
+    """Parse ``"name=/path/libpjrt_a.so,other=/path/b.so"`` into ``{name: path}``."""
+    plugins: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"MTJAX_PJRT_PLUGINS entry {item!r}: expected name=/path/to/libpjrt_plugin.so")
+        plugins[name.strip()] = path.strip()
+    return plugins
+
+
+def load_plugins_from_env() -> None:
+    """Load the plugins named in ``MTJAX_PJRT_PLUGINS`` (called once when mtjax is imported)."""
+    for name, path in parse_plugin_spec(os.environ.get("MTJAX_PJRT_PLUGINS", "")).items():
+        if name not in _loaded_plugins:
+            load_plugin(name, path, options=gpu_plugin_options())
+
+
+def loaded_plugins() -> dict[str, str]:
+    """``{name: library_path}`` of the plugins loaded through mtjax."""
+    return dict(_loaded_plugins)
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel registry
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op.
+
+    Attributes:
+      op: the op's name (the name of its `mtjax.ops` function).
+      name: the implementation's name (``"xla"``, ``"pallas_triton"``...).
+      fn: ``fn(*arrays, **static) -> result``, the same signature for every implementation of the op.
+      requires: capability names the platform must offer.
+      platforms: the platforms it is limited to, or ``None`` for any with the capabilities.
+      supports: ``supports(*arrays, **static) -> str | None`` on abstract arrays: ``None`` when the
+        configuration is supported, else the reason it is not (shapes, dtypes, options).
+      priority: higher wins in automatic selection.
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    requires: frozenset[str] = frozenset()
+    platforms: frozenset[str] | None = None
+    supports: Callable[..., str | None] | None = None
+    priority: int = 0
+
+    def runs_on(self, platform_name: str) -> str | None:
+        """``None`` if this implementation can run on ``platform_name``, else the reason it cannot."""
+        if self.platforms is not None and platform_name not in self.platforms:
+            return f"runs on {sorted(self.platforms)} only"
+        missing = self.requires - capabilities(platform_name)
+        if missing:
+            return f"needs {sorted(missing)}, which {platform_name!r} lacks"
+        return None
+
+    def unsupported(self, args: Sequence[Any], static: Mapping[str, Any]) -> str | None:
+        return None if self.supports is None else self.supports(*args, **static)
+
+
+_registry: dict[str, dict[str, Implementation]] = {}
+_logged_fallbacks: set[tuple[str, str, str, str]] = set()
+
+
+def register(
+    op: str,
+    name: str,
+    *,
+    requires: Iterable[str] = (),
+    platforms: Iterable[str] | None = None,
+    supports: Callable[..., str | None] | None = None,
+    priority: int = 0,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register ``fn`` as implementation ``name`` of ``op``. Returns ``fn`` unchanged."""
+    requires = frozenset(requires)
+    unknown = requires - set(ALL_CAPABILITIES)
+    if unknown:
+        raise ValueError(f"register({op!r}, {name!r}, requires=...): unknown capabilities {sorted(unknown)}")
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _registry.setdefault(op, {})[name] = Implementation(
+            op=op,
+            name=name,
+            fn=fn,
+            requires=requires,
+            platforms=None if platforms is None else frozenset(platforms),
+            supports=supports,
+            priority=priority,
+        )
+        return fn
+
+    return decorator
+
+
+def ops() -> tuple[str, ...]:
+    """Every op name with at least one registered implementation."""
+    _import_kernels()
+    return tuple(sorted(_registry))
+
+
+def implementations(op: str) -> tuple[str, ...]:
+    """The implementation names registered for ``op``, highest priority first."""
+    _import_kernels()
+    if op not in _registry:
+        raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
+    return tuple(impl.name for impl in sorted(_registry[op].values(), key=lambda i: -i.priority))
+
+
+def _get(op: str, name: str) -> Implementation:
+    _import_kernels()
+    if op not in _registry:
+        raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
+    if name not in _registry[op]:
+        raise ValueError(f"{op}(implementation={name!r}): unknown implementation; registered: {implementations(op)}")
+    return _registry[op][name]
+
+
+def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[str, Any]) -> tuple[Implementation, str]:
+    """The implementation automatic selection uses for ``op`` on ``platform_name``, and why."""
+    preferred = _registered_platforms.get(platform_name)
+    candidates = sorted(_registry[op].values(), key=lambda i: -i.priority)
+    if preferred is not None and op in preferred.kernels:
+        chosen = _registry[op][preferred.kernels[op]]
+        candidates = [chosen] + [c for c in candidates if c is not chosen]
+    skipped = []
+    for impl in candidates:
+        reason = impl.runs_on(platform_name)
+        if reason is None:
+            reason = impl.unsupported(args, static)
+        if reason is None:
+            why = "highest priority available" if not skipped else "; ".join(skipped)
+            return impl, why
+        skipped.append(f"{impl.name}: {reason}")
+    raise AssertionError(f"op {op!r} has no implementation for {platform_name!r}: {skipped}")
+
+
+def select(op: str, implementation: str | None = None, *, platform_name: str | None = None,
+           args: Sequence[Any] = (), static: Mapping[str, Any] | None = None) -> tuple[Implementation, str]:
+    """The implementation `dispatch` would run for ``op`` on ``platform_name``, with the reason.
+
+    With ``args`` (arrays or `jax.ShapeDtypeStruct`) and ``static`` the implementations' support
+    predicates are consulted; without them only platform and capabilities are.
+    """
+    _import_kernels()
+    platform_name = platform() if platform_name is None else platform_name
+    static = dict(static or {})
+    explicit, source = _explicit_choice(op, implementation)
+    if explicit is not None:
+        impl = _get(op, explicit)
+        reason = impl.runs_on(platform_name) or (impl.unsupported(args, static) if args else None)
+        if reason is not None:
+            available = [n for n in implementations(op) if _get(op, n).runs_on(platform_name) is None]
+            raise ValueError(
+                f"{op}(implementation={explicit!r}) from {source} cannot run here: {reason}. "
+                f"Available on {platform_name!r}: {available}"
+            )
+        return impl, f"chosen by {source}"
+    if op not in _registry:
+        raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
+    return _best_for(op, platform_name, args, static)
+
+
+def _explicit_choice(op: str, implementation: str | None) -> tuple[str | None, str]:
+    if implementation is not None:
+        return implementation, "the implementation= argument"
+    override = config.implementations.get(op)
+    if override is not None:
+        return override, f"mtjax.config (MTJAX_IMPL_{op.upper()})"
+    return None, ""
+
+
+def dispatch(op: str, *args: Any, implementation: str | None = None, **static: Any) -> Any:
+    """Run ``op`` on ``args`` with the implementation chosen as the module docstring says.
+
+    ``args`` are the op's arrays (pytrees; ``None`` allowed), ``static`` its hashable options.
+    """
+    _import_kernels()
+    explicit, _ = _explicit_choice(op, implementation)
+    if explicit is not None:
+        impl, _ = select(op, implementation, args=args, static=static)
+        return impl.fn(*args, **static)
+
+    current = platform()
+    branches: dict[str, Callable[..., Any]] = {}
+    chosen: dict[str, Implementation] = {}
+    for platform_name in known_platforms():
+        impl, why = _best_for(op, platform_name, args, static)
+        chosen[platform_name] = impl
+        if platform_name == current:
+            _log_fallback_once(op, platform_name, impl, why)
+    if len({impl.name for impl in chosen.values()}) == 1:
+        return next(iter(chosen.values())).fn(*args, **static)
+    # One callable per implementation, so platform_dependent joins platforms that share it.
+    callables = {impl.name: _bind(impl.fn, static) for impl in chosen.values()}
+    for platform_name, impl in chosen.items():
+        branches[platform_name] = callables[impl.name]
+    default = _bind(_registry[op][REFERENCE].fn, static)
+    return jax.lax.platform_dependent(*args, default=default, **branches)
+
+
+def _bind(fn: Callable[..., Any], static: Mapping[str, Any]) -> Callable[..., Any]:
+    return lambda *args: fn(*args, **static)
+
+
+def _log_fallback_once(op: str, platform_name: str, impl: Implementation, why: str) -> None:
+    if impl.name != REFERENCE or not why or why == "highest priority available":
+        return
+    key = (op, platform_name, impl.name, why)
+    if key not in _logged_fallbacks:
+        _logged_fallbacks.add(key)
+        logger.info("%s on %s falls back to the %r reference (%s)", op, platform_name, REFERENCE, why)
+
+
+_kernels_imported = False
+
+
+def _import_kernels() -> None:
+    """Import the ops and kernel modules once, so their implementations are registered."""
+    global _kernels_imported
+    if _kernels_imported:
+        return
+    _kernels_imported = True
+    import mtjax.ops  # noqa: F401  (registers the references and the kernels they wrap)
+
+
+def describe() -> list[dict[str, str]]:
+    """For each op: the implementation chosen on the current platform and why (for `mtjax info`)."""
+    rows = []
+    for op in ops():
+        impl, why = select(op)
+        rows.append({"op": op, "implementation": impl.name, "why": why, "registered": ", ".join(implementations(op))})
+    return rows

@@ -1,0 +1,91 @@
+"""Process-wide settings of mtjax.
+
+Configuration is explicit: set fields on `mtjax.config.config` or use `override`.
+Environment variables only provide the starting values (read once, at import):
+
+- ``MTJAX_IMPL_<OP>=name``: force the implementation of one op (e.g. ``MTJAX_IMPL_LAYERNORM=xla``).
+- ``MTJAX_PALLAS_INTERPRET=1``: run Pallas kernels in interpret mode (lets them run on the CPU).
+- ``MTJAX_CUDA_COMPUTE_CAPABILITY=9.0``: the CUDA device assumed when lowering for ``cuda`` on a
+  machine without one (e.g. ``jax.export`` on a CPU-only host).
+- ``MTJAX_PJRT_PLUGINS=name=/path/libpjrt_x.so,...``: PJRT plugins loaded when mtjax is imported.
+
+`mtjax info` prints the values in force and where they came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+
+_IMPL_ENV_PREFIX = "MTJAX_IMPL_"
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"environment variable {name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _env_implementations(environ: Mapping[str, str]) -> dict[str, str]:
+    return {
+        key[len(_IMPL_ENV_PREFIX):].lower(): value.strip()
+        for key, value in environ.items()
+        if key.startswith(_IMPL_ENV_PREFIX) and value.strip()
+    }
+
+
+@dataclasses.dataclass
+class Config:
+    """Settings read by `mtjax.backend` when it picks kernels.
+
+    Attributes:
+      implementations: per-op override, ``{op_name: implementation_name}``; used when a call passes
+        no ``implementation=``.
+      pallas_interpret: run Pallas kernels with ``interpret=True`` (CPU testing and debugging).
+      cuda_compute_capability: the device assumed when lowering for ``cuda`` without a CUDA device.
+    """
+
+    implementations: dict[str, str] = dataclasses.field(default_factory=dict)
+    pallas_interpret: bool = False
+    cuda_compute_capability: str = "9.0"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
+        environ = os.environ if environ is None else environ
+        return cls(
+            implementations=_env_implementations(environ),
+            pallas_interpret=_env_flag("MTJAX_PALLAS_INTERPRET"),
+            cuda_compute_capability=environ.get("MTJAX_CUDA_COMPUTE_CAPABILITY", "9.0"),
+        )
+
+
+config = Config.from_env()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Config]:
+    """Temporarily change fields of `config`: ``with override(pallas_interpret=True): ...``.
+
+    ``implementations=`` is merged into the current per-op overrides rather than replacing them.
+    """
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise TypeError(
+            f"override(): unknown field(s) {sorted(unknown)}; accepted: "
+            f"{[f.name for f in dataclasses.fields(Config)]}"
+        )
+    saved = dataclasses.replace(config, implementations=dict(config.implementations))
+    try:
+        for name, value in changes.items():
+            if name == "implementations":
+                value = {**config.implementations, **value}
+            setattr(config, name, value)
+        yield config
+    finally:
+        for field in dataclasses.fields(Config):
+            setattr(config, field.name, getattr(saved, field.name))

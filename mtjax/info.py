@@ -1,0 +1,62 @@
+"""``mtjax info``: what mtjax sees on this machine and which kernel each op will use, and why."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+
+import jax
+
+from mtjax import backend
+from mtjax.config import config
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect() -> dict:
+    """Everything ``mtjax info`` prints, as a dict."""
+    devices = jax.devices()
+    return {
+        "versions": {p: _version(p) for p in ("mtjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "jax-triton")},
+        "platform": backend.platform(),
+        "devices": [f"{d.id}: {d.device_kind}" for d in devices],
+        "process": f"{jax.process_index()} of {jax.process_count()}",
+        "capabilities": sorted(backend.capabilities()),
+        "plugins": backend.loaded_plugins(),
+        "config": {
+            "implementations": config.implementations,
+            "pallas_interpret": config.pallas_interpret,
+            "cuda_compute_capability": config.cuda_compute_capability,
+            "environment": {k: v for k, v in os.environ.items() if k.startswith(("MTJAX_", "JAX_PLATFORMS", "XLA_FLAGS"))},
+        },
+        "ops": backend.describe(),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print("versions:    " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"platform:    {info['platform']}  (process {info['process']})")
+    print(f"devices:     {len(info['devices'])}: " + "; ".join(info["devices"][:8]) + (" ..." if len(info["devices"]) > 8 else ""))
+    print(f"capabilities: {', '.join(info['capabilities']) or 'none (references only)'}")
+    print(f"plugins:     {info['plugins'] or 'none'}")
+    print(f"config:      {info['config']}")
+    width = max(len(r["op"]) for r in info["ops"])
+    print("ops (implementation used here, why; all registered):")
+    for row in info["ops"]:
+        print(f"  {row['op']:<{width}}  {row['implementation']:<14} {row['why']}  [{row['registered']}]")
+    return 0

@@ -1,0 +1,35 @@
+"""Argument checks shared by the ops: errors that name the argument and the accepted values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+def check_float(op: str, name: str, x: Any) -> None:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{op}: {name} has dtype {dtype}; expected a floating dtype (float32, bfloat16, float16)")
+
+
+def check_rank(op: str, name: str, x: Any, ranks: Iterable[int] | int) -> None:
+    ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    if jnp.ndim(x) not in ranks:
+        raise ValueError(f"{op}: {name} has shape {jnp.shape(x)} (rank {jnp.ndim(x)}); expected rank {' or '.join(map(str, ranks))}")
+
+
+def check_shape(op: str, name: str, x: Any, shape: Sequence[int | None]) -> None:
+    actual = jnp.shape(x)
+    if len(actual) != len(shape) or any(s is not None and s != a for s, a in zip(shape, actual)):
+        expected = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{op}: {name} has shape {actual}; expected {expected}")
+
+
+def check_choice(op: str, name: str, value: Any, accepted: Iterable[Any]) -> None:
+    accepted = tuple(accepted)
+    if value not in accepted:
+        raise ValueError(f"{op}: {name}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")

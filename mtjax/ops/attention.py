@@ -1,0 +1,172 @@
+"""Dot-product attention: the reference every attention kernel is checked against.
+
+Layout: ``query [batch, q_len, heads, head_dim]``, ``key``/``value [batch, kv_len, kv_heads, head_dim]``
+(``jax.nn.dot_product_attention``'s BTNH). ``heads`` must be a multiple of ``kv_heads`` (GQA; MQA when
+``kv_heads == 1``); K and V are never repeated in memory.
+
+Masks combine (a position is attended only if every one keeps it):
+- ``mask_type``: ``"no_mask"``, ``"padding"``, ``"causal"`` or ``"padding_causal"``; causal is
+  aligned bottom-right (query ``i`` sees key ``j <= i + kv_len - q_len``);
+- padding: ``q_segment_ids``/``kv_segment_ids`` ``[batch, len]`` int (a query attends keys of its own
+  segment; id 0 marks padding) or ``q_seqlens``/``kv_seqlens`` ``[batch]`` (positions past the length
+  are padding);
+- ``mask``: bool ``[batch|1, heads|1, q_len, kv_len]``, True keeps;
+- ``window_size=(left, right)``: query ``i`` sees keys ``i - left .. i + right`` (``-1``: unbounded).
+A query with nothing left to attend returns zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtjax import backend
+from mtjax.ops._checks import check_choice, check_float, check_rank
+from mtjax.ops.softmax import causal_mask, masked_softmax
+
+MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal")
+
+
+def combined_mask(q_len, kv_len, *, mask, q_segment_ids, kv_segment_ids, mask_type, window_size):
+    """The boolean keep-mask ``[batch|1, 1|heads, q_len, kv_len]`` of all mask inputs, or ``None``."""
+    keep = None
+
+    def conj(a, b):
+        return b if a is None else jnp.logical_and(a, b)
+
+    if mask is not None:
+        keep = conj(keep, mask)
+    if q_segment_ids is not None:
+        same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+        real = (q_segment_ids[:, :, None] != 0) & (kv_segment_ids[:, None, :] != 0)
+        keep = conj(keep, (same & real)[:, None])
+    if mask_type in ("causal", "padding_causal"):
+        keep = conj(keep, causal_mask(q_len, kv_len)[None, None])
+    if window_size is not None:
+        left, right = window_size
+        q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+        k_pos = jnp.arange(kv_len)[None, :]
+        win = jnp.ones((q_len, kv_len), bool)
+        if left >= 0:
+            win &= k_pos >= q_pos - left
+        if right >= 0:
+            win &= k_pos <= q_pos + right
+        keep = conj(keep, win[None, None])
+    return keep
+
+
+@backend.register("attention", backend.REFERENCE)
+def attention_reference(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+                        mask_type: str, scale: float, dropout_rate: float,
+                        window_size: tuple[int, int] | None, logits_soft_cap: float | None):
+    batch, q_len, heads, head_dim = query.shape
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32) * scale
+    logits = logits.reshape(batch, heads, q_len, kv_len)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    keep = combined_mask(q_len, kv_len, mask=mask, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                         mask_type=mask_type, window_size=window_size)
+    probs = masked_softmax(logits, keep)
+    if dropout_rate > 0.0:
+        kept = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        probs = jnp.where(kept, probs / (1.0 - dropout_rate), 0.0)
+    probs = probs.astype(value.dtype).reshape(batch, kv_heads, groups, q_len, kv_len)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, value, preferred_element_type=jnp.float32)
+    return out.reshape(batch, q_len, heads, value.shape[-1]).astype(query.dtype)
+
+
+def _seqlens_to_segment_ids(seqlens, length):
+    return (jnp.arange(length)[None, :] < seqlens[:, None]).astype(jnp.int32)
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    mask_type: str = "no_mask",
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_seqlens: jax.Array | None = None,
+    kv_seqlens: jax.Array | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    window_size: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Softmax attention (module docstring: layout and masks).
+
+    Args:
+      bias: float, broadcastable to ``[batch, heads, q_len, kv_len]``, added to the scaled logits.
+      scale: logit scale, default ``1 / sqrt(head_dim)``.
+      dropout_rate: attention-probability dropout; needs ``dropout_rng``.
+      logits_soft_cap: ``cap * tanh(logits / cap)`` after scale and bias.
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``query.dtype``.
+    """
+    op = "attention"
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_float(op, name, x)
+        check_rank(op, name, x, 4)
+    batch, q_len, heads, head_dim = query.shape
+    if key.shape != value.shape[:3] + (key.shape[3],) or key.shape[0] != batch:
+        raise ValueError(f"{op}: key {key.shape} and value {value.shape} must share [batch, kv_len, kv_heads] with batch {batch}")
+    if key.shape[3] != head_dim:
+        raise ValueError(f"{op}: key head_dim {key.shape[3]} differs from query head_dim {head_dim}")
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{op}: query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    check_choice(op, "mask_type", mask_type, MASK_TYPES)
+    if (q_seqlens is None) != (kv_seqlens is None) or (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(f"{op}: pass q_ and kv_ segment ids (or seqlens) together")
+    if q_seqlens is not None:
+        if q_segment_ids is not None:
+            raise ValueError(f"{op}: pass segment ids or seqlens, not both")
+        q_segment_ids = _seqlens_to_segment_ids(q_seqlens, q_len)
+        kv_segment_ids = _seqlens_to_segment_ids(kv_seqlens, kv_len)
+    if q_segment_ids is not None:
+        if q_segment_ids.shape != (batch, q_len) or kv_segment_ids.shape != (batch, kv_len):
+            raise ValueError(
+                f"{op}: q_segment_ids {q_segment_ids.shape} / kv_segment_ids {kv_segment_ids.shape}; "
+                f"expected ({batch}, {q_len}) / ({batch}, {kv_len})"
+            )
+        if not jnp.issubdtype(q_segment_ids.dtype, jnp.integer) or not jnp.issubdtype(kv_segment_ids.dtype, jnp.integer):
+            raise TypeError(f"{op}: segment ids must be integers")
+    if mask_type in ("padding", "padding_causal") and q_segment_ids is None and mask is None:
+        raise ValueError(f"{op}: mask_type={mask_type!r} needs q/kv_segment_ids, q/kv_seqlens or mask")
+    if mask is not None:
+        if jnp.result_type(mask) != jnp.bool_ or jnp.ndim(mask) != 4:
+            raise ValueError(f"{op}: mask must be bool [batch|1, heads|1, q_len, kv_len]; got {jnp.result_type(mask)} {jnp.shape(mask)}")
+        jnp.broadcast_shapes(mask.shape, (batch, heads, q_len, kv_len))
+    if bias is not None:
+        check_float(op, "bias", bias)
+        try:
+            jnp.broadcast_shapes(jnp.shape(bias), (batch, heads, q_len, kv_len))
+        except ValueError:
+            raise ValueError(f"{op}: bias of shape {jnp.shape(bias)} does not broadcast to {(batch, heads, q_len, kv_len)}") from None
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"{op}: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError(f"{op}: dropout_rate={dropout_rate} needs dropout_rng")
+    if window_size is not None:
+        window_size = tuple(int(w) for w in window_size)
+        if len(window_size) != 2 or min(window_size) < -1:
+            raise ValueError(f"{op}: window_size={window_size}; expected (left, right) with -1 for unbounded")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"{op}: logits_soft_cap={logits_soft_cap}; expected a positive float or None")
+    scale = float(head_dim ** -0.5 if scale is None else scale)
+    return backend.dispatch(
+        op, query, key, value, bias, mask, q_segment_ids, kv_segment_ids,
+        dropout_rng if dropout_rate > 0.0 else None,
+        implementation=implementation, mask_type=mask_type, scale=scale, dropout_rate=float(dropout_rate),
+        window_size=window_size, logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+    )
