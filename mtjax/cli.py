@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,7 @@ def _optional_subcommands() -> dict[str, tuple[str, str]]:
     extra = {
         "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
         "generate": ("mtjax.train.generate", "continue a prompt from a checkpoint"),
-        "bench": ("mtjax.bench", "time fused ops and train steps against XLA/Flax peers"),
+        "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
     }
     return {name: spec for name, spec in extra.items() if importlib.util.find_spec(spec[0]) is not None}
 
