@@ -1,0 +1,97 @@
+"""``mtjax bench [suites...] [--quick] [--json PATH] [--plot PATH]``.
+
+Every run first measures the machine's ceilings (`mtjax.bench.ceilings`), then each suite, then
+prints one table (time, TFLOP/s or GB/s, speed-up over the peer, fraction of the ceiling, MFU) and
+optionally writes the rows as JSON and a PNG chart. ``--quick`` runs tiny shapes (a CPU smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import sys
+
+import jax
+
+from mtjax.bench import ceilings, report
+
+# suite -> module exposing run(quick: bool) -> list[dict] (rows from mtjax.bench.timing.row)
+SUITES = {
+    "gemm": "mtjax.bench.gemm",
+    "norm": "mtjax.bench.norm",
+    "attention": "mtjax.bench.attention",
+    "layer": "mtjax.bench.layer",
+    "train": "mtjax.bench.train",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suites", nargs="*", metavar="SUITE",
+                        help=f"suites to run, from {list(SUITES)} (default: every one installed)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few runs: a smoke test (CPU)")
+    parser.add_argument("--json", metavar="PATH", help="write {'meta': ..., 'results': [rows]} here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG chart of speed-ups here (needs matplotlib)")
+    parser.add_argument("--peak-tflops", type=float, default=report.H200_BF16_PEAK_TFLOPS,
+                        help="dense bf16 peak used as the MFU denominator (default: H200, %(default)s)")
+    parser.add_argument("--presets", nargs="+", metavar="NAME",
+                        help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="train suite: write a per-op GPU-time profile of each train step into DIR")
+
+
+def _available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(SUITES[name]) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _run_suite(name: str, args: argparse.Namespace) -> list[dict]:
+    module = importlib.import_module(SUITES[name])
+    if name == "train":
+        return module.run(args.quick, presets=args.presets, profile_dir=args.profile)
+    return module.run(args.quick)
+
+
+def run(args: argparse.Namespace) -> int:
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        print(f"mtjax bench: unknown suite(s) {unknown}; accepted: {list(SUITES)}", file=sys.stderr)
+        return 2
+    missing = [s for s in args.suites if not _available(s)]
+    if missing:
+        print(f"mtjax bench: suite(s) {missing} are not installed in this version of mtjax", file=sys.stderr)
+        return 2
+    suites = args.suites or [s for s in SUITES if _available(s)]
+    skipped = [s for s in SUITES if s not in suites]
+
+    rows, ceiling_values = ceilings.run(args.quick)
+    for name in suites:
+        print(f"mtjax bench: running {name}...", file=sys.stderr, flush=True)
+        rows += _run_suite(name, args)
+    rows = report.complete(rows, ceiling_values, args.peak_tflops)
+
+    device = jax.devices()[0]
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "command": "mtjax bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "quick": args.quick,
+        "peak_tflops": args.peak_tflops,
+        "ceilings": ceiling_values,
+        "suites": suites,
+        "suites_not_run": skipped,
+    }
+    print(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  MFU of {args.peak_tflops:g} TFLOP/s")
+    print(report.table(rows))
+    if skipped:
+        print(f"not run: {', '.join(skipped)}")
+    if args.json:
+        report.write_json(args.json, rows, meta)
+    if args.plot:
+        report.plot(args.plot, rows, f"mtjax bench on {meta['device']}, {meta['date']}")
+    return 0
