@@ -63,16 +63,17 @@ _registered_platforms: dict[str, PlatformInfo] = {}
 
 
 def platform() -> str:
-    """The lowering platform of the default backend: ``cpu``, ``cuda``, ``rocm`` or a plugin's name."""
-    device_platform = jax.devices()[0].platform
-    return xla_bridge.canonicalize_platform(device_platform)
+    """The platform jax lowers for on the default backend: ``cpu``, ``cuda``, ``rocm`` or a plugin's.
+
+    A PJRT plugin reports its own platform name; a plugin wrapping the CUDA runtime under another
+    backend name still lowers for ``cuda``, and that is what kernel selection must see.
+    """
+    default_backend = xla_bridge.get_backend()
+    return getattr(default_backend, "_raw_platform", default_backend.platform)
 
 
 def _local_devices_of(platform_name: str) -> list[Any]:
-    try:
-        return [d for d in jax.devices() if xla_bridge.canonicalize_platform(d.platform) == platform_name]
-    except RuntimeError:
-        return []
+    return jax.devices() if platform() == platform_name else []
 
 
 def _cuda_capability_tuple(text: str) -> tuple[int, int]:
