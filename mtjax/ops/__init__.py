@@ -3,10 +3,10 @@ implementation: the plain jax.numpy reference (``"xla"``) defined beside it, or 
 
 from mtjax.ops.activation import ACTIVATIONS, activation, canonical_activation, is_gated
 from mtjax.ops.attention import MASK_TYPES, attention
-from mtjax.ops.normalization import layernorm, rmsnorm
+from mtjax.ops.normalization import LAYERNORM_TYPES, layernorm, layernorm_fp8, residual_norm, rmsnorm
 from mtjax.ops.softmax import softmax
 
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "activation", "attention", "canonical_activation", "is_gated",
-    "layernorm", "rmsnorm", "softmax",
+    "LAYERNORM_TYPES", "layernorm", "layernorm_fp8", "residual_norm", "rmsnorm", "softmax",
 ]

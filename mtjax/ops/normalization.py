@@ -1,7 +1,16 @@
-"""LayerNorm and RMSNorm over the last axis, with float32 statistics.
+"""LayerNorm and RMSNorm over the last axis, with float32 statistics, and their fused variants.
 
 ``zero_centered_gamma=True`` stores the scale as ``gamma - 1`` (it is initialised to zeros and
 applied as ``1 + gamma``), which keeps weight decay from pulling the scale towards zero.
+
+- `layernorm`, `rmsnorm`: the norms (forward and backward).
+- `layernorm_fp8`: the norm with its output quantized for an FP8 GEMM (``q = saturate_cast(y * scale)``,
+  plus ``amax = max |y|`` before scaling), forward only: the FP8 GEMM consuming ``q`` owns the
+  backward pass, which is `layernorm`/`rmsnorm`'s.
+- `residual_norm`: ``new_residual = dropout(x) + residual`` and ``norm(new_residual)`` together.
+
+Each has a ``"pallas_triton"`` kernel (kernels/layer_norm.py, kernels/residual_norm.py) that the
+automatic selection picks only for the shapes where it measured at least as fast as XLA.
 """
 
 from __future__ import annotations
@@ -10,7 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
-from mtjax.ops._checks import check_float, check_shape
+from mtjax.kernels import layer_norm as norm_kernels
+from mtjax.kernels import residual_norm as residual_norm_kernels
+from mtjax.kernels._common import FP8_DTYPES, dropout_keep, saturate_cast
+from mtjax.ops._checks import check_choice, check_float, check_shape
+
+LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
 
 def _scale(gamma: jax.Array, zero_centered_gamma: bool) -> jax.Array:
@@ -90,4 +104,167 @@ def rmsnorm(
     return backend.dispatch(
         "rmsnorm", x, gamma, implementation=implementation,
         epsilon=float(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
+    )
+
+
+@backend.register("layernorm_fp8", backend.REFERENCE)
+def layernorm_fp8_reference(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float,
+                            zero_centered_gamma: bool, out_dtype):
+    xf = x.astype(jnp.float32)  # normalize in float32 and quantize that, not a rounded copy
+    if layernorm_type == "rmsnorm":
+        y = rmsnorm_reference(xf, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    else:
+        y = layernorm_reference(xf, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    amax = jnp.max(jnp.abs(y))
+    return saturate_cast(y * scale.astype(jnp.float32), out_dtype), amax
+
+
+def layernorm_fp8(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None,
+    scale: jax.Array,
+    *,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    out_dtype=jnp.float8_e4m3fn,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Norm with an FP8 output: ``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = norm(x)``.
+
+    Args:
+      x: ``[..., hidden]``; gamma, beta: ``[hidden]`` (``beta`` must be ``None`` for RMSNorm).
+      scale: float32 scalar (``fp8_max / amax / 2**margin`` in the FP8 recipe's convention).
+      layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+      out_dtype: ``float8_e4m3fn`` or ``float8_e5m2``.
+    Returns:
+      ``y_fp8 [..., hidden]`` in ``out_dtype`` and the float32 scalar amax of ``|y|`` before scaling.
+      Forward only (not differentiable): the FP8 GEMM that consumes ``y_fp8`` owns the backward.
+    """
+    op = "layernorm_fp8"
+    check_choice(op, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
+    if layernorm_type == "rmsnorm" and beta is not None:
+        raise ValueError(f"{op}: beta must be None for layernorm_type='rmsnorm'")
+    _check(op, x, gamma, beta, epsilon)
+    check_float(op, "scale", scale)
+    if jnp.size(scale) != 1:
+        raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
+    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])
+    return backend.dispatch(
+        op, x, gamma, beta, jnp.reshape(scale, ()), implementation=implementation,
+        layernorm_type=layernorm_type, epsilon=float(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
+        out_dtype=jnp.dtype(out_dtype),
+    )
+
+
+@backend.register("residual_norm", backend.REFERENCE)
+def residual_norm_reference(x, residual, gamma, beta, seed, *, layernorm_type: str, epsilon: float,
+                            zero_centered_gamma: bool, dropout_rate: float):
+    h = x.astype(jnp.float32)
+    if dropout_rate > 0.0:
+        rows = jnp.arange(h.size // h.shape[-1]).reshape(h.shape[:-1] + (1,))
+        keep = dropout_keep(seed, rows, jnp.arange(h.shape[-1]), dropout_rate)
+        h = jnp.where(keep, h / (1.0 - dropout_rate), 0.0)
+    new_residual = (h + residual.astype(jnp.float32)).astype(residual.dtype)
+    hf = new_residual.astype(jnp.float32)
+    if layernorm_type == "rmsnorm":
+        normalized = rmsnorm_reference(hf, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    else:
+        normalized = layernorm_reference(hf, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    return new_residual, normalized.astype(x.dtype)
+
+
+def residual_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None = None,
+    *,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``new_residual = dropout(x) + residual``; returns ``(new_residual, norm(new_residual))``.
+
+    The pre-norm Transformer's "add the sublayer output to the stream, normalize for the next
+    sublayer", in one pass over memory forward and one backward.
+
+    Args:
+      x: ``[..., hidden]``, the sublayer output (dropout applies to it).
+      residual: the residual stream, same shape; the new residual keeps ``residual.dtype``
+        (e.g. float32 while ``x`` is bfloat16).
+      gamma, beta: ``[hidden]`` (``beta`` must be ``None`` for RMSNorm).
+      dropout_rate: probability of zeroing an element of ``x`` (kept ones scale by ``1/(1-rate)``).
+      dropout_rng: a PRNG key, needed when ``dropout_rate > 0``. The mask is a counter-based hash of
+        (a 32-bit seed drawn from the key, row, column), identical in every implementation.
+    Returns:
+      ``(new_residual [residual.dtype], normalized [x.dtype])``.
+    """
+    op = "residual_norm"
+    check_choice(op, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
+    if layernorm_type == "rmsnorm" and beta is not None:
+        raise ValueError(f"{op}: beta must be None for layernorm_type='rmsnorm'")
+    _check(op, x, gamma, beta, epsilon)
+    check_float(op, "residual", residual)
+    check_shape(op, "residual", residual, jnp.shape(x))
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"{op}: dropout_rate={dropout_rate!r}; expected 0 <= dropout_rate < 1")
+    seed = None
+    if dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(f"{op}: dropout_rate={dropout_rate} needs dropout_rng (a PRNG key)")
+        seed = jax.random.bits(dropout_rng, (), jnp.uint32)
+    return backend.dispatch(
+        op, x, residual, gamma, beta, seed, implementation=implementation, layernorm_type=layernorm_type,
+        epsilon=float(epsilon), zero_centered_gamma=bool(zero_centered_gamma), dropout_rate=float(dropout_rate),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas Triton kernels. Selection rule from the H200 measurements (mtjax/bench/norm.py, README):
+# the kernels decline what they cannot do (`norm_kernels.supported`) and the rows too narrow to
+# beat XLA.
+# --------------------------------------------------------------------------------------------------
+
+# Below this hidden size XLA's fused norm was as fast as the kernel (H200, see the README table).
+MIN_KERNEL_HIDDEN = 0
+
+
+def _kernel_supports(x, *_, **__) -> str | None:
+    reason = norm_kernels.supported(jnp.shape(x), jnp.result_type(x))
+    if reason is None and jnp.shape(x)[-1] < MIN_KERNEL_HIDDEN:
+        reason = f"hidden size {jnp.shape(x)[-1]} < {MIN_KERNEL_HIDDEN}, where XLA is as fast"
+    return reason
+
+
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, priority=10)
+
+
+@backend.register("layernorm", "pallas_triton", **_KERNEL)
+def _layernorm_pallas(x, gamma, beta, *, epsilon: float, zero_centered_gamma: bool):
+    return norm_kernels.layer_norm(x, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
+@backend.register("rmsnorm", "pallas_triton", **_KERNEL)
+def _rmsnorm_pallas(x, gamma, *, epsilon: float, zero_centered_gamma: bool):
+    return norm_kernels.rms_norm(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
+@backend.register("layernorm_fp8", "pallas_triton", **_KERNEL)
+def _layernorm_fp8_pallas(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float,
+                          zero_centered_gamma: bool, out_dtype):
+    return norm_kernels.norm_fp8(x, gamma, beta, scale, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
+                                 zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
+
+
+@backend.register("residual_norm", "pallas_triton", **_KERNEL)
+def _residual_norm_pallas(x, residual, gamma, beta, seed, *, layernorm_type: str, epsilon: float,
+                          zero_centered_gamma: bool, dropout_rate: float):
+    return residual_norm_kernels.residual_norm(
+        x, residual, gamma, beta, seed, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, dropout_rate=dropout_rate,
     )

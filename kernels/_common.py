@@ -1,0 +1,65 @@
+"""Helpers shared by the row-wise Pallas Triton kernels: interpret flag, block sizes, FP8 cast, dropout bits.
+
+Triton tensors must have power-of-two shapes, so every kernel here works on a ``[block_m, n_pad]``
+tile with ``n_pad = next_power_of_2(hidden)`` and masks the columns (and rows) past the array.
+Offsets are int32 inside the kernels: launchers reject arrays of ``2**31`` elements or more.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax.config import config
+
+MAX_ELEMENTS = 2**31 - 1
+# The widest row a kernel keeps in registers (f32 elements per row tile).
+MAX_ROW = 16384
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def interpret() -> bool:
+    """Whether launchers run Pallas in interpret mode (CPU tests), read at trace time."""
+    return bool(config.pallas_interpret)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check_size(name: str, x: jax.Array) -> None:
+    if x.size > MAX_ELEMENTS:
+        raise ValueError(f"{name}: {x.size} elements; the kernel indexes with int32 and takes at most {MAX_ELEMENTS}")
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def saturate_cast(x: jax.Array, dtype) -> jax.Array:
+    """Clip to the finite range of the FP8 ``dtype`` and cast (no inf/NaN from overflow)."""
+    limit = fp8_max(dtype)
+    return jnp.clip(x, -limit, limit).astype(dtype)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """A 32-bit integer finalizer (xorshift-multiply): every input bit affects every output bit."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def dropout_keep(seed: jax.Array, rows: jax.Array, cols: jax.Array, rate: float) -> jax.Array:
+    """Counter-based dropout mask: ``True`` keeps element (row, col), with probability ``1 - rate``.
+
+    A pure function of ``(seed, row, col)`` in uint32 arithmetic, so the Pallas kernels (forward
+    and backward) and the jax.numpy reference draw exactly the same mask without storing it.
+    ``seed``: uint32 scalar; ``rows``/``cols``: int32 arrays broadcastable to each other.
+    """
+    h = _mix(rows.astype(jnp.uint32) ^ seed)
+    h = _mix(h + cols.astype(jnp.uint32) * np.uint32(0x9E3779B1))
+    threshold = np.uint32(min(int(rate * 2.0**32), 2**32 - 1))
+    return h >= threshold
