@@ -1,0 +1,105 @@
+"""Where a step's device time goes: a per-kernel breakdown from jax's profiler.
+
+`profile` runs a function a few times under ``jax.profiler.trace`` and reads the Perfetto trace it
+writes: the device's kernel events are summed by HLO op (or kernel name) and sorted into categories
+(GEMM, attention, fused elementwise/reductions, copies, collectives, other), so the biggest gaps
+against the ceilings are visible without a GUI.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+# Substrings of a kernel's name (lower case) -> category. First match wins.
+CATEGORIES = (
+    ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot")),
+    ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective")),
+    ("copy", ("memcpy", "memset", "copy", "transpose")),
+    ("fusion", ("fusion", "triton", "reduce", "loop_", "input_", "convert", "broadcast")),
+)
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in CATEGORIES:
+        if any(n in lowered for n in needles):
+            return label
+    return "other"
+
+
+def _device_events(trace: Mapping[str, Any]) -> list[dict]:
+    """Complete ('X') events of the device's kernel lanes (CUDA streams), or its XLA-op lane."""
+    events = trace["traceEvents"]
+    process_names = {e["pid"]: e["args"]["name"] for e in events
+                     if e.get("ph") == "M" and e.get("name") == "process_name"}
+    thread_names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+                    if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    device_pids = {pid for pid, name in process_names.items() if "/device:" in name}
+    lanes = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device_pids:
+            lanes[thread_names.get((e["pid"], e.get("tid")), "")].append(e)
+    streams = [lane for lane in lanes if lane.lower().startswith("stream")]
+    chosen = streams or [lane for lane in lanes if "xla ops" in lane.lower()]
+    return [e for lane in chosen for e in lanes[lane]]
+
+
+def summarize(trace: Mapping[str, Any], steps: int) -> dict:
+    """Per-step device time by category and the top ops, in milliseconds."""
+    by_op: dict[str, float] = collections.Counter()
+    kernel_of_op: dict[str, str] = {}
+    for e in _device_events(trace):
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("long_name") or e["name"]
+        by_op[op] += e.get("dur", 0.0) / 1e3 / steps
+        kernel_of_op.setdefault(op, e["name"])
+    by_category: dict[str, float] = collections.Counter()
+    for op, ms in by_op.items():
+        by_category[category(f"{kernel_of_op[op]} {op}")] += ms
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:40]
+    return {
+        "device_ms_per_step": sum(by_op.values()),
+        "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top_ops_ms": [{"op": op, "kernel": kernel_of_op[op][:120], "ms": ms, "category":
+                        category(f"{kernel_of_op[op]} {op}")} for op, ms in top],
+    }
+
+
+def profile(run_once: Callable[[], Any], *, steps: int = 3, out_dir: str | None = None,
+            label: str = "profile") -> dict:
+    """Profile ``steps`` calls of ``run_once`` (already compiled and warm); returns `summarize`'s dict.
+
+    With ``out_dir`` the Perfetto trace is kept as ``<out_dir>/<label>.trace.json.gz`` (open it in
+    ui.perfetto.dev) and the summary as ``<label>.profile.json``.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(steps):
+                jax.block_until_ready(run_once())
+        path = sorted(glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+        with gzip.open(path) as f:
+            summary = summarize(json.load(f), steps)
+        if out_dir is not None:
+            os.makedirs(out_dir, exist_ok=True)
+            shutil.copy(path, os.path.join(out_dir, f"{label}.trace.json.gz"))
+            with open(os.path.join(out_dir, f"{label}.profile.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+    return summary
+
+
+def format_summary(label: str, summary: Mapping[str, Any], top: int = 12) -> str:
+    lines = [f"profile {label}: {summary['device_ms_per_step']:.2f} ms of device time per step"]
+    lines += [f"  {cat:<11} {ms:9.2f} ms" for cat, ms in summary["by_category_ms"].items()]
+    lines += [f"    {t['ms']:8.3f} ms  {t['category']:<10} {t['op'][:70]}" for t in summary["top_ops_ms"][:top]]
+    return "\n".join(lines)
