@@ -366,7 +366,7 @@ def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[
     skipped = []
     for impl in candidates:
         reason = impl.runs_on(platform_name)
-        if reason is None:
+        if reason is None and args:
             reason = impl.unsupported(args, static)
         if reason is None:
             why = "highest priority available" if not skipped else "; ".join(skipped)

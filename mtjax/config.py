@@ -22,8 +22,8 @@ from collections.abc import Iterator, Mapping
 _IMPL_ENV_PREFIX = "MTJAX_IMPL_"
 
 
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
+def _env_flag(environ: Mapping[str, str], name: str) -> bool:
+    value = environ.get(name, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
@@ -59,7 +59,7 @@ class Config:
         environ = os.environ if environ is None else environ
         return cls(
             implementations=_env_implementations(environ),
-            pallas_interpret=_env_flag("MTJAX_PALLAS_INTERPRET"),
+            pallas_interpret=_env_flag(environ, "MTJAX_PALLAS_INTERPRET"),
             cuda_compute_capability=environ.get("MTJAX_CUDA_COMPUTE_CAPABILITY", "9.0"),
         )
 

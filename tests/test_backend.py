@@ -1,0 +1,218 @@
+"""The kernel registry, per-platform selection, jax.export per platform, and the PJRT plugin hook."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import xla_bridge
+from jax.experimental import pallas as pl
+
+from mtjax import backend, ops
+from mtjax.config import Config, config, override
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+# A test-only op: "xla" adds one; "pallas_triton" doubles, in a Pallas kernel.
+def _double_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+@backend.register("_test_op", "pallas_triton", requires=[backend.PALLAS_TRITON], priority=10,
+                  supports=lambda x: None if x.ndim == 2 else "2-D inputs only")
+def _test_op_kernel(x):
+    return pl.pallas_call(_double_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=config.pallas_interpret)(x)
+
+
+@backend.register("_test_op", backend.REFERENCE)
+def _test_op_reference(x):
+    return x + 1
+
+
+def probe_op(x, implementation=None):
+    return backend.dispatch("_test_op", x, implementation=implementation)
+
+
+def test_registry_lists_ops_and_implementations():
+    for op in ("layernorm", "rmsnorm", "softmax", "activation", "attention"):
+        assert backend.REFERENCE in backend.implementations(op)
+    assert backend.implementations("_test_op") == ("pallas_triton", "xla")
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        backend.implementations("nope")
+
+
+def test_cpu_picks_the_reference_and_says_why():
+    impl, why = backend.select("_test_op", args=[jnp.ones((2, 2))])
+    assert impl.name == "xla" and "pallas_triton" in why
+    np.testing.assert_array_equal(probe_op(jnp.ones((2, 2))), 2.0)
+
+
+def test_explicit_choice_that_cannot_run_raises_naming_op_choice_and_available():
+    with pytest.raises(ValueError, match=r"_test_op\(implementation='pallas_triton'\).*Available on 'cpu': \['xla'\]"):
+        probe_op(jnp.ones((2, 2)), implementation="pallas_triton")
+    with pytest.raises(ValueError, match="unknown implementation.*registered"):
+        probe_op(jnp.ones((2, 2)), implementation="cudnn")
+
+
+def test_config_override_comes_after_the_argument():
+    with override(implementations={"_test_op": "pallas_triton"}):
+        with pytest.raises(ValueError, match="MTJAX_IMPL__TEST_OP"):
+            probe_op(jnp.ones((2, 2)))
+        np.testing.assert_array_equal(probe_op(jnp.ones((2, 2)), implementation="xla"), 2.0)
+
+
+def test_env_variables_set_the_config():
+    cfg = Config.from_env({"MTJAX_IMPL_LAYERNORM": "xla", "MTJAX_PALLAS_INTERPRET": "1",
+                           "MTJAX_CUDA_COMPUTE_CAPABILITY": "8.0"})
+    assert cfg.implementations == {"layernorm": "xla"}
+    assert cfg.pallas_interpret and cfg.cuda_compute_capability == "8.0"
+
+
+def test_interpret_mode_runs_the_kernel_on_cpu():
+    with override(pallas_interpret=True):
+        np.testing.assert_array_equal(probe_op(jnp.ones((2, 2)), implementation="pallas_triton"), 2.0)
+        np.testing.assert_array_equal(jax.jit(probe_op)(jnp.ones((2, 2))), 2.0)  # automatic choice
+
+
+def test_supports_predicate_declines_unsupported_configurations():
+    impl, why = backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2, 2))])
+    assert impl.name == "xla" and "2-D inputs only" in why
+    assert backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2))])[0].name == "pallas_triton"
+
+
+def test_capabilities_by_compute_capability():
+    assert backend.capabilities("cpu") == frozenset()
+    assert {"fp8_gemm", "pallas_triton", "pallas_mosaic_gpu", "cudnn_attention"} == backend.capabilities("cuda")
+    with override(cuda_compute_capability="8.0"):
+        assert backend.capabilities("cuda") == {"pallas_triton", "cudnn_attention"}
+    assert backend.capabilities("rocm") == {"pallas_triton"}
+
+
+def _custom_calls(exported) -> str:
+    return exported.mlir_module()
+
+
+def test_export_carries_the_kernel_for_cuda_and_the_reference_for_cpu():
+    x = jnp.ones((8, 128), jnp.float32)
+    f = jax.jit(probe_op)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    with backend.abstract_gpu():
+        for_cuda = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(x)
+    for_cpu = jax.export.export(f, platforms=["cpu"])(x)
+    assert TRITON_CALL in for_cuda.mlir_module()
+    assert TRITON_CALL not in for_cpu.mlir_module()
+    np.testing.assert_array_equal(for_cpu.call(x), 2.0)  # the cpu export runs here: x + 1
+
+
+def test_registered_plugin_platform_gets_the_kernels_it_declares():
+    # jax accepts a platform name once a backend factory exists for it, even one that can't start here.
+    def no_hardware():
+        raise RuntimeError("no fake GPU on this machine")
+
+    for name in ("fakegpu", "fakeref"):
+        if name not in xla_bridge._backend_factories:
+            xla_bridge.register_backend_factory(name, no_hardware, priority=-100, fail_quietly=True)
+    backend.register_platform("fakegpu", capabilities=["pallas_triton"])
+    backend.register_platform("fakeref")
+    assert backend.select("_test_op", platform_name="fakegpu")[0].name == "pallas_triton"
+    assert backend.select("_test_op", platform_name="fakeref")[0].name == "xla"
+    x = jnp.ones((8, 128), jnp.float32)
+    f = jax.jit(lambda x: probe_op(x))  # a new function: jit's trace cache knows nothing of the new platforms
+    with backend.abstract_gpu():
+        on_fake = f.trace(x).lower(lowering_platforms=("fakegpu",)).as_text()
+    on_ref = f.trace(x).lower(lowering_platforms=("fakeref",)).as_text()
+    assert TRITON_CALL in on_fake and TRITON_CALL not in on_ref
+    with pytest.raises(ValueError, match="unknown"):
+        backend.register_platform("fakeref", capabilities=["warp_drive"])
+    with pytest.raises(ValueError, match="no implementation 'cudnn'"):
+        backend.register_platform("fakeref", kernels={"layernorm": "cudnn"})
+
+
+def test_parse_plugin_spec():
+    assert backend.parse_plugin_spec("musa=/opt/a.so, b=/x/y.so") == {"musa": "/opt/a.so", "b": "/x/y.so"}
+    assert backend.parse_plugin_spec("") == {}
+    with pytest.raises(ValueError, match="name=/path"):
+        backend.parse_plugin_spec("musa")
+
+
+def _compile_fake_plugin(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a fake PJRT plugin")
+    src = tmp_path / "fake.c"
+    src.write_text("void* GetPjrtApi(void) { return 0; }\n")
+    lib = tmp_path / "libpjrt_fake.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def test_load_plugin_error_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        backend.load_plugin("musa", tmp_path / "missing.so")
+    text = tmp_path / "notes.so"
+    text.write_text("not a library")
+    with pytest.raises(ValueError, match="not a loadable shared library"):
+        backend.load_plugin("musa", text)
+    no_api = tmp_path / "libnothing.so"
+    src = tmp_path / "nothing.c"
+    src.write_text("int nothing(void) { return 0; }\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is not None:
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(no_api), str(src)], check=True)
+        with pytest.raises(ValueError, match="not a PJRT plugin"):
+            backend.load_plugin("musa", no_api)
+    jax.devices()  # backends are initialised now
+    with pytest.raises(RuntimeError, match="after jax initialised its backends"):
+        backend.load_plugin("musa", _compile_fake_plugin(tmp_path))
+    with pytest.raises(ValueError, match="platform name"):
+        backend.load_plugin("bad name", _compile_fake_plugin(tmp_path))
+
+
+def test_plugins_from_env_load_on_import_and_report_bad_paths(tmp_path):
+    env = {**os.environ, "MTJAX_PJRT_PLUGINS": f"musa={tmp_path / 'missing.so'}", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", "import mtjax"], env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and "no such file" in result.stderr
+    env["MTJAX_PJRT_PLUGINS"] = "musa"
+    result = subprocess.run([sys.executable, "-c", "import mtjax"], env=env, capture_output=True, text=True)
+    assert "name=/path/to/libpjrt_plugin.so" in result.stderr
+
+
+def test_plugin_registers_before_backends_start(tmp_path):
+    lib = _compile_fake_plugin(tmp_path)
+    code = textwrap.dedent(f"""
+        from unittest import mock
+        from jax._src import xla_bridge
+        import mtjax
+        with mock.patch.object(xla_bridge, "register_plugin") as register:
+            mtjax.backend.load_plugin("musa", {str(lib)!r}, options={{"visible_devices": [0]}})
+        register.assert_called_once()
+        assert register.call_args.kwargs["library_path"] == {str(lib)!r}
+        assert mtjax.backend.loaded_plugins() == {{"musa": {str(lib)!r}}}
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_mtjax_info_runs(capsys):
+    from mtjax.cli import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "platform:    cpu" in out and "layernorm" in out
+    assert main(["info", "--json"]) == 0
+
+
+def test_ops_use_the_reference_on_cpu():
+    x = jnp.ones((2, 4))
+    assert backend.select("layernorm", args=[x, jnp.ones(4), None],
+                          static={"epsilon": 1e-6, "zero_centered_gamma": False})[0].name in backend.implementations("layernorm")
+    np.testing.assert_allclose(ops.layernorm(x, jnp.ones(4)), 0.0, atol=1e-6)
