@@ -1,0 +1,107 @@
+"""Tokenizers and the packed text dataset: packing, seeded order, row slices, resume."""
+
+import numpy as np
+import pytest
+
+from mtjax.train.data import DataIterator, PackedDataset, default_corpus, list_text_files, tokenize_files
+from mtjax.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+
+def test_byte_tokenizer_round_trip():
+    tok = load_tokenizer("byte")
+    assert isinstance(tok, Tokenizer) and tok.vocab_size == 257 and tok.spec == "byte"
+    text = "def f(x):\n    return 'é' * x  # ünïcode"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ids.max() < 256
+    assert tok.decode(ids) == text
+    assert tok.decode(list(ids) + [tok.eos_id]) == text  # EOS carries no text
+
+
+@pytest.mark.parametrize("spec", ["bpe", "sentencepiece:", "sentencepiece:/no/such.model"])
+def test_load_tokenizer_rejects_bad_spec(spec):
+    with pytest.raises(ValueError, match="--tokenizer"):
+        load_tokenizer(spec)
+
+
+def test_list_and_tokenize_files(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a.py").write_text("print(1)\n")
+    (tmp_path / "b" / "c.txt").write_text("hello")
+    (tmp_path / "b" / "skip.bin").write_bytes(b"\0\1")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "x.py").write_text("cached")
+    files = list_text_files([str(tmp_path)])
+    assert [f.rsplit("/", 1)[1] for f in files] == ["a.py", "c.txt"]
+    tokens = tokenize_files(files, ByteTokenizer())
+    assert tokens.dtype == np.uint16
+    assert bytes(tokens[tokens < 256].astype(np.uint8)) == b"print(1)\nhello"
+    assert list(np.flatnonzero(tokens == 256)) == [9, 15]  # an EOS after each file
+    with pytest.raises(ValueError, match="no such file"):
+        list_text_files([str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="no text files"):
+        list_text_files([str(tmp_path / "b")], suffixes=(".md",))
+
+
+def test_default_corpus_is_the_standard_library():
+    (root,) = default_corpus()
+    assert any(f.endswith("/os.py") for f in list_text_files([root], suffixes=("os.py",)))
+
+
+def _dataset(seed=0, length=1000, seq_len=8):
+    return PackedDataset(np.arange(length, dtype=np.int32) % 251, seq_len, seed=seed)
+
+
+def test_packing_inputs_targets_and_epoch_coverage():
+    data = _dataset()
+    assert data.num_sequences == (1000 - 1) // 8
+    batch = data.batch(0, data.num_sequences)
+    # Targets are the inputs shifted by one token, and each row is a window of the stream.
+    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+    in_stream_order = np.stack([data.tokens[i * 8: i * 8 + 9] for i in range(data.num_sequences)])
+    # One epoch visits every sequence exactly once, in a shuffled order.
+    windows = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
+    assert sorted(map(tuple, windows)) == sorted(map(tuple, in_stream_order))
+    assert not np.array_equal(windows, in_stream_order)
+
+
+def test_order_is_seeded_and_batches_are_contiguous_slices_of_the_order():
+    a, b, c = _dataset(0), _dataset(0), _dataset(1)
+    np.testing.assert_array_equal(a.batch(3, 16)["inputs"], b.batch(3, 16)["inputs"])
+    assert not np.array_equal(a.batch(3, 16)["inputs"], c.batch(3, 16)["inputs"])
+    # Batch 1 of size 16 is rows 16..31 of the order: the second half of batch 0 of size 32.
+    np.testing.assert_array_equal(a.batch(1, 16)["inputs"], b.batch(0, 32)["inputs"][16:])
+    # Crossing an epoch boundary starts the next permutation.
+    per_epoch = a.num_sequences
+    wrapped = a.batch(0, per_epoch + 4)["inputs"]
+    assert {tuple(r) for r in wrapped[per_epoch:]} <= {tuple(r) for r in wrapped[:per_epoch]}
+
+
+def test_rows_and_iterator_resume():
+    data = _dataset()
+    full = data.batch(5, 8)
+    halves = [data.batch(5, 8, slice(0, 4)), data.batch(5, 8, slice(4, 8))]
+    np.testing.assert_array_equal(np.concatenate([h["targets"] for h in halves]), full["targets"])
+    it = DataIterator(data, 8)
+    straight = [next(it)["inputs"] for _ in range(6)]
+    resumed = DataIterator(data, 8)
+    for _ in range(3):
+        next(resumed)
+    saved = resumed.state()
+    again = DataIterator(data, 8)
+    again.restore(saved)
+    assert saved == {"position": 3}
+    np.testing.assert_array_equal(np.stack([next(again)["inputs"] for _ in range(3)]), np.stack(straight[3:]))
+
+
+def test_split_and_bad_arguments():
+    train, held_out = _dataset().split(4)
+    assert held_out.num_sequences == 4 and train.num_sequences == _dataset().num_sequences - 4
+    np.testing.assert_array_equal(held_out.batch(0, 4)["inputs"][0], held_out.tokens[:8])
+    with pytest.raises(ValueError, match="seq_len"):
+        PackedDataset(np.arange(10), 0)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        PackedDataset(np.arange(5), 8)
+    with pytest.raises(ValueError, match="eval_sequences"):
+        _dataset().split(0)
+    with pytest.raises(ValueError, match="batch_size"):
+        DataIterator(_dataset(), 0)
