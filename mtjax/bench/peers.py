@@ -119,19 +119,20 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def train_step(model: nn.Module, optimizer: optax.GradientTransformation):
-    """A jitted AdamW step ``((params, fp8_state, opt_state), (inputs, targets)) -> (state, loss)``.
+    """A jitted step ``((params, fp8_state, opt_state), batch) -> (state, {"loss": loss})``.
 
-    The state is donated. With FP8 the gradient of the ``"_overwrite_with_gradient"`` collection is
-    the next FP8 state, as Flax's FP8 ops define it.
+    ``batch`` is ``{"inputs": int32[batch, seq], "targets": int32[batch, seq]}``. The state is donated.
+    With FP8 the gradient of the ``"_overwrite_with_gradient"`` collection is the next FP8 state, as
+    Flax's FP8 ops define it.
     """
 
-    def loss_fn(params, fp8_state, inputs, targets):
-        return cross_entropy(model.apply({"params": params, **fp8_state}, inputs), targets)
+    def loss_fn(params, fp8_state, batch):
+        return cross_entropy(model.apply({"params": params, **fp8_state}, batch["inputs"]), batch["targets"])
 
     def step(state, batch):
         params, fp8_state, opt_state = state
-        loss, (grads, new_fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fp8_state, *batch)
+        loss, (grads, new_fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fp8_state, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), new_fp8_state, opt_state), loss
+        return (optax.apply_updates(params, updates), new_fp8_state, opt_state), {"loss": loss}
 
     return jax.jit(step, donate_argnums=0)

@@ -3,7 +3,8 @@
 For each preset (default ``gpt-1.3b``, sequence 2048, batch 8; ``tiny`` with ``--quick``) four
 variants run side by side in one process:
 
-- ``mtjax``: `mtjax.models.GPT` trained by `mtjax.train`'s step, bf16 compute, f32 parameters;
+- ``mtjax``: `mtjax.models.GPT` trained by `mtjax.train`'s step (``make_train_step``), bf16 compute,
+  f32 parameters;
 - ``mtjax fp8``: the same under ``mtjax.fp8.fp8_autocast`` (delayed scaling);
 - ``flax``: `mtjax.bench.peers.FlaxGPT`, the same model in stock Flax (cuDNN attention);
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
@@ -17,6 +18,7 @@ through as in training.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import sys
 import time
@@ -46,84 +48,79 @@ class Variant:
       implementation: the row's name for it (``"mtjax"``, ``"flax fp8"``...).
       peer: the implementation it is compared with.
       ceiling: the GEMM ceiling its compute is bound by.
-      init: ``init(tokens) -> state`` (params, FP8 state and optimizer state).
-      step: jitted ``step(state, (inputs, targets)) -> (state, loss)`` donating ``state``.
+      init: ``init() -> state`` (parameters, FP8 state, optimizer state).
+      step: jitted ``step(state, batch) -> (state, metrics)`` donating ``state``; ``metrics["loss"]``.
+      context: entered around tracing and init (``fp8_autocast`` for mtjax FP8).
     """
 
     implementation: str
     peer: str | None
     ceiling: str
-    init: Callable[[jax.Array], Any]
+    init: Callable[[], Any]
     step: Callable[..., Any]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
-def _flax_variant(config: Any, fp8: bool) -> Variant:
+def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
     model = peers.FlaxGPT.like(config, fp8=fp8)
     opt = optimizer()
 
-    def init(tokens):
-        params, fp8_state = peers.init(model, tokens)
+    def init():
+        params, fp8_state = peers.init(model, jnp.zeros(batch_shape, jnp.int32))
         return params, fp8_state, jax.jit(opt.init)(params)
 
     return Variant("flax fp8" if fp8 else "flax", "flax" if fp8 else None,
                    "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", init, peers.train_step(model, opt))
 
 
-def _mtjax_variant(config: Any, fp8: bool) -> Variant:
-    from mtjax import fp8 as mtjax_fp8
+def _mtjax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
+    from mtjax.fp8 import fp8_autocast
     from mtjax.models import GPT
+    from mtjax.train.state import init_train_state
+    from mtjax.train.step import make_train_step
 
     model = GPT(config)
     opt = optimizer()
-
-    def init(tokens):
-        with mtjax_fp8.fp8_autocast(enabled=fp8):
-            variables = jax.jit(model.init)(jax.random.key(0), tokens)
-        params = variables["params"]
-        return params, dict(variables.get(mtjax_fp8.FP8_COLLECTION, {})), jax.jit(opt.init)(params)
-
-    def loss_fn(variables, inputs, targets):
-        with mtjax_fp8.fp8_autocast(enabled=fp8):
-            logits = model.apply(variables, inputs)
-        return peers.cross_entropy(logits, targets)
-
-    def step(state, batch):
-        params, meta, opt_state = state
-        variables = {"params": params, mtjax_fp8.FP8_COLLECTION: meta} if meta else {"params": params}
-        loss, grads = jax.value_and_grad(loss_fn)(variables, *batch)
-        param_grads, new_meta = mtjax_fp8.split_gradients(grads)
-        updates, opt_state = opt.update(param_grads, opt_state, params)
-        return (optax.apply_updates(params, updates), new_meta, opt_state), loss
-
-    return Variant("mtjax fp8" if fp8 else "mtjax", "flax fp8" if fp8 else "flax",
-                   "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", init, jax.jit(step, donate_argnums=0))
+    return Variant(
+        "mtjax fp8" if fp8 else "mtjax", "flax fp8" if fp8 else "flax",
+        "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
+        init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
+        step=make_train_step(model, opt),
+        context=lambda: fp8_autocast(enabled=fp8),
+    )
 
 
-def variants(config: Any) -> list[Variant]:
-    return [_mtjax_variant(config, False), _mtjax_variant(config, True),
-            _flax_variant(config, False), _flax_variant(config, True)]
+def variants(config: Any, batch_shape: tuple[int, int]) -> list[Variant]:
+    return [_mtjax_variant(config, False, batch_shape), _mtjax_variant(config, True, batch_shape),
+            _flax_variant(config, False, batch_shape), _flax_variant(config, True, batch_shape)]
 
 
-def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[tuple[jax.Array, jax.Array]]:
-    keys = jax.random.split(jax.random.key(42), count)
+def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict[str, jax.Array]]:
     out = []
-    for key in keys:
+    for key in jax.random.split(jax.random.key(42), count):
         tokens = jax.random.randint(key, (batch, seq + 1), 0, vocab_size, dtype=jnp.int32)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
     return out
 
 
-def _compile_all(todo: Sequence[Variant], batch: tuple[jax.Array, jax.Array]) -> list[tuple[Any, float]]:
-    """``(compiled step, seconds)`` for each variant, compiled concurrently from abstract states."""
+def _compile_all(todo: Sequence[Variant], batch: dict[str, jax.Array]) -> list[tuple[Any, float]]:
+    """``(compiled step, seconds)`` for each variant.
 
-    def compile_one(variant):
+    Tracing runs here, one variant after the other, because ``fp8_autocast`` is process-wide state
+    read at trace time; the XLA compilations (most of the time) then run concurrently.
+    """
+    lowered = []
+    for variant in todo:
         start = time.perf_counter()
-        state = jax.eval_shape(variant.init, batch[0])
-        compiled = variant.step.lower(state, batch).compile()
-        return compiled, time.perf_counter() - start
+        with variant.context():
+            lowered.append((variant.step.lower(jax.eval_shape(variant.init), batch), time.perf_counter() - start))
+
+    def compile_one(item):
+        start = time.perf_counter()
+        return item[0].compile(), item[1] + time.perf_counter() - start
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(todo)) as pool:
-        return list(pool.map(compile_one, todo))
+        return list(pool.map(compile_one, lowered))
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None) -> list[dict]:
@@ -139,16 +136,17 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
         batches = _batches(config.vocab_size, batch_size, seq_len)
         tokens_per_step = batch_size * seq_len
         flops = config.flops_per_token(seq_len) * tokens_per_step
-        todo = variants(config)
+        todo = variants(config, (batch_size, seq_len))
         compiled = _compile_all(todo, batches[0])
         name = f"{preset} b{batch_size} s{seq_len}"
         times = {}
         for variant, (step, compile_s) in zip(todo, compiled):
-            state = variant.init(batches[0][0])
-            t, (state, loss) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 10)
+            with variant.context():
+                state = variant.init()
+            t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 10)
             times[variant.implementation] = t.median
             extra = {"tokens_per_s": tokens_per_step / t.median, "batch": batch_size, "seq_len": seq_len,
-                     "params": config.num_params(), "loss": float(loss), "compile_s": compile_s}
+                     "params": config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s}
             if variant.implementation == "mtjax fp8":
                 extra["speedup_vs_mtjax_bf16"] = times["mtjax"] / t.median
             if profile_dir is not None:
@@ -156,8 +154,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
                 holder = [state]
 
                 def once(holder=holder, step=step):
-                    holder[0], loss = step(holder[0], batches[0])
-                    return loss
+                    holder[0], metrics = step(holder[0], batches[0])
+                    return metrics
 
                 # A profiler that cannot attach (no CUPTI in a VM) must not cost the measurements.
                 try:

@@ -1,0 +1,127 @@
+"""`mtjax bench --quick` runs on the CPU and reports every field; the harness rejects bad input.
+
+Speed is never asserted here: only that the pieces run, fit together and report complete rows.
+"""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from mtjax.bench import cli, peers, profile, report, timing
+
+# The suites this test runs end to end (the kernel suites are tested by their owners).
+OWN_SUITES = ["layer", "train"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([*OWN_SUITES, "--quick", "--json", str(out / "b.json"), "--plot", str(out / "b.png"),
+                              "--profile", str(out / "profile")])
+    assert cli.run(args) == 0
+    return json.loads((out / "b.json").read_text()), out
+
+
+def test_json_has_every_field(quick_run):
+    data, _ = quick_run
+    for key in ("date", "device", "platform", "jax", "command", "quick", "peak_tflops", "ceilings", "suites"):
+        assert key in data["meta"], key
+    assert set(data["meta"]["ceilings"]) == set(timing.CEILING_KEYS)
+    assert all(v > 0 for v in data["meta"]["ceilings"].values())
+    rows = data["results"]
+    assert {r["suite"] for r in rows} == {"ceiling", *OWN_SUITES}
+    for r in rows:
+        assert list(r) == list(timing.ROW_FIELDS), r["name"]
+        assert r["time_ms"] > 0 and r["time_ms_min"] <= r["time_ms"] <= r["time_ms_max"]
+        assert r["tflops"] is not None or r["gbps"] is not None
+        assert r["fraction_of_ceiling"] is not None and r["fraction_of_ceiling"] > 0
+        assert (r["speedup_vs_peer"] is None) == (r["peer"] is None)
+
+
+def test_every_variant_is_compared(quick_run):
+    data, _ = quick_run
+    for suite in OWN_SUITES:
+        rows = [r for r in data["results"] if r["suite"] == suite]
+        assert {r["implementation"] for r in rows} == {"mtjax", "mtjax fp8", "flax", "flax fp8"}
+        assert {r["implementation"]: r["peer"] for r in rows} == {
+            "mtjax": "flax", "mtjax fp8": "flax fp8", "flax": None, "flax fp8": "flax"}
+        assert all(r["mfu"] > 0 for r in rows)
+
+
+def test_train_rows_report_throughput_and_finite_loss(quick_run):
+    data, out = quick_run
+    for r in (r for r in data["results"] if r["suite"] == "train"):
+        extra = r["extra"]
+        assert extra["tokens_per_s"] > 0 and extra["params"] > 0
+        assert jnp.isfinite(extra["loss"]), r["implementation"]
+        assert "profile_ms" in extra, extra.get("profile_error")
+    assert "speedup_vs_mtjax_bf16" in next(r["extra"] for r in data["results"] if r["implementation"] == "mtjax fp8")
+    assert (out / "b.png").stat().st_size > 0
+    assert any(p.name.endswith(".trace.json.gz") for p in (out / "profile").iterdir())
+
+
+def test_cli_rejects_unknown_suite(capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["gemmm", "--quick"])) == 2
+    assert "gemmm" in capsys.readouterr().err
+
+
+def test_row_and_report_validate_input():
+    t = timing.Timing(1e-3, 1e-3, 1e-3, 1)
+    with pytest.raises(ValueError, match="ceiling"):
+        timing.row("x", "case", "impl", t, ceiling="tflops")
+    bad = timing.row("x", "case", "impl", t, flops=1e9)
+    del bad["mfu"]
+    with pytest.raises(ValueError, match="mfu"):
+        report.complete([bad], {}, 989.0)
+    with pytest.raises(ValueError, match="input_sets"):
+        timing.measure(lambda: None, [])
+    with pytest.raises(ValueError, match="warmup"):
+        timing.measure(lambda: None, [()], warmup=0)
+
+
+def test_complete_fills_ratios():
+    rows = [timing.row("s", "c", "a", timing.Timing(2e-3, 2e-3, 2e-3, 1), flops=2e12, peer="b", ceiling="bf16_gemm_tflops"),
+            timing.row("s", "c", "b", timing.Timing(4e-3, 4e-3, 4e-3, 1), flops=2e12, ceiling="bf16_gemm_tflops")]
+    a, b = report.complete(rows, {"bf16_gemm_tflops": 2000.0}, 1000.0)
+    assert a["speedup_vs_peer"] == pytest.approx(2.0) and b["speedup_vs_peer"] is None
+    assert a["tflops"] == pytest.approx(1000.0) and a["fraction_of_ceiling"] == pytest.approx(0.5)
+    assert a["mfu"] == pytest.approx(1.0) and b["mfu"] == pytest.approx(0.5)
+
+
+def test_profile_summary_of_a_gpu_trace():
+    """The parser reads kernel lanes (CUDA streams) of the device process, per step, by HLO op."""
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "sm90_xmma_gemm_bf16", "dur": 3000.0, "args": {"hlo_op": "dot.1"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "dur": 1000.0, "args": {"hlo_op": "add_fusion"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "cudnn_fmha_fwd", "dur": 2000.0, "args": {}},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "dot.1", "dur": 3000.0, "args": {}},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "host work", "dur": 9000.0, "args": {}},
+    ]}
+    summary = profile.summarize(trace, steps=2)
+    assert summary["device_ms_per_step"] == pytest.approx(3.0)
+    assert summary["by_category_ms"] == pytest.approx({"gemm": 1.5, "attention": 1.0, "fusion": 0.5})
+    assert summary["top_ops_ms"][0]["op"] == "dot.1"
+
+
+def test_flax_fp8_peer_updates_its_scaling_state():
+    model = peers.FlaxGPT(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, fp8=True)
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
+    params, fp8_state = peers.init(model, tokens)
+    opt = optax.adamw(1e-3)
+    step = peers.train_step(model, opt)
+    (_, new_fp8_state, _), metrics = step((params, fp8_state, opt.init(params)), {"inputs": tokens, "targets": tokens})
+    history = new_fp8_state[peers.FP8_COLLECTION]["layers"]["qkv"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
+    assert history.shape == (2, 1024) and float(history[:, 0].min()) > 0
+    assert jnp.isfinite(metrics["loss"])
