@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
-from mtjax.ops._checks import check_float, check_shape
+from mtjax.kernels import activation as activation_kernels
+from mtjax.kernels._common import FP8_DTYPES, saturate_cast
+from mtjax.ops._checks import check_choice, check_float, check_shape
 
 
 def _gelu_tanh(x):
@@ -91,7 +93,7 @@ def activation(
     *,
     implementation: str | None = None,
 ) -> jax.Array:
-    """``act(x + bias)``, computed in float32.
+    """``act(x + bias)``, computed in float32 (forward and backward fused in the Pallas kernel).
 
     Args:
       x: ``[..., hidden]``, or ``[..., 2 * hidden]`` for a gated activation.
@@ -101,13 +103,67 @@ def activation(
     Returns:
       ``[..., hidden]`` in ``x.dtype``.
     """
-    name = canonical_activation(activation_type)
-    check_float("activation", "x", x)
-    if jnp.ndim(x) < 1:
-        raise ValueError(f"activation: x must have at least one axis; got shape {jnp.shape(x)}")
-    if ACTIVATIONS[name][1] and jnp.shape(x)[-1] % 2:
-        raise ValueError(f"activation: gated {name!r} needs an even last axis (2 * hidden); x has shape {jnp.shape(x)}")
-    if bias is not None:
-        check_float("activation", "bias", bias)
-        check_shape("activation", "bias", bias, (jnp.shape(x)[-1],))
+    name = _check("activation", x, activation_type, bias)
     return backend.dispatch("activation", x, bias, implementation=implementation, activation_type=name)
+
+
+def _check(op: str, x, activation_type, bias) -> str:
+    name = canonical_activation(activation_type)
+    check_float(op, "x", x)
+    if jnp.ndim(x) < 1:
+        raise ValueError(f"{op}: x must have at least one axis; got shape {jnp.shape(x)}")
+    if ACTIVATIONS[name][1] and jnp.shape(x)[-1] % 2:
+        raise ValueError(f"{op}: gated {name!r} needs an even last axis (2 * hidden); x has shape {jnp.shape(x)}")
+    if bias is not None:
+        check_float(op, "bias", bias)
+        check_shape(op, "bias", bias, (jnp.shape(x)[-1],))
+    return name
+
+
+@backend.register("activation_fp8", backend.REFERENCE)
+def activation_fp8_reference(x, bias, scale, *, activation_type: str, out_dtype):
+    y = activation_reference(x.astype(jnp.float32), bias, activation_type=activation_type)
+    return saturate_cast(y * scale.astype(jnp.float32), out_dtype), jnp.max(jnp.abs(y))
+
+
+def activation_fp8(
+    x: jax.Array,
+    activation_type: str | Sequence[str] = "gelu",
+    bias: jax.Array | None = None,
+    *,
+    scale: jax.Array,
+    out_dtype=jnp.float8_e4m3fn,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``y = act(x + bias)`` quantized for an FP8 GEMM: ``(saturate_cast(y * scale, out_dtype), max |y|)``.
+
+    Args as `activation`, plus ``scale`` (float32 scalar) and ``out_dtype`` (``float8_e4m3fn`` or
+    ``float8_e5m2``). The amax is of ``|y|`` before scaling. Forward only: the FP8 GEMM consuming the
+    output owns the backward, which is `activation`'s.
+    """
+    op = "activation_fp8"
+    name = _check(op, x, activation_type, bias)
+    check_float(op, "scale", scale)
+    if jnp.size(scale) != 1:
+        raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
+    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])
+    return backend.dispatch(op, x, bias, jnp.reshape(scale, ()), implementation=implementation,
+                            activation_type=name, out_dtype=jnp.dtype(out_dtype))
+
+
+# Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact).
+def _kernel_supports(x, *_, activation_type: str, **__) -> str | None:
+    return activation_kernels.supported(jnp.shape(x), jnp.result_type(x), activation_type)
+
+
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, priority=10)
+
+
+@backend.register("activation", "pallas_triton", **_KERNEL)
+def _activation_pallas(x, bias, *, activation_type: str):
+    return activation_kernels.activation(x, bias, activation=activation_type)
+
+
+@backend.register("activation_fp8", "pallas_triton", **_KERNEL)
+def _activation_fp8_pallas(x, bias, scale, *, activation_type: str, out_dtype):
+    return activation_kernels.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
+from mtjax.kernels import softmax as softmax_kernels
 from mtjax.ops._checks import check_float
 
 
@@ -76,3 +77,16 @@ def softmax(
         "softmax", logits, mask, implementation=implementation, scale=float(scale), causal=bool(causal)
     )
     return probs.astype(logits.dtype)
+
+
+# The Pallas Triton kernel (kernels/softmax.py); it declines rows over 16384 and masks it cannot
+# read as shared rows (those fall back to XLA).
+def _kernel_supports(logits, mask, **_) -> str | None:
+    return softmax_kernels.supported(jnp.shape(logits), jnp.result_type(logits),
+                                     None if mask is None else jnp.shape(mask))
+
+
+@backend.register("softmax", "pallas_triton", requires=(backend.PALLAS_TRITON,), supports=_kernel_supports,
+                  priority=10)
+def _softmax_pallas(logits, mask, *, scale: float, causal: bool):
+    return softmax_kernels.softmax(logits, mask, scale=scale, causal=causal)

@@ -1,0 +1,229 @@
+"""Bias + activation as Pallas Triton kernels: forward (optionally FP8 output + amax) and backward.
+
+``y = act(x + bias)`` for ``gelu`` (tanh form), ``silu``, ``relu``, ``quick_gelu``, and the gated
+``swiglu``/``geglu``/``reglu`` where ``x = [a | gate]`` (``[..., 2 * hidden]``) and
+``y = act(a + bias_a) * (gate + bias_gate)``. The erf GELU is not here (Triton lowering has no erf).
+Each program handles a ``[block_m, block_n]`` tile of the output (both halves of the input for the
+gated forms). The backward kernel recomputes ``act`` from the saved input and writes ``dx``;
+``dbias`` is the column sum of ``dx``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from mtjax.kernels._common import FP8_DTYPES, check_size, interpret, next_power_of_2, saturate_cast
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_CUBIC = 0.044715
+_QUICK_GELU = 1.702
+
+
+def _gelu(x):
+    inner = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)
+    t = jnp.tanh(inner)
+    y = 0.5 * x * (1.0 + t)
+    dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
+    return y, dy
+
+
+def _sigmoid_linear(x, k):
+    s = 1.0 / (1.0 + jnp.exp(-k * x))
+    return x * s, s * (1.0 + k * x * (1.0 - s))
+
+
+def _relu(x):
+    return jnp.maximum(x, 0.0), jnp.where(x > 0.0, 1.0, 0.0)
+
+
+# name -> (``f(x) -> (act(x), act'(x))`` in float32, gated?)
+ACTIVATIONS = {
+    "gelu": (_gelu, False),
+    "silu": (functools.partial(_sigmoid_linear, k=1.0), False),
+    "relu": (_relu, False),
+    "quick_gelu": (functools.partial(_sigmoid_linear, k=_QUICK_GELU), False),
+    "swiglu": (functools.partial(_sigmoid_linear, k=1.0), True),
+    "geglu": (_gelu, True),
+    "reglu": (_relu, True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActSpec:
+    """Static description of a launch: ``m`` rows, ``hidden`` output columns, the tile, the activation."""
+
+    m: int
+    hidden: int
+    activation: str
+    has_bias: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return pl.cdiv(self.m, self.block_m), pl.cdiv(self.hidden, self.block_n)
+
+
+def tile(hidden: int) -> tuple[int, int, int]:
+    """``(block_m, block_n, num_warps)``: tiles of 8192 output elements, at most 2048 wide."""
+    block_n = min(next_power_of_2(hidden), 2048)
+    return max(1, 8192 // block_n), block_n, 8
+
+
+def _spec(m, hidden, activation, has_bias, tile_override):
+    block_m, block_n, num_warps = tile_override or tile(hidden)
+    return ActSpec(m=m, hidden=hidden, activation=activation, has_bias=has_bias, block_m=block_m,
+                   block_n=block_n, num_warps=num_warps)
+
+
+def _indices(spec: ActSpec):
+    rows = pl.program_id(0) * spec.block_m + jnp.arange(spec.block_m)
+    cols = pl.program_id(1) * spec.block_n + jnp.arange(spec.block_n)
+    mask = (rows < spec.m)[:, None] & (cols < spec.hidden)[None, :]
+    return rows, cols, mask
+
+
+def _load_inputs(spec: ActSpec, x_ref, bias_ref, rows, cols, mask):
+    """``[(a, column offset)]``: the activated half, then the gate for gated activations, biased."""
+    gated = ACTIVATIONS[spec.activation][1]
+    halves = []
+    for offset in ((0, spec.hidden) if gated else (0,)):
+        part = plgpu.load(x_ref.at[rows[:, None], offset + cols[None, :]], mask=mask, other=0.0)
+        part = part.astype(jnp.float32)
+        if bias_ref is not None:
+            bias = plgpu.load(bias_ref.at[offset + cols], mask=cols < spec.hidden, other=0.0)
+            part = part + bias.astype(jnp.float32)[None, :]
+        halves.append((part, offset))
+    return halves
+
+
+def _forward_kernel(*refs, spec: ActSpec, out_fp8):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    bias_ref = refs.pop(0) if spec.has_bias else None
+    scale_ref = refs.pop(0) if out_fp8 is not None else None
+    y_ref = refs.pop(0)
+    amax_ref = refs.pop(0) if out_fp8 is not None else None
+    rows, cols, mask = _indices(spec)
+    halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
+    y, _ = ACTIVATIONS[spec.activation][0](halves[0][0])
+    if len(halves) == 2:
+        y = y * halves[1][0]
+    if out_fp8 is not None:
+        amax_ref[pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.where(mask, jnp.abs(y), 0.0))
+        y = saturate_cast(y * scale_ref[0], out_fp8)
+    plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
+
+
+def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_override=None):
+    """Launch the forward kernel on 2-D ``x [m, k]``; returns ``(y,)`` or ``(y_fp8, amax)`` with ``scale``."""
+    m, k = x.shape
+    check_size("activation forward", x)
+    gated = ACTIVATIONS[activation][1]
+    hidden = k // 2 if gated else k
+    spec = _spec(m, hidden, activation, bias is not None, tile_override)
+    out_fp8 = None if scale is None else jnp.dtype(out_dtype)
+    inputs = [x] + ([bias] if bias is not None else [])
+    out_shape = [jax.ShapeDtypeStruct((m, hidden), out_dtype or x.dtype)]
+    if scale is not None:
+        inputs.append(scale.astype(jnp.float32).reshape(1))
+        out_shape.append(jax.ShapeDtypeStruct(spec.grid, jnp.float32))
+    outs = list(pl.pallas_call(
+        functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8),
+        out_shape=out_shape,
+        grid=spec.grid,
+        compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
+        interpret=interpret(),
+        name=f"mtjax_{activation}_fwd",
+    )(*inputs))
+    if scale is not None:
+        outs[-1] = jnp.max(outs[-1])
+    return tuple(outs)
+
+
+def _backward_kernel(*refs, spec: ActSpec):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    bias_ref = refs.pop(0) if spec.has_bias else None
+    dy_ref, dx_ref = refs
+    rows, cols, mask = _indices(spec)
+    halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
+    dy = plgpu.load(dy_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0).astype(jnp.float32)
+    y, dact = ACTIVATIONS[spec.activation][0](halves[0][0])
+    grads = [dy * dact]
+    if len(halves) == 2:
+        gate = halves[1][0]
+        grads = [dy * gate * dact, dy * y]
+    for grad, (_, offset) in zip(grads, halves):
+        plgpu.store(dx_ref.at[rows[:, None], offset + cols[None, :]], grad.astype(dx_ref.dtype), mask=mask)
+
+
+def backward(x, bias, dy, *, activation: str, tile_override=None):
+    """``(dx [m, k], dbias [k] or None)`` for the cotangent ``dy [m, hidden]``."""
+    m, k = x.shape
+    spec = _spec(m, dy.shape[1], activation, bias is not None, tile_override)
+    inputs = [x] + ([bias] if bias is not None else []) + [dy]
+    dx = pl.pallas_call(
+        functools.partial(_backward_kernel, spec=spec),
+        out_shape=jax.ShapeDtypeStruct((m, k), x.dtype),
+        grid=spec.grid,
+        compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
+        interpret=interpret(),
+        name=f"mtjax_{activation}_bwd",
+    )(*inputs)
+    dbias = None if bias is None else jnp.sum(dx, axis=0, dtype=jnp.float32).astype(bias.dtype)
+    return dx, dbias
+
+
+def supported(x_shape, x_dtype, activation: str) -> str | None:
+    """``None`` if the kernels take this input, else why not (for the op's ``supports=``)."""
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r} (kernels: {sorted(ACTIVATIONS)})"
+    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(x_dtype)} (float32, bfloat16, float16 only)"
+    size = 1
+    for d in x_shape:
+        size *= d
+    if size == 0 or size > 2**31 - 1:
+        return f"{size} elements (1..2**31-1)"
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _activation(x, bias, activation):
+    return _activation_fwd(x, bias, activation)[0]
+
+
+def _activation_fwd(x, bias, activation):
+    (y,) = forward(x.reshape(-1, x.shape[-1]), bias, activation=activation)
+    return y.reshape(x.shape[:-1] + y.shape[-1:]), (x, bias)
+
+
+def _activation_bwd(activation, saved, dy):
+    x, bias = saved
+    dx, dbias = backward(x.reshape(-1, x.shape[-1]), bias, dy.reshape(-1, dy.shape[-1]), activation=activation)
+    return dx.reshape(x.shape), dbias
+
+
+_activation.defvjp(_activation_fwd, _activation_bwd)
+
+
+def activation(x: jax.Array, bias: jax.Array | None, *, activation: str) -> jax.Array:
+    """``act(x + bias)`` over ``x [..., k]`` (``k = 2 * hidden`` when gated); returns ``[..., hidden]`` in x.dtype."""
+    return _activation(x, bias, activation)
+
+
+def activation_fp8(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation: str,
+                   out_dtype) -> tuple[jax.Array, jax.Array]:
+    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)``; forward only."""
+    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
+        raise ValueError(f"activation_fp8: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
+    y, amax = forward(x.reshape(-1, x.shape[-1]), bias, scale, activation=activation, out_dtype=out_dtype)
+    return y.reshape(x.shape[:-1] + y.shape[-1:]), amax
