@@ -1,0 +1,59 @@
+"""Helpers shared by the modules: parameters with logical axes, GEMMs through `mtjax.fp8.DotGeneral`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Initializer = Callable[..., jax.Array]
+Dtype = Any
+AxisNames = tuple[str | None, ...]
+
+# Logical names of the [batch, length, embed] activations every layer reads and writes.
+BATCH_LENGTH_EMBED: AxisNames = ("activation_batch", "activation_length", "activation_embed")
+
+
+def canonical_tuple(value: int | Sequence[int]) -> tuple[int, ...]:
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def check_choice(owner: str, name: str, value: Any, accepted: Sequence[Any]) -> None:
+    if value not in tuple(accepted):
+        raise ValueError(f"{owner}: {name}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")
+
+
+def param_with_axes(module: nn.Module, name: str, init: Initializer, shape: Sequence[int], dtype: Dtype,
+                    axes: AxisNames) -> jax.Array:
+    """``module.param`` carrying logical axis names (none when ``axes`` is empty)."""
+    shape = tuple(shape)
+    if axes:
+        if len(axes) != len(shape):
+            raise ValueError(
+                f"{type(module).__name__}: logical axes {axes} for parameter {name!r} of shape {shape} "
+                f"must name every one of its {len(shape)} axes"
+            )
+        init = nn.with_logical_partitioning(init, axes)
+    return module.param(name, init, shape, dtype)
+
+
+def flat_kernel_init(init: Initializer, num_in_axes: int) -> Initializer:
+    """``init`` applied to the 2-D ``[prod(in), prod(out)]`` view, so fan-in/fan-out are right for
+    kernels with several input or output axes (e.g. ``[embed, 3, heads, head_dim]``)."""
+
+    def kernel_init(key, shape, dtype=jnp.float32):
+        flat = (math.prod(shape[:num_in_axes]), math.prod(shape[num_in_axes:]))
+        return jnp.reshape(init(key, flat, dtype), shape)
+
+    return kernel_init
+
+
+def contract(dot_general: nn.Module, x: jax.Array, kernel: jax.Array, axes: Sequence[int],
+             preferred_element_type: Dtype | None = None) -> jax.Array:
+    """``x`` contracted over ``axes`` with the leading axes of ``kernel``: ``[*x free, *kernel free]``."""
+    dims = ((tuple(axes), tuple(range(len(axes)))), ((), ()))
+    return dot_general(x, kernel, dims, preferred_element_type=preferred_element_type)

@@ -1,0 +1,392 @@
+"""Attention modules: `DotProductAttention` (the core, through `mtjax.ops.attention`, so fused kernels
+plug in underneath), `MultiHeadAttention` (projections, GQA/MQA, rotary embeddings, KV cache) and
+T5's `RelativePositionBiases`.
+
+Layout: ``[batch, length, heads, head_dim]`` (``transpose_batch_sequence`` on `DotProductAttention`
+takes ``[length, batch, ...]``). Masks follow `mtjax.ops.attention`: a boolean ``mask`` is True where a
+query may attend (the opposite of TransformerEngine's convention, the same as flax's); segment ids
+``[batch, length]`` (0 = padding) express packing and padding without materialising a mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtjax import ops
+from mtjax.flax._params import BATCH_LENGTH_EMBED, AxisNames, Dtype, Initializer, check_choice, param_with_axes
+from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
+
+ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
+ROTARY_GROUP_METHODS = ("consecutive", "alternate")
+CACHE_COLLECTION = "cache"
+
+Q_AXES: AxisNames = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+KV_AXES: AxisNames = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
+
+
+def check_heads(owner: str, head_dim: int, num_attention_heads: int, num_gqa_groups: int | None) -> int:
+    """Validates the head configuration; returns the number of key/value heads."""
+    if head_dim < 1:
+        raise ValueError(f"{owner}: head_dim={head_dim}; expected a positive int")
+    if num_attention_heads < 1:
+        raise ValueError(f"{owner}: num_attention_heads={num_attention_heads}; expected a positive int")
+    groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+    if groups < 1 or num_attention_heads % groups:
+        raise ValueError(
+            f"{owner}: num_attention_heads={num_attention_heads} must be a multiple of num_gqa_groups={num_gqa_groups} "
+            f"(the number of key/value heads: 1 for MQA, num_attention_heads for MHA)"
+        )
+    return groups
+
+
+def apply_rotary_pos_emb(x: jax.Array, positions: jax.Array, *, windows: tuple[float, float] = (1.0, 10000.0),
+                         group_method: str = "consecutive") -> jax.Array:
+    """Rotary position embedding of ``x [batch, length, heads, head_dim]`` at integer ``positions [batch, length]``.
+
+    Coordinate pairs rotate by ``position / timescale`` with timescales geometric from ``windows[0]``
+    to ``windows[1]``. ``group_method`` (TransformerEngine's names): ``"consecutive"`` pairs ``(2i, 2i+1)``
+    (GPT-J), ``"alternate"`` pairs ``(i, i + head_dim/2)`` (GPT-NeoX, Llama in Hugging Face layout).
+    Computed in float32, returned in ``x.dtype``.
+    """
+    check_choice("apply_rotary_pos_emb", "group_method", group_method, ROTARY_GROUP_METHODS)
+    head_dim = x.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"apply_rotary_pos_emb: head_dim={head_dim} must be even")
+    half = head_dim // 2
+    min_timescale, max_timescale = windows
+    timescale = min_timescale * (max_timescale / min_timescale) ** (2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
+    angle = positions.astype(jnp.float32)[:, :, None, None] / timescale  # [batch, length, 1, half]
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    xf = x.astype(jnp.float32)
+    if group_method == "alternate":
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
+    return out.astype(x.dtype)
+
+
+class DotProductAttention(nn.Module):
+    """Softmax attention of already projected heads: ``mtjax.ops.attention`` with dropout and layout handling.
+
+    ``__call__(query, key, value, mask=None, bias=None, *, q_segment_ids=None, kv_segment_ids=None,
+    deterministic=False)``: ``query [batch, q_len, heads, head_dim]``, ``key``/``value
+    [batch, kv_len, num_gqa_groups, head_dim]``; returns ``[batch, q_len, heads, head_dim]``.
+
+    Attributes:
+      head_dim: size of each head.
+      num_attention_heads: query heads.
+      num_gqa_groups: key/value heads (None: ``num_attention_heads``; 1: MQA).
+      attention_dropout: dropout on the attention probabilities (skipped when ``deterministic``).
+      attn_mask_type: one of `mtjax.ops.MASK_TYPES` (causal is aligned bottom-right).
+      attn_bias_type: ``"no_bias"``, ``"pre_scale_bias"`` or ``"post_scale_bias"``; None: post-scale
+        when a bias is passed, else none.
+      dropout_rng_name: rng collection of the attention dropout.
+      float32_logits: run the whole attention (logits, probabilities, weighted sum) in float32.
+      scale_factor: logit scale; None: ``1 / sqrt(head_dim)``.
+      transpose_batch_sequence: inputs and output are ``[length, batch, heads, head_dim]``.
+      window_size: sliding window ``(left, right)``, ``-1`` unbounded; None: no window.
+      logits_soft_cap: ``cap * tanh(logits / cap)``; None: off.
+      dtype: compute and output dtype.
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: int | None = None
+    attention_dropout: float = 0.0
+    attn_mask_type: str = "causal"
+    attn_bias_type: str | None = None
+    dropout_rng_name: str = "dropout"
+    float32_logits: bool = False
+    scale_factor: float | None = None
+    transpose_batch_sequence: bool = False
+    window_size: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
+                 bias: jax.Array | None = None, *, q_segment_ids: jax.Array | None = None,
+                 kv_segment_ids: jax.Array | None = None, deterministic: bool = False) -> jax.Array:
+        owner = "DotProductAttention"
+        groups = check_heads(owner, self.head_dim, self.num_attention_heads, self.num_gqa_groups)
+        check_choice(owner, "attn_mask_type", self.attn_mask_type, ops.MASK_TYPES)
+        bias_type = self.attn_bias_type or ("no_bias" if bias is None else "post_scale_bias")
+        check_choice(owner, "attn_bias_type", bias_type, ATTN_BIAS_TYPES)
+        if (bias_type == "no_bias") != (bias is None):
+            raise ValueError(f"{owner}: attn_bias_type={bias_type!r} but bias is {'None' if bias is None else 'given'}")
+        if self.transpose_batch_sequence:
+            query, key, value = (jnp.swapaxes(t, 0, 1) for t in (query, key, value))
+        for name, t, heads in (("query", query, self.num_attention_heads), ("key", key, groups), ("value", value, groups)):
+            if t.ndim != 4 or t.shape[-2:] != (heads, self.head_dim):
+                raise ValueError(f"{owner}: {name} has shape {t.shape}; expected [batch, length, {heads}, {self.head_dim}]")
+        scale = self.head_dim ** -0.5 if self.scale_factor is None else self.scale_factor
+        if bias_type == "pre_scale_bias":
+            bias = bias * scale  # ops.attention adds the bias after scaling: scale(qk + b) = scale*qk + scale*b
+        dropout_rate = 0.0 if deterministic else self.attention_dropout
+        dropout_rng = self.make_rng(self.dropout_rng_name) if dropout_rate > 0.0 else None
+        compute_dtype = jnp.float32 if self.float32_logits else self.dtype
+        out = ops.attention(
+            query.astype(compute_dtype), key.astype(compute_dtype), value.astype(compute_dtype),
+            bias=bias, mask=mask, mask_type=self.attn_mask_type, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            window_size=self.window_size, logits_soft_cap=self.logits_soft_cap,
+        ).astype(self.dtype)
+        return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: (normed) input projections, rotary embeddings, `DotProductAttention`, output projection.
+
+    ``__call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, q_segment_ids=None, kv_segment_ids=None,
+    q_positions=None, kv_positions=None, decode=False, deterministic=False) -> (output, layernorm_output)``.
+    ``inputs_kv=None`` (or ``inputs_kv is inputs_q``) is self-attention: the input norm feeds Q, K and V;
+    otherwise (cross-attention) only the query input is normed. Inputs are ``[batch, length, hidden]``;
+    the output ``[batch, q_len, hidden]``; ``layernorm_output`` is the normed query input when
+    ``return_layernorm_output`` (else None).
+
+    Parameters: self-attention without GQA and ``fuse_qkv_params``: ``qkv`` (``kernel [hidden, 3, heads,
+    head_dim]``); with GQA or cross-attention: ``query`` + ``kv`` (``[hidden, 2, kv_heads, head_dim]``);
+    unfused: ``query``, ``key``, ``value``. Then ``out`` (``[heads, head_dim, hidden]``). The input norm's
+    ``scale``/``ln_bias`` sit in ``qkv`` or ``query``.
+
+    Decoding (``decode=True``): the ``"cache"`` collection holds ``cached_key``/``cached_value``
+    ``[batch, max_length, kv_heads, head_dim]`` and ``cache_index``. Initialise it by running `init`
+    with ``decode=True`` on a ``[batch, max_length, hidden]`` input; each later call appends its keys at
+    ``cache_index`` and attends causally to everything cached (positions default to the cache index).
+
+    Attributes:
+      head_dim, num_attention_heads, num_gqa_groups, attention_dropout, attn_mask_type, attn_bias_type,
+        dropout_rng_name, float32_logits, window_size, logits_soft_cap: as `DotProductAttention`.
+      input_layernorm: norm the input (fused into the Q/QKV projection).
+      layernorm_type, layernorm_epsilon, zero_centered_gamma: that norm.
+      return_layernorm_output: also return the normed input.
+      enable_rotary_pos_emb: rotate Q and K (`apply_rotary_pos_emb`).
+      rotary_pos_emb_windows: ``(min_timescale, max_timescale)``.
+      rotary_pos_emb_group_method: ``"consecutive"`` or ``"alternate"``.
+      fuse_qkv_params: one QKV (or KV) kernel instead of separate ones.
+      use_bias: biases on all projections.
+      kernel_init, bias_init: initializers of the projections.
+      scale_attn_logits: scale logits by ``1 / sqrt(head_dim)`` (False: by 1, e.g. with ``scaled_query_init``).
+      scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
+      dtype: compute and output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: int | None = None
+    attention_dropout: float = 0.0
+    dropout_rng_name: str = "dropout"
+    input_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    layernorm_epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    return_layernorm_output: bool = False
+    attn_mask_type: str = "causal"
+    attn_bias_type: str | None = None
+    enable_rotary_pos_emb: bool = False
+    rotary_pos_emb_windows: tuple[float, float] = (1.0, 10000.0)
+    rotary_pos_emb_group_method: str = "consecutive"
+    fuse_qkv_params: bool = True
+    use_bias: bool = False
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+    scale_attn_logits: bool = True
+    scaled_query_init: bool = False
+    float32_logits: bool = False
+    window_size: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def _query_init(self, fused_qkv: bool) -> Initializer:
+        if not self.scaled_query_init:
+            return self.kernel_init
+        depth_scaling = math.sqrt(self.head_dim)
+
+        def init(key, shape, dtype=jnp.float32):
+            kernel = self.kernel_init(key, shape, dtype)
+            if not fused_qkv:
+                return kernel / depth_scaling
+            # Called on the flat [hidden, 3 * heads * head_dim] view: the query is the first third.
+            q_width = shape[-1] // 3
+            return kernel.at[..., :q_width].divide(depth_scaling)
+
+        return init
+
+    @nn.compact
+    def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, mask: jax.Array | None = None,
+                 bias: jax.Array | None = None, *, q_segment_ids: jax.Array | None = None,
+                 kv_segment_ids: jax.Array | None = None, q_positions: jax.Array | None = None,
+                 kv_positions: jax.Array | None = None, decode: bool = False,
+                 deterministic: bool = False) -> tuple[jax.Array, jax.Array | None]:
+        owner = "MultiHeadAttention"
+        groups = check_heads(owner, self.head_dim, self.num_attention_heads, self.num_gqa_groups)
+        check_choice(owner, "attn_mask_type", self.attn_mask_type, ops.MASK_TYPES)
+        check_choice(owner, "rotary_pos_emb_group_method", self.rotary_pos_emb_group_method, ROTARY_GROUP_METHODS)
+        if self.enable_rotary_pos_emb and self.head_dim % 2:
+            raise ValueError(f"{owner}: head_dim={self.head_dim} must be even with enable_rotary_pos_emb")
+        self_attention = inputs_kv is None or inputs_kv is inputs_q
+        if inputs_q.ndim != 3 or (not self_attention and (inputs_kv.ndim != 3 or inputs_kv.shape[0] != inputs_q.shape[0])):
+            raise ValueError(f"{owner}: inputs must be [batch, length, hidden]; got inputs_q {inputs_q.shape}"
+                             + ("" if self_attention else f", inputs_kv {inputs_kv.shape}"))
+        hidden = inputs_q.shape[-1]
+        heads = self.num_attention_heads
+        dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
+                    epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma)
+
+        if self_attention and self.fuse_qkv_params and groups == heads:
+            qkv, ln_out = LayerNormDenseGeneral(
+                features=(3, heads, self.head_dim), kernel_init=self._query_init(fused_qkv=True),
+                kernel_axes=("embed", None, "heads", "head_dim"), bias_axes=(None, "heads", "head_dim"),
+                return_layernorm_output=self.return_layernorm_output, name="qkv", **norm, **dense,
+            )(inputs_q)
+            query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            query, ln_out = LayerNormDenseGeneral(
+                features=(heads, self.head_dim), kernel_init=self._query_init(fused_qkv=False),
+                kernel_axes=("embed", "heads", "head_dim"), bias_axes=("heads", "head_dim"),
+                return_layernorm_output=self.return_layernorm_output or self_attention, name="query", **norm, **dense,
+            )(inputs_q)
+            kv_inputs = ln_out if self_attention else inputs_kv
+            if self.fuse_qkv_params:
+                kv = DenseGeneral(
+                    features=(2, groups, self.head_dim), kernel_init=self.kernel_init,
+                    kernel_axes=("embed", None, "kv_heads", "head_dim"), bias_axes=(None, "kv_heads", "head_dim"),
+                    name="kv", **dense,
+                )(kv_inputs)
+                key, value = kv[:, :, 0], kv[:, :, 1]
+            else:
+                key, value = (
+                    DenseGeneral(features=(groups, self.head_dim), kernel_init=self.kernel_init,
+                                 kernel_axes=("embed", "kv_heads", "head_dim"), bias_axes=("kv_heads", "head_dim"),
+                                 name=name, **dense)(kv_inputs)
+                    for name in ("key", "value")
+                )
+        query = nn.with_logical_constraint(query, Q_AXES)
+        key = nn.with_logical_constraint(key, KV_AXES)
+        value = nn.with_logical_constraint(value, KV_AXES)
+
+        mask_type = self.attn_mask_type
+        cache_index = None
+        if decode:
+            if q_segment_ids is not None or mask is not None or bias is not None or not self_attention:
+                raise ValueError(f"{owner}: decode=True supports causal self-attention without mask, bias or segment ids")
+            cache_index = self._cache_index(key)
+        if self.enable_rotary_pos_emb:
+            batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+            if q_positions is None:
+                offset = 0 if cache_index is None else cache_index.value
+                q_positions = offset + jnp.broadcast_to(jnp.arange(q_len), (batch, q_len))
+            if kv_positions is None:
+                kv_positions = q_positions if self_attention else jnp.broadcast_to(jnp.arange(kv_len), (batch, kv_len))
+            rope = dict(windows=self.rotary_pos_emb_windows, group_method=self.rotary_pos_emb_group_method)
+            query = apply_rotary_pos_emb(query, q_positions, **rope)
+            key = apply_rotary_pos_emb(key, kv_positions, **rope)
+        if cache_index is not None:
+            key, value, mask = self._update_cache(cache_index, key, value)
+            mask_type = "no_mask"
+        if self_attention and kv_segment_ids is None:
+            kv_segment_ids = q_segment_ids
+
+        out = DotProductAttention(
+            head_dim=self.head_dim, num_attention_heads=heads, num_gqa_groups=groups,
+            attention_dropout=self.attention_dropout, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
+            dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
+            scale_factor=self.head_dim ** -0.5 if self.scale_attn_logits else 1.0, window_size=self.window_size,
+            logits_soft_cap=self.logits_soft_cap, dtype=self.dtype, name="core_attention",
+        )(query, key, value, mask, bias, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+          deterministic=deterministic)
+        out = nn.with_logical_constraint(out, Q_AXES)
+        out = DenseGeneral(
+            features=hidden, axis=(-2, -1), kernel_init=self.kernel_init, kernel_axes=("heads", "head_dim", "embed"),
+            bias_axes=("embed",), name="out", **dense,
+        )(out)
+        out = nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)
+        return out, (ln_out if self.return_layernorm_output else None)
+
+    def _cache_index(self, key: jax.Array) -> nn.Variable | None:
+        """The cache position variable, or None while `init` creates the cache (a plain causal pass)."""
+        initialized = self.has_variable(CACHE_COLLECTION, "cached_key")
+        self.variable(CACHE_COLLECTION, "cached_key", jnp.zeros, key.shape, key.dtype)
+        self.variable(CACHE_COLLECTION, "cached_value", jnp.zeros, key.shape, key.dtype)
+        index = self.variable(CACHE_COLLECTION, "cache_index", lambda: jnp.zeros((), jnp.int32))
+        return index if initialized else None
+
+    def _update_cache(self, index: nn.Variable, key: jax.Array, value: jax.Array):
+        """Writes ``key``/``value`` at the cache index; returns the whole cache and the causal keep-mask."""
+        cached_key = self.get_variable(CACHE_COLLECTION, "cached_key")
+        cached_value = self.get_variable(CACHE_COLLECTION, "cached_value")
+        step, max_length = key.shape[1], cached_key.shape[1]
+        start = index.value
+        cached_key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), (0, start, 0, 0))
+        cached_value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), (0, start, 0, 0))
+        self.put_variable(CACHE_COLLECTION, "cached_key", cached_key)
+        self.put_variable(CACHE_COLLECTION, "cached_value", cached_value)
+        index.value = start + step
+        # Query i sits at position start + i and sees every cached key up to it.
+        keep = jnp.arange(max_length)[None, :] <= start + jnp.arange(step)[:, None]
+        return cached_key, cached_value, keep[None, None]
+
+
+class RelativePositionBiases(nn.Module):
+    """T5 relative position biases: a learned scalar per head and log-spaced distance bucket.
+
+    ``__call__(q_seqlen, k_seqlen, bidirectional=True)`` returns ``[1, heads, q_seqlen, k_seqlen]``, to
+    pass as the post-scale ``bias`` of attention.
+
+    Attributes:
+      num_buckets: buckets (half per direction when bidirectional); the first half of each direction's
+        buckets are exact distances, the rest log-spaced up to ``max_distance``.
+      max_distance: distances at or beyond it share the last bucket.
+      num_attention_heads: heads.
+      embedding_init: initializer of ``rel_embedding [heads, num_buckets]``.
+      embedding_axes: its logical axes.
+      dtype: output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    num_buckets: int
+    max_distance: int
+    num_attention_heads: int
+    embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+    embedding_axes: AxisNames = ("heads", "relpos_buckets")
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def _bucket(self, relative_position: jax.Array, bidirectional: bool) -> jax.Array:
+        num_buckets = self.num_buckets
+        distance = -relative_position  # > 0: the key is before the query
+        bucket = jnp.zeros_like(distance)
+        if bidirectional:
+            num_buckets //= 2
+            bucket = jnp.where(distance < 0, num_buckets, 0)
+            distance = jnp.abs(distance)
+        else:
+            distance = jnp.maximum(distance, 0)
+        exact = num_buckets // 2
+        log_ratio = jnp.log(jnp.maximum(distance, 1) / exact) / math.log(self.max_distance / exact)
+        far = exact + (log_ratio * (num_buckets - exact)).astype(jnp.int32)
+        far = jnp.minimum(far, num_buckets - 1)
+        return bucket + jnp.where(distance < exact, distance, far)
+
+    @nn.compact
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> jax.Array:
+        if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 2:
+            raise ValueError(f"RelativePositionBiases: num_buckets={self.num_buckets} must be >= 4 and "
+                             f"max_distance={self.max_distance} > num_buckets // 2")
+        relative = jnp.arange(k_seqlen)[None, :] - jnp.arange(q_seqlen)[:, None]
+        bucket = self._bucket(relative, bidirectional)
+        table = param_with_axes(self, "rel_embedding", self.embedding_init, (self.num_attention_heads, self.num_buckets),
+                                self.param_dtype, self.embedding_axes)
+        values = jnp.take(table.astype(self.dtype), bucket, axis=1)  # [heads, q, k]
+        return values[None]

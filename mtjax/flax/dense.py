@@ -1,0 +1,130 @@
+"""`DenseGeneral` and `LayerNormDenseGeneral`: projections whose GEMM runs in a `mtjax.fp8.DotGeneral`
+submodule (a plain dot normally, FP8 with its scaling state under `mtjax.fp8.fp8_autocast`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax import fp8
+from mtjax.flax._params import AxisNames, Dtype, Initializer, canonical_tuple, contract, flat_kernel_init, param_with_axes
+from mtjax.flax.normalization import normalize
+
+
+def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    axes = canonical_tuple(axis)
+    if any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"{owner}: axis={axis!r} is out of range for inputs of rank {ndim}")
+    return tuple(sorted(a % ndim for a in axes))
+
+
+def project(module: nn.Module, x: jax.Array, *, features: int | Sequence[int], axis: int | Sequence[int],
+            kernel_name: str, kernel_init: Initializer, kernel_axes: AxisNames, use_bias: bool, bias_name: str,
+            bias_init: Initializer, bias_axes: AxisNames, dot_general: nn.Module, dtype: Dtype,
+            param_dtype: Dtype) -> jax.Array:
+    """Creates the kernel ``[*x.shape[axis], *features]`` (and bias ``[*features]``) in ``module`` and
+    returns ``x`` contracted over ``axis``: ``[*other axes of x, *features]`` in ``dtype``."""
+    owner = type(module).__name__
+    features = canonical_tuple(features)
+    axes = _input_axes(owner, axis, x.ndim)
+    in_shape = tuple(x.shape[a] for a in axes)
+    kernel = param_with_axes(module, kernel_name, flat_kernel_init(kernel_init, len(in_shape)),
+                             in_shape + features, param_dtype, kernel_axes)
+    y = contract(dot_general, x.astype(dtype), kernel.astype(dtype), axes)
+    if use_bias:
+        bias = param_with_axes(module, bias_name, bias_init, features, param_dtype, bias_axes)
+        y = y + bias.astype(dtype)
+    return y
+
+
+class DenseGeneral(nn.Module):
+    """A linear map over one or several input axes to one or several output axes.
+
+    Attributes:
+      features: output feature shape (an int or a tuple).
+      axis: input axes contracted (an int or a tuple); the output is ``[*remaining axes, *features]``.
+      use_bias: add a ``bias [*features]``.
+      kernel_init: initializer, applied to the 2-D ``[prod(in), prod(features)]`` view of the kernel.
+      bias_init: initializer of the bias.
+      kernel_axes: logical axis names of ``kernel [*in, *features]`` (empty: none).
+      bias_axes: logical axis names of ``bias``.
+      dtype: compute and output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    features: int | Sequence[int]
+    axis: int | Sequence[int] = -1
+    use_bias: bool = True
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    bias_init: Initializer = nn.initializers.zeros
+    kernel_axes: AxisNames = ()
+    bias_axes: AxisNames = ()
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return project(
+            self, inputs, features=self.features, axis=self.axis, kernel_name="kernel", kernel_init=self.kernel_init,
+            kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_name="bias", bias_init=self.bias_init,
+            bias_axes=self.bias_axes, dot_general=fp8.DotGeneral(name="dot_general"), dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+
+
+class LayerNormDenseGeneral(nn.Module):
+    """LayerNorm/RMSNorm of the last axis followed by a `DenseGeneral` (e.g. the QKV projection).
+
+    Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``
+    (the residual branch of ``apply_residual_connection_post_layernorm`` needs it).
+
+    Attributes:
+      features, axis, use_bias, kernel_init, bias_init, kernel_axes, bias_axes: as `DenseGeneral`
+        (``use_bias`` defaults to False, as TransformerEngine).
+      enable_layernorm: apply the norm (False: a plain projection with this module's parameter names).
+      layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes, ln_bias_init, ln_bias_axes:
+        as `LayerNorm` (its ``bias_*`` are ``ln_bias_*`` here).
+      return_layernorm_output: also return the normalized input.
+      dtype: compute and output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    features: int | Sequence[int]
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: AxisNames = ("embed",)
+    ln_bias_init: Initializer = nn.initializers.zeros
+    ln_bias_axes: AxisNames = ("embed",)
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_axes: AxisNames = ()
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: AxisNames = ()
+    return_layernorm_output: bool = False
+    axis: int | Sequence[int] = -1
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        x = inputs.astype(self.dtype)
+        if self.enable_layernorm:
+            x = normalize(
+                self, x, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
+                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, dtype=self.dtype,
+                param_dtype=self.param_dtype,
+            )
+        y = project(
+            self, x, features=self.features, axis=self.axis, kernel_name="kernel", kernel_init=self.kernel_init,
+            kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_name="bias", bias_init=self.bias_init,
+            bias_axes=self.bias_axes, dot_general=fp8.DotGeneral(name="dot_general"), dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        return y, (x if self.return_layernorm_output else None)

@@ -1,0 +1,105 @@
+"""`LayerNormMLP`: norm, fc1, activation (gated or not, through `mtjax.ops.activation`), dropout, fc2."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax import fp8, ops
+from mtjax.flax._params import AxisNames, Dtype, Initializer, flat_kernel_init, param_with_axes, contract
+from mtjax.flax.normalization import normalize
+
+MLP_HIDDEN_AXES: AxisNames = ("activation_batch", "activation_length", "activation_mlp")
+
+
+class LayerNormMLP(nn.Module):
+    """Norm + ``fc1`` + activation + dropout + ``fc2``, on the last axis.
+
+    Gated activations (``("silu", "linear")`` = SwiGLU, ``("gelu", "linear")`` = GeGLU, ...) use a
+    ``wi_kernel [hidden, 2, intermediate_dim]``: slot 0 goes through the activation, slot 1 is the gate.
+    Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``.
+
+    Attributes:
+      intermediate_dim: width of the hidden layer.
+      activations: TransformerEngine-style tuple or a name accepted by `mtjax.ops.activation`.
+      intermediate_dropout_rate: dropout on the activation output (skipped when ``deterministic``).
+      intermediate_hidden_dropout_dims: axes sharing one dropout mask.
+      intermediate_dropout_rng_name: rng collection of that dropout.
+      enable_layernorm, layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes,
+        ln_bias_init, ln_bias_axes: the input norm, as `LayerNormDenseGeneral`.
+      kernel_init: initializer of both kernels.
+      kernel_axes_1: logical axes of ``wi_kernel [hidden, num_activations, intermediate_dim]``.
+      kernel_axes_2: logical axes of ``wo_kernel [intermediate_dim, hidden]``.
+      use_bias: add ``wi_bias [num_activations, intermediate_dim]`` and ``wo_bias [hidden]``.
+      bias_init, bias_axes_1, bias_axes_2: their initializer and logical axes.
+      return_layernorm_output: also return the normalized input.
+      dtype: compute and output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    intermediate_dim: int = 2048
+    activations: str | Sequence[str] = ("gelu",)
+    intermediate_dropout_rate: float = 0.1
+    intermediate_hidden_dropout_dims: Sequence[int] = ()
+    intermediate_dropout_rng_name: str = "dropout"
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: AxisNames = ("embed",)
+    ln_bias_init: Initializer = nn.initializers.zeros
+    ln_bias_axes: AxisNames = ("embed",)
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_axes_1: AxisNames = ("embed", None, "mlp")
+    kernel_axes_2: AxisNames = ("mlp", "embed")
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes_1: AxisNames = (None, "mlp")
+    bias_axes_2: AxisNames = ("embed",)
+    return_layernorm_output: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool = False) -> tuple[jax.Array, jax.Array | None]:
+        activation = ops.canonical_activation(self.activations)
+        num_activations = 2 if ops.is_gated(activation) else 1
+        if self.intermediate_dim < 1:
+            raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
+        hidden = inputs.shape[-1]
+        x = inputs.astype(self.dtype)
+        if self.enable_layernorm:
+            x = normalize(
+                self, x, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
+                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, dtype=self.dtype,
+                param_dtype=self.param_dtype,
+            )
+        ln_out = x
+        wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
+                             (hidden, num_activations, self.intermediate_dim), self.param_dtype, self.kernel_axes_1)
+        h = contract(fp8.DotGeneral(name="wi_dot_general"), x, wi.astype(self.dtype), (x.ndim - 1,))
+        # [..., num_activations, mlp] -> [..., num_activations * mlp]: the layout ops.activation takes
+        # (activated half first, then the gate); the bias rides into the fused activation.
+        h = h.reshape(*h.shape[:-2], num_activations * self.intermediate_dim)
+        wi_bias = None
+        if self.use_bias:
+            wi_bias = param_with_axes(self, "wi_bias", self.bias_init, (num_activations, self.intermediate_dim),
+                                      self.param_dtype, self.bias_axes_1)
+            wi_bias = wi_bias.reshape(-1).astype(self.dtype)
+        h = ops.activation(h, activation, wi_bias)
+        if h.ndim == 3:
+            h = nn.with_logical_constraint(h, MLP_HIDDEN_AXES)
+        h = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                       rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
+        wo = param_with_axes(self, "wo_kernel", flat_kernel_init(self.kernel_init, 1),
+                             (self.intermediate_dim, hidden), self.param_dtype, self.kernel_axes_2)
+        y = contract(fp8.DotGeneral(name="wo_dot_general"), h, wo.astype(self.dtype), (h.ndim - 1,))
+        if self.use_bias:
+            wo_bias = param_with_axes(self, "wo_bias", self.bias_init, (hidden,), self.param_dtype, self.bias_axes_2)
+            y = y + wo_bias.astype(self.dtype)
+        return y, (ln_out if self.return_layernorm_output else None)

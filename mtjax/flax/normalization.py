@@ -1,0 +1,71 @@
+"""`LayerNorm`: LayerNorm or RMSNorm over the last axis through `mtjax.ops` (so kernels plug in)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax import ops
+from mtjax.flax._params import AxisNames, Dtype, Initializer, check_choice, param_with_axes
+
+LAYERNORM_TYPES = ("layernorm", "rmsnorm")
+
+
+def check_layernorm_type(owner: str, layernorm_type: str) -> None:
+    check_choice(owner, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
+
+
+def normalize(module: nn.Module, x: jax.Array, *, layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
+              scale_init: Initializer | None, scale_axes: AxisNames, ln_bias_init: Initializer,
+              ln_bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype) -> jax.Array:
+    """Creates ``scale`` (and ``ln_bias`` for LayerNorm) in ``module`` and normalizes ``x`` in ``dtype``.
+
+    The parameters live in the calling module (TransformerEngine's layout), so the fused modules
+    (`LayerNormDenseGeneral`, `LayerNormMLP`) hold norm and GEMM weights side by side.
+    """
+    check_layernorm_type(type(module).__name__, layernorm_type)
+    hidden = x.shape[-1]
+    if scale_init is None:
+        scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+    scale = param_with_axes(module, "scale", scale_init, (hidden,), param_dtype, scale_axes)
+    x = x.astype(dtype)
+    if layernorm_type == "rmsnorm":
+        return ops.rmsnorm(x, scale, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    ln_bias = param_with_axes(module, "ln_bias", ln_bias_init, (hidden,), param_dtype, ln_bias_axes)
+    return ops.layernorm(x, scale, ln_bias, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm or RMSNorm over the last axis, statistics in float32.
+
+    Attributes:
+      epsilon: added to the variance.
+      layernorm_type: ``"layernorm"`` (``scale`` and ``ln_bias`` parameters) or ``"rmsnorm"`` (``scale``).
+      zero_centered_gamma: store the scale as ``gamma - 1`` (initialised to 0, applied as ``1 + scale``).
+      scale_init: initializer of ``scale``; default ones (zeros with ``zero_centered_gamma``).
+      scale_axes: logical axis names of ``scale``.
+      bias_init: initializer of ``ln_bias``.
+      bias_axes: logical axis names of ``ln_bias``.
+      dtype: compute and output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: AxisNames = ("embed",)
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: AxisNames = ("embed",)
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [..., hidden]`` -> normalized ``[..., hidden]`` in ``dtype``."""
+        return normalize(
+            self, x, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+            zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
+            ln_bias_init=self.bias_init, ln_bias_axes=self.bias_axes, dtype=self.dtype, param_dtype=self.param_dtype,
+        )

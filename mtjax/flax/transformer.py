@@ -1,0 +1,222 @@
+"""`TransformerLayer`: one encoder or decoder block built from `MultiHeadAttention` and `LayerNormMLP`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax import ops
+from mtjax.flax._params import BATCH_LENGTH_EMBED, Dtype, Initializer, check_choice
+from mtjax.flax.attention import ROTARY_GROUP_METHODS, MultiHeadAttention, RelativePositionBiases, check_heads
+from mtjax.flax.mlp import LayerNormMLP
+from mtjax.flax.normalization import LayerNorm, check_layernorm_type
+
+
+class TransformerLayerType(enum.Enum):
+    """ENCODER: self-attention + MLP. DECODER: self-attention + cross-attention to ``encoded`` + MLP.
+    (A GPT block is an ENCODER layer with ``self_attn_mask_type="causal"``, as in TransformerEngine.)"""
+
+    ENCODER = "encoder"
+    DECODER = "decoder"
+
+
+class TransformerLayer(nn.Module):
+    """A Transformer block, pre-LN by default.
+
+    Pre-LN (default): ``x = x + attn(norm(x)); x = x + mlp(norm(x))``, norms fused into the next GEMM.
+    ``output_layernorm=True`` moves the attention's norm to the output: ``out = norm(x + mlp(norm(x + attn(x))))``;
+    with ``apply_residual_connection_post_layernorm=True`` as well, the residual is taken after the norm,
+    which gives the original (BERT) post-LN block ``y = norm(x + attn(x)); out = norm(y + mlp(y))``.
+
+    ``__call__(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None, *, segment_ids=None,
+    encoder_segment_ids=None, positions=None, deterministic=False, decode=False)``: ``inputs [batch, length,
+    hidden_size]``; masks are boolean keep-masks ``[batch|1, heads|1, q_len, kv_len]``; ``segment_ids
+    [batch, length]`` (0 = padding) restrict attention to the own segment (packing); ``positions [batch,
+    length]`` feed the rotary embedding. Returns ``[batch, length, hidden_size]``.
+
+    Sub-modules: ``self_attention``, ``encoder_decoder_attention`` (DECODER), ``mlp``, ``relpos_bias``
+    (``enable_relative_embedding``), ``output_layernorm``.
+
+    Attributes:
+      hidden_size: model width.
+      mlp_hidden_size: width of the MLP's hidden layer.
+      num_attention_heads: query heads.
+      num_gqa_groups: key/value heads (None: ``num_attention_heads``).
+      head_dim: None: ``hidden_size // num_attention_heads`` (which must then divide evenly).
+      layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+      layernorm_epsilon: epsilon of every norm.
+      zero_centered_gamma: norms store ``gamma - 1``.
+      hidden_dropout: dropout on each sub-block's output before the residual add.
+      hidden_dropout_dims: axes sharing one hidden-dropout mask.
+      attention_dropout: dropout on attention probabilities.
+      intermediate_dropout: dropout after the MLP activation.
+      intermediate_dropout_dims: axes sharing one intermediate-dropout mask.
+      dropout_rng_name: rng collection of all dropouts.
+      mha_kernel_init, mlp_kernel_init: initializers of the attention and MLP kernels.
+      mlp_activations: TransformerEngine-style tuple or name (`mtjax.ops.activation`).
+      use_bias: biases in every projection.
+      bias_init: their initializer.
+      apply_residual_connection_post_layernorm: the residual is the normed input.
+      output_layernorm: norm at the block's output instead of the attention input (post-LN).
+      float32_attention_logits: run attention in float32.
+      layer_type: `TransformerLayerType`.
+      self_attn_mask_type: one of `mtjax.ops.MASK_TYPES`.
+      self_attn_bias_type: as `DotProductAttention.attn_bias_type`.
+      enable_relative_embedding: add T5 relative position biases to self-attention.
+      relative_embedding: the `RelativePositionBiases` to use (None: 32 buckets, max distance 128).
+      enable_rotary_pos_emb: rotary embeddings in self-attention.
+      rotary_pos_emb_windows: ``(min_timescale, max_timescale)``.
+      rotary_pos_emb_group_method: ``"consecutive"`` or ``"alternate"``.
+      fuse_qkv_params: fused QKV / KV kernels.
+      scale_attn_logits: scale logits by ``1 / sqrt(head_dim)``.
+      scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
+      window_size: sliding-window self-attention ``(left, right)``.
+      logits_soft_cap: attention logit soft cap.
+      dtype: compute and output dtype.
+      param_dtype: parameter dtype.
+    """
+
+    hidden_size: int = 512
+    mlp_hidden_size: int = 2048
+    num_attention_heads: int = 8
+    num_gqa_groups: int | None = None
+    head_dim: int | None = None
+    layernorm_type: str = "layernorm"
+    layernorm_epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    hidden_dropout: float = 0.1
+    hidden_dropout_dims: Sequence[int] = ()
+    attention_dropout: float = 0.1
+    intermediate_dropout: float = 0.1
+    intermediate_dropout_dims: Sequence[int] = ()
+    dropout_rng_name: str = "dropout"
+    mha_kernel_init: Initializer = nn.initializers.lecun_normal()
+    mlp_kernel_init: Initializer = nn.initializers.lecun_normal()
+    mlp_activations: str | Sequence[str] = ("relu",)
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    apply_residual_connection_post_layernorm: bool = False
+    output_layernorm: bool = False
+    float32_attention_logits: bool = False
+    layer_type: TransformerLayerType = TransformerLayerType.ENCODER
+    self_attn_mask_type: str = "causal"
+    self_attn_bias_type: str | None = None
+    enable_relative_embedding: bool = False
+    relative_embedding: nn.Module | None = None
+    enable_rotary_pos_emb: bool = False
+    rotary_pos_emb_windows: tuple[float, float] = (1.0, 10000.0)
+    rotary_pos_emb_group_method: str = "consecutive"
+    fuse_qkv_params: bool = True
+    scale_attn_logits: bool = True
+    scaled_query_init: bool = False
+    window_size: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def resolved_head_dim(self) -> int:
+        """The head size, after validating how heads divide ``hidden_size``."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if self.num_attention_heads < 1 or self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"TransformerLayer: hidden_size={self.hidden_size} must be divisible by "
+                f"num_attention_heads={self.num_attention_heads} (or pass head_dim)"
+            )
+        return self.hidden_size // self.num_attention_heads
+
+    def _validate(self) -> int:
+        owner = "TransformerLayer"
+        head_dim = self.resolved_head_dim()
+        check_heads(owner, head_dim, self.num_attention_heads, self.num_gqa_groups)
+        check_layernorm_type(owner, self.layernorm_type)
+        check_choice(owner, "self_attn_mask_type", self.self_attn_mask_type, ops.MASK_TYPES)
+        check_choice(owner, "layer_type", self.layer_type, tuple(TransformerLayerType))
+        check_choice(owner, "rotary_pos_emb_group_method", self.rotary_pos_emb_group_method, ROTARY_GROUP_METHODS)
+        ops.canonical_activation(self.mlp_activations)
+        for name in ("hidden_dropout", "attention_dropout", "intermediate_dropout"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"{owner}: {name}={rate}; expected 0 <= rate < 1")
+        return head_dim
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, encoded: jax.Array | None = None, attention_mask: jax.Array | None = None,
+                 encoder_decoder_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+                 encoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                 deterministic: bool = False, decode: bool = False) -> jax.Array:
+        head_dim = self._validate()
+        if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
+            raise ValueError(f"TransformerLayer: inputs has shape {inputs.shape}; expected [batch, length, {self.hidden_size}]")
+        is_decoder = self.layer_type == TransformerLayerType.DECODER
+        if is_decoder and encoded is None:
+            raise ValueError("TransformerLayer: layer_type=DECODER needs `encoded` (the encoder output)")
+        inputs = nn.with_logical_constraint(inputs.astype(self.dtype), BATCH_LENGTH_EMBED)
+        attention = dict(
+            head_dim=head_dim, num_attention_heads=self.num_attention_heads, num_gqa_groups=self.num_gqa_groups,
+            attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
+            layernorm_type=self.layernorm_type, layernorm_epsilon=self.layernorm_epsilon,
+            zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.apply_residual_connection_post_layernorm,
+            use_bias=self.use_bias, kernel_init=self.mha_kernel_init, bias_init=self.bias_init,
+            fuse_qkv_params=self.fuse_qkv_params, scale_attn_logits=self.scale_attn_logits,
+            scaled_query_init=self.scaled_query_init, float32_logits=self.float32_attention_logits,
+            dtype=self.dtype, param_dtype=self.param_dtype,
+        )
+        hidden_dropout = nn.Dropout(rate=self.hidden_dropout, broadcast_dims=tuple(self.hidden_dropout_dims),
+                                    rng_collection=self.dropout_rng_name)
+
+        def residual_add(branch, residual, ln_out):
+            residual = ln_out if self.apply_residual_connection_post_layernorm and ln_out is not None else residual
+            out = hidden_dropout(branch, deterministic=deterministic) + residual
+            return nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)
+
+        bias = None
+        if self.enable_relative_embedding:
+            relpos = self.relative_embedding or RelativePositionBiases(
+                num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
+                dtype=self.dtype, param_dtype=self.param_dtype, name="relpos_bias")
+            bidirectional = self.self_attn_mask_type not in ("causal", "padding_causal")
+            bias = relpos(inputs.shape[1], inputs.shape[1], bidirectional)
+
+        x, ln_out = MultiHeadAttention(
+            input_layernorm=not self.output_layernorm, attn_mask_type=self.self_attn_mask_type,
+            attn_bias_type=self.self_attn_bias_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+            rotary_pos_emb_windows=self.rotary_pos_emb_windows,
+            rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, window_size=self.window_size,
+            logits_soft_cap=self.logits_soft_cap, name="self_attention", **attention,
+        )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
+          decode=decode, deterministic=deterministic)
+        x = residual_add(x, inputs, ln_out)
+
+        if is_decoder:
+            has_padding = encoder_decoder_mask is not None or encoder_segment_ids is not None
+            if (segment_ids is None) != (encoder_segment_ids is None):
+                raise ValueError("TransformerLayer: pass segment_ids and encoder_segment_ids together")
+            y, ln_out = MultiHeadAttention(
+                input_layernorm=True, attn_mask_type="padding" if has_padding else "no_mask",
+                name="encoder_decoder_attention", **attention,
+            )(x, encoded, encoder_decoder_mask, q_segment_ids=segment_ids, kv_segment_ids=encoder_segment_ids,
+              deterministic=deterministic)
+            x = residual_add(y, x, ln_out)
+
+        z, ln_out = LayerNormMLP(
+            intermediate_dim=self.mlp_hidden_size, activations=self.mlp_activations,
+            intermediate_dropout_rate=self.intermediate_dropout,
+            intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
+            intermediate_dropout_rng_name=self.dropout_rng_name, layernorm_type=self.layernorm_type,
+            epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
+            kernel_init=self.mlp_kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
+            return_layernorm_output=self.apply_residual_connection_post_layernorm,
+            dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
+        )(x, deterministic=deterministic)
+        z = residual_add(z, x, ln_out)
+
+        if self.output_layernorm:
+            z = LayerNorm(epsilon=self.layernorm_epsilon, layernorm_type=self.layernorm_type,
+                          zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype,
+                          param_dtype=self.param_dtype, name="output_layernorm")(z)
+        return z

@@ -1,0 +1,59 @@
+"""A stack of `TransformerLayer`s: scanned with ``nn.scan`` (one compiled layer, parameters stacked on a
+leading ``"layers"`` axis) or unrolled, each optionally rematerialised with a named policy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from mtjax.flax import TransformerLayer
+from mtjax.flax.attention import CACHE_COLLECTION
+from mtjax.fp8 import FP8_COLLECTION
+
+# name -> jax.checkpoint policy (what the backward pass may keep instead of recomputing); "none": no remat.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class _StackedLayer(TransformerLayer):
+    """`TransformerLayer` with positional arguments and the ``(carry, output)`` result ``nn.scan`` wants."""
+
+    def __call__(self, x, segment_ids, positions, deterministic, decode):  # noqa: D102
+        y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
+        return y, None
+
+
+def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, scan_layers: bool, remat_policy: str,
+                 segment_ids: jax.Array | None, positions: jax.Array | None, deterministic: bool,
+                 decode: bool) -> jax.Array:
+    """Runs ``num_layers`` ``TransformerLayer(**layer)`` on ``x``; call from a compact method.
+
+    Parameters are ``layers/...`` with a leading layer axis when scanned, ``layers_{i}/...`` otherwise.
+    """
+    if remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={remat_policy!r} is not supported; accepted: {', '.join(REMAT_POLICIES)}")
+    block = _StackedLayer
+    if remat_policy != "none":
+        # static_argnums count `self`: deterministic and decode are Python bools.
+        block = nn.remat(block, policy=REMAT_POLICIES[remat_policy], prevent_cse=not scan_layers, static_argnums=(4, 5))
+    if scan_layers:
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0, FP8_COLLECTION: 0, CACHE_COLLECTION: 0},
+            split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = stack(name="layers", **layer)(x, segment_ids, positions, deterministic, decode)
+        return x
+    for i in range(num_layers):
+        x, _ = block(name=f"layers_{i}", **layer)(x, segment_ids, positions, deterministic, decode)
+    return x

@@ -1,0 +1,237 @@
+"""GPT/Llama-style decoder-only language model built from `mtjax.flax` modules.
+
+`GPTConfig` describes the model (presets via `gpt_config`), `GPT` is the linen module:
+``GPT(config)(tokens [batch, seq] int32, *, positions=None, segment_ids=None, deterministic=True,
+decode=False) -> logits [batch, seq, vocab]`` in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtjax import ops
+from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
+from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, check_heads
+from mtjax.flax.normalization import LAYERNORM_TYPES
+from mtjax.models._stack import REMAT_POLICIES, apply_layers
+
+POSITION_EMBEDDINGS = ("rope", "learned", "none")
+LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Size and options of a `GPT`.
+
+    Attributes:
+      vocab_size: tokens.
+      hidden_size: model width.
+      num_layers: Transformer blocks.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (None: ``num_heads``; fewer: GQA; 1: MQA).
+      head_dim: None: ``hidden_size // num_heads``.
+      mlp_dim: MLP hidden width.
+      max_seq_len: longest sequence (size of the learned position table; longest decode cache).
+      activations: MLP activation, TransformerEngine-style (``("gelu",)``, ``("silu", "linear")`` = SwiGLU).
+      layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+      layernorm_epsilon: epsilon of every norm.
+      zero_centered_gamma: norms store ``gamma - 1``.
+      position_embedding: ``"rope"``, ``"learned"`` or ``"none"``.
+      rope_max_timescale: RoPE base (theta).
+      rope_group_method: ``"alternate"`` (half-split, Llama/NeoX) or ``"consecutive"`` (interleaved, GPT-J).
+      tie_embeddings: the output layer is the transposed token embedding.
+      use_bias: biases in the projections.
+      dropout_rate: embedding, hidden and MLP-intermediate dropout.
+      attention_dropout: attention-probability dropout.
+      window_size: sliding-window attention ``(left, right)``; None: full causal.
+      logits_soft_cap: attention logit soft cap.
+      init_std: standard deviation of the normal initializer of kernels and embeddings.
+      scan_layers: ``nn.scan`` over the layers (one compiled layer; parameters stacked on ``"layers"``).
+      remat_policy: one of `mtjax.models.REMAT_POLICIES` (``"none"``, ``"full"``, ``"dots"``, ...).
+      dtype: compute dtype.
+      param_dtype: parameter dtype.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp_dim: int = 256
+    max_seq_len: int = 128
+    activations: tuple[str, ...] = ("gelu",)
+    layernorm_type: str = "layernorm"
+    layernorm_epsilon: float = 1e-5
+    zero_centered_gamma: bool = False
+    position_embedding: str = "rope"
+    rope_max_timescale: float = 10000.0
+    rope_group_method: str = "alternate"
+    tie_embeddings: bool = True
+    use_bias: bool = False
+    dropout_rate: float = 0.0
+    attention_dropout: float = 0.0
+    window_size: tuple[int, int] | None = None
+    logits_soft_cap: float | None = None
+    init_std: float = 0.02
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if isinstance(self.activations, str):
+            object.__setattr__(self, "activations", (self.activations,))
+        object.__setattr__(self, "activations", tuple(self.activations))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{owner}: {name}={value!r}; expected a positive int")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"{owner}: hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} "
+                             f"(or set head_dim)")
+        check_heads(owner, self.resolved_head_dim, self.num_heads, self.num_kv_heads)
+        ops.canonical_activation(self.activations)
+        for name, accepted in (("layernorm_type", LAYERNORM_TYPES), ("position_embedding", POSITION_EMBEDDINGS),
+                               ("rope_group_method", ROTARY_GROUP_METHODS), ("remat_policy", tuple(REMAT_POLICIES))):
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: {', '.join(accepted)}")
+        for name in ("dropout_rate", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{owner}: {name}={getattr(self, name)}; expected 0 <= rate < 1")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def resolved_num_kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def num_params(self) -> int:
+        """Number of parameters (what `GPT.init` creates)."""
+        h, d = self.hidden_size, self.resolved_head_dim
+        q, kv = self.num_heads * d, self.resolved_num_kv_heads * d
+        norm = h if self.layernorm_type == "rmsnorm" else 2 * h
+        gates = 2 if ops.is_gated(self.activations) else 1
+        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv + h if self.use_bias else 0)
+        mlp = h * gates * self.mlp_dim + self.mlp_dim * h + (gates * self.mlp_dim + h if self.use_bias else 0)
+        layer = attention + mlp + 2 * norm
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        positions = self.max_seq_len * h if self.position_embedding == "learned" else 0
+        return self.num_layers * layer + embeddings + positions + norm
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): ``6 * N`` for the weight GEMMs plus causal
+        attention ``6 * layers * seq_len * heads * head_dim`` (half of the full ``12 * ...``).
+
+        ``N`` counts the parameters that take part in a GEMM: all but the lookup-only tables (the
+        position table, and the input embedding when it is not tied to the output layer)."""
+        lookup_only = (self.max_seq_len * self.hidden_size if self.position_embedding == "learned" else 0) + (
+            0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
+        attention = 6 * self.num_layers * seq_len * self.num_heads * self.resolved_head_dim
+        return 6.0 * (self.num_params() - lookup_only) + attention
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # For CPU tests and `mtjax train`: every Llama feature (RMSNorm, SwiGLU, RoPE, GQA) at toy size.
+    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                 max_seq_len=128, activations=("silu", "linear"), layernorm_type="rmsnorm"),
+    "gpt-125m": dict(vocab_size=32768, hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072,
+                     max_seq_len=2048, dtype=jnp.bfloat16),
+    # The stock-Flax peer of ANCHORS.md: LayerNorm + GELU, tied embedding, 1.275B parameters.
+    "gpt-1.3b": dict(vocab_size=32768, hidden_size=2048, num_layers=24, num_heads=16, mlp_dim=8192,
+                     max_seq_len=2048, dtype=jnp.bfloat16),
+    # Llama-3.2-1B's shape (RMSNorm, SwiGLU, RoPE theta 500k, GQA 32/8, tied) with a 32768 vocabulary.
+    "llama-1b": dict(vocab_size=32768, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, mlp_dim=8192,
+                     max_seq_len=8192, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     rope_max_timescale=500000.0, dtype=jnp.bfloat16),
+}
+PRESETS = tuple(_PRESETS)
+
+
+def gpt_config(name: str, **overrides: Any) -> GPTConfig:
+    """A preset (`PRESETS`: ``"tiny"``, ``"gpt-125m"``, ``"gpt-1.3b"``, ``"llama-1b"``) with fields overridden."""
+    if name not in _PRESETS:
+        raise ValueError(f"gpt_config: name={name!r} is not a preset; accepted: {', '.join(PRESETS)}")
+    return GPTConfig(**{**_PRESETS[name], **overrides})
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: token (+ learned position) embedding, ``num_layers`` pre-LN causal
+    `TransformerLayer`s, final norm, output layer (tied to the embedding by default).
+
+    ``__call__(tokens, *, positions=None, segment_ids=None, deterministic=True, decode=False)``:
+    ``tokens [batch, seq]`` int; ``positions [batch, seq]`` (default ``0..seq-1``; with packing, restart
+    them per segment); ``segment_ids [batch, seq]`` (0 = padding) keep attention within a segment;
+    ``deterministic=False`` enables dropout (rng collection ``"dropout"``). Returns float32 logits
+    ``[batch, seq, vocab_size]``.
+
+    ``decode=True`` uses the ``"cache"`` collection: create it with ``init(..., decode=True)`` on tokens
+    ``[batch, max_length]``, then call with ``mutable=["cache"]`` on one (or a few) tokens at a time.
+
+    Attributes:
+      config: a `GPTConfig`.
+    """
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 deterministic: bool = True, decode: bool = False) -> jax.Array:
+        cfg = self.config
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"GPT: tokens must be int [batch, seq]; got {tokens.dtype} {tokens.shape}")
+        batch, seq = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+            if decode:
+                positions = positions + self._decode_offset(seq)
+        init = nn.initializers.normal(cfg.init_std)
+        embed = Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=init, dtype=cfg.dtype,
+                      param_dtype=cfg.param_dtype, name="token_embed")
+        x = embed(tokens)
+        if cfg.position_embedding == "learned":
+            x = x + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_init=init, embedding_axes=(None, "embed"),
+                          dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="position_embed")(positions)
+        x = nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
+        layer = dict(
+            hidden_size=cfg.hidden_size, mlp_hidden_size=cfg.mlp_dim, num_attention_heads=cfg.num_heads,
+            num_gqa_groups=cfg.num_kv_heads, head_dim=cfg.resolved_head_dim, layernorm_type=cfg.layernorm_type,
+            layernorm_epsilon=cfg.layernorm_epsilon, zero_centered_gamma=cfg.zero_centered_gamma,
+            hidden_dropout=cfg.dropout_rate, attention_dropout=cfg.attention_dropout,
+            intermediate_dropout=cfg.dropout_rate, mha_kernel_init=init, mlp_kernel_init=init,
+            mlp_activations=cfg.activations, use_bias=cfg.use_bias, layer_type=TransformerLayerType.ENCODER,
+            self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
+            rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
+            window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+        )
+        x = apply_layers(x, layer=layer, num_layers=cfg.num_layers, scan_layers=cfg.scan_layers,
+                         remat_policy=cfg.remat_policy, segment_ids=segment_ids, positions=positions,
+                         deterministic=deterministic, decode=decode)
+        x = LayerNorm(epsilon=cfg.layernorm_epsilon, layernorm_type=cfg.layernorm_type,
+                      zero_centered_gamma=cfg.zero_centered_gamma, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                      name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x, preferred_element_type=jnp.float32)
+        else:
+            logits = DenseGeneral(cfg.vocab_size, use_bias=False, kernel_init=init, kernel_axes=("embed", "vocab"),
+                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="logits_dense")(x)
+        return nn.with_logical_constraint(logits.astype(jnp.float32), LOGITS_AXES)
+
+    def _decode_offset(self, seq: int) -> jax.Array:
+        """Position of the first token of this decode step (0 while `init` creates the cache)."""
+        initialized = self.has_variable(CACHE_COLLECTION, "position")
+        position = self.variable(CACHE_COLLECTION, "position", lambda: jnp.zeros((), jnp.int32))
+        if not initialized:
+            return jnp.zeros((), jnp.int32)
+        start = position.value
+        position.value = start + seq
+        return start
