@@ -69,11 +69,16 @@ def run(quick: bool) -> list[dict]:
                                         timing.random_array(keys[2 * i + 1], (b, s, h), jnp.bfloat16)), max_sets=8)
     flops = b * s * (6 * (4 * h * h + 2 * h * f) + 6 * s * h)
     name = f"block fwd+bwd b{b} s{s} h{h} ffn{f}"
-    rows = []
+    todo, lowered = [], []
     for implementation, peer, ceiling, layer, apply, context in _variants(shape):
         with context():
             variables = jax.jit(layer.init)(jax.random.key(0), inputs[0][0])
-            fn = _grad_fn(apply)
-            t = timing.measure(lambda x, dy: fn(variables, x, dy), inputs, runs=5 if quick else 20)
-        rows.append(timing.row("layer", name, implementation, t, flops=flops, peer=peer, ceiling=ceiling))
+            lowered.append(_grad_fn(apply).lower(variables, *inputs[0]))
+        todo.append((implementation, peer, ceiling, variables))
+    rows = []
+    for (implementation, peer, ceiling, variables), (fn, compile_s) in zip(todo, timing.compile_all(lowered)):
+        t = timing.measure(lambda x, dy, fn=fn, variables=variables: fn(variables, x, dy), inputs,
+                           runs=5 if quick else 20)
+        rows.append(timing.row("layer", name, implementation, t, flops=flops, peer=peer, ceiling=ceiling,
+                               compile_s=compile_s))
     return rows

@@ -14,6 +14,7 @@ Timing rules (`measure`, `measure_steps`):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import statistics
@@ -127,6 +128,22 @@ def measure_steps(step: Callable[..., Any], state: Any, batches: Sequence[Any], 
         _block(out)
         samples.append(time.perf_counter() - start)
     return Timing(statistics.median(samples), min(samples), max(samples), runs), out
+
+
+def compile_all(lowered: Sequence[Any]) -> list[tuple[Any, float]]:
+    """``(compiled, seconds)`` for each ``jax.stages.Lowered``, compiled concurrently.
+
+    XLA compilation (with autotuning, tens of seconds for a large model) releases the GIL, so
+    independent variants compile side by side. Trace (``.lower``) in the caller's thread: tracing
+    reads process-wide state such as ``fp8_autocast``.
+    """
+
+    def compile_one(item):
+        start = time.perf_counter()
+        return item.compile(), time.perf_counter() - start
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(lowered))) as pool:
+        return list(pool.map(compile_one, lowered))
 
 
 def row(suite: str, name: str, implementation: str, timing: Timing, *, flops: float | None = None,

@@ -10,18 +10,16 @@ variants run side by side in one process:
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
 
 Model FLOPs per token are the preset's ``flops_per_token(seq)`` (6·N + causal attention) for all
-four, so MFU and speed-ups compare the same work. All steps are compiled first, concurrently (the
-compilations are independent CPU work), then timed one after the other with the state threaded
-through as in training.
+four, so MFU and speed-ups compare the same work. All steps are compiled first, concurrently
+(`timing.compile_all`), then timed one after the other with the state threaded through as in
+training; ``--profile DIR`` adds each step's per-op device time (`mtjax.bench.profile`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,23 +102,12 @@ def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict
 
 
 def _compile_all(todo: Sequence[Variant], batch: dict[str, jax.Array]) -> list[tuple[Any, float]]:
-    """``(compiled step, seconds)`` for each variant.
-
-    Tracing runs here, one variant after the other, because ``fp8_autocast`` is process-wide state
-    read at trace time; the XLA compilations (most of the time) then run concurrently.
-    """
+    """``(compiled step, seconds)`` per variant; traced one by one, compiled concurrently."""
     lowered = []
     for variant in todo:
-        start = time.perf_counter()
         with variant.context():
-            lowered.append((variant.step.lower(jax.eval_shape(variant.init), batch), time.perf_counter() - start))
-
-    def compile_one(item):
-        start = time.perf_counter()
-        return item[0].compile(), item[1] + time.perf_counter() - start
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(todo)) as pool:
-        return list(pool.map(compile_one, lowered))
+            lowered.append(variant.step.lower(jax.eval_shape(variant.init), batch))
+    return timing.compile_all(lowered)
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None) -> list[dict]:
