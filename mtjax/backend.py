@@ -81,6 +81,15 @@ def _cuda_capability_tuple(text: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
+def _jax_gpu_backend_reachable() -> bool:
+    """False when CUDA runs through a plugin registered under another name (e.g. ``mtcuda``).
+
+    jax's cuDNN attention asks for the ``gpu`` backend by name and fails on such a plugin, while
+    Triton kernels and XLA's own GEMMs run there.
+    """
+    return platform() != "cuda" or "cuda" in xla_bridge.backends()
+
+
 def capabilities(platform_name: str | None = None) -> frozenset[str]:
     """What ``platform_name`` (default: the current platform) can run.
 
@@ -97,7 +106,9 @@ def capabilities(platform_name: str | None = None) -> frozenset[str]:
         cc_text = getattr(devices[0], "compute_capability", None) if devices else None
         cc = _cuda_capability_tuple(cc_text or config.cuda_compute_capability)
         if cc >= (8, 0):
-            caps |= {PALLAS_TRITON, CUDNN_ATTENTION}
+            caps.add(PALLAS_TRITON)
+            if _jax_gpu_backend_reachable():
+                caps.add(CUDNN_ATTENTION)
         if cc >= (8, 9):
             caps.add(FP8_GEMM)
         if cc[0] in (9, 10):

@@ -18,6 +18,8 @@ from mtjax.config import Config, config, override
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="selection tests assume a CPU-only process")
+
 
 # A test-only op: "xla" adds one; "pallas_triton" doubles, in a Pallas kernel.
 def _double_kernel(x_ref, o_ref):

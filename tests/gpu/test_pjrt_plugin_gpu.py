@@ -43,6 +43,12 @@ def test_cuda_library_loaded_as_a_vendor_plugin_runs_mtjax_ops():
                 z = jax.jit(lambda x: ops.layernorm(x, g, implementation=impl))(x)
                 np.testing.assert_allclose(np.asarray(z), ref, rtol=1e-4, atol=1e-4)
                 print("layernorm", impl, "ok on mtcuda")
+        impl, why = backend.select("attention")
+        print("attention on mtcuda:", impl.name, why)
+        q = jax.random.normal(jax.random.key(1), (2, 256, 4, 64), jnp.bfloat16)
+        out = jax.jit(lambda q: ops.attention(q, q, q, mask_type="causal"))(q)
+        ref = ops.attention(q, q, q, mask_type="causal", implementation="xla")
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
         print("PLUGIN_OK", backend.loaded_plugins())
     """)
     env = {**os.environ, "JAX_PLATFORMS": "mtcuda"}
