@@ -1,0 +1,93 @@
+"""The train step: learning, metrics, gradient accumulation, sharding, the eval step, bad arguments."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from mtjax.sharding import MeshConfig, logical_axis_rules
+from mtjax.train.data import PackedDataset
+from mtjax.train.state import abstract_train_state, init_train_state
+from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, throughput
+from tests.train.tiny_lm import TinyLM
+
+BATCH, SEQ = 8, 16
+
+
+@pytest.fixture(scope="module")
+def batches():
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, np.uint8).astype(np.int32)
+    data = PackedDataset(text, SEQ, seed=0)
+    return [data.batch(i, BATCH) for i in range(6)]
+
+
+def _run(model, optimizer, batches, steps, **step_kwargs):
+    mesh = step_kwargs.get("mesh")
+    rules = step_kwargs.get("rules")
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ), mesh=mesh, rules=rules)
+    if mesh is not None:
+        abstract = abstract_train_state(model, optimizer, (BATCH, SEQ), mesh=mesh, rules=rules)
+        step_kwargs["state_sharding"] = jax.tree.map(lambda a: a.sharding, abstract)
+    train_step = make_train_step(model, optimizer, **step_kwargs)
+    metrics = []
+    for batch in batches[:steps]:
+        state, m = train_step(state, batch)
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+def test_loss_falls_and_metrics_are_reported(batches):
+    optimizer, schedule = make_optimizer(3e-2, total_steps=6, warmup_steps=2)
+    state, metrics = _run(TinyLM(), optimizer, batches, 6, learning_rate=schedule)
+    losses = [float(m["loss"]) for m in metrics]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert [float(m["learning_rate"]) for m in metrics] == pytest.approx([float(schedule(i)) for i in range(6)])
+    assert all(float(m["grad_norm"]) > 0 for m in metrics)
+    assert int(state.step) == 6 and state.fp8_meta == {}
+
+
+def test_gradient_accumulation_matches_the_full_batch(batches):
+    model, optimizer = TinyLM(dropout_rate=0.0), optax.adam(1e-2)
+    full_state, full = _run(model, optimizer, batches, 3)
+    acc_state, acc = _run(model, optimizer, batches, 3, grad_accum_steps=4)
+    np.testing.assert_allclose([m["loss"] for m in acc], [m["loss"] for m in full], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), acc_state.params, full_state.params)
+
+
+def test_sharded_step_matches_one_device(batches):
+    model, optimizer = TinyLM(dropout_rate=0.0), optax.adam(1e-2)
+    config = MeshConfig(dp=4, tp=2)
+    mesh, rules = config.make_mesh(), logical_axis_rules(config)
+    one_state, one = _run(model, optimizer, batches, 3)
+    state, sharded = _run(model, optimizer, batches, 3, mesh=mesh, rules=rules, grad_accum_steps=2)
+    assert state.params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
+    np.testing.assert_allclose([m["loss"] for m in sharded], [m["loss"] for m in one], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, one_state.params)
+
+
+def test_eval_step_is_deterministic_and_leaves_state(batches):
+    model, optimizer = TinyLM(), optax.adam(1e-2)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    eval_step = make_eval_step(model)
+    first, second = eval_step(state, batches[0]), eval_step(state, batches[0])
+    assert float(first["loss"]) == float(second["loss"]) > 0
+    assert int(state.step) == 0
+
+
+def test_bad_arguments():
+    model, optimizer = TinyLM(), optax.adam(1e-2)
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        make_train_step(model, optimizer, grad_accum_steps=0)
+    mesh = MeshConfig(dp=8).make_mesh()
+    with pytest.raises(ValueError, match="state_sharding"):
+        make_train_step(model, optimizer, mesh=mesh, rules=logical_axis_rules(MeshConfig(dp=8)))
+    with pytest.raises(ValueError, match="warmup_steps"):
+        make_optimizer(1e-3, total_steps=10, warmup_steps=20)
+    with pytest.raises(ValueError, match="learning_rate"):
+        make_optimizer(0.0, total_steps=10)
+
+
+def test_throughput_figures():
+    assert throughput(1000, 2.0) == {"tokens_per_s": 500.0}
+    metrics = throughput(1000, 2.0, flops_per_token=6e9, num_devices=2, peak_tflops=1.0)
+    assert metrics["model_tflops"] == pytest.approx(1.5) and metrics["mfu"] == pytest.approx(1.5)

@@ -1,0 +1,107 @@
+"""`TrainState`: everything a training run carries from step to step, as one pytree.
+
+Parameters are kept in ``param_dtype`` (f32 master weights); the model computes in its ``dtype``
+(bf16 on GPUs). With a mesh, every leaf is laid out by the logical-axis annotations of the model
+(``nn.with_logical_partitioning``) mapped through the logical rules; optimizer moments inherit
+their parameter's layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from mtjax.fp8 import FP8_COLLECTION
+from mtjax.sharding import LogicalRules, logical_shardings, named_sharding, use_mesh
+
+
+@struct.dataclass
+class TrainState:
+    """The state of a training run.
+
+    Attributes:
+      step: int32 scalar, the number of optimizer updates done.
+      params: the model's ``"params"`` collection (f32 master weights).
+      fp8_meta: the model's ``"fp8_meta"`` collection (FP8 delayed-scaling state); ``{}`` without FP8.
+      opt_state: the optax optimizer state.
+      rng: a raw ``uint32[2]`` PRNG key, split every step (dropout).
+    """
+
+    step: jax.Array
+    params: Any
+    fp8_meta: Any
+    opt_state: Any
+    rng: jax.Array
+
+    def variables(self) -> dict[str, Any]:
+        """The variables to ``model.apply`` with."""
+        variables = {"params": self.params}
+        if self.fp8_meta:
+            variables[FP8_COLLECTION] = self.fp8_meta
+        return variables
+
+
+def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_shape: tuple[int, int]):
+    def init(rng: jax.Array) -> TrainState:
+        params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
+        variables = model.init({"params": params_rng, "dropout": dropout_rng},
+                               jnp.zeros(batch_shape, jnp.int32))
+        params = variables["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          fp8_meta=variables.get(FP8_COLLECTION, {}), opt_state=optimizer.init(params),
+                          rng=state_rng)
+
+    return init
+
+
+def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
+    """Token batches ``[batch, seq]``: split over the data-parallel axes (``activation_batch``)."""
+    return named_sharding(mesh, rules, ("activation_batch", None))
+
+
+def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
+                         batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
+                         rules: LogicalRules | None = None, rng_seed: int = 0) -> TrainState:
+    """The `TrainState` as ``jax.ShapeDtypeStruct`` leaves with their ``.sharding``.
+
+    Without ``mesh`` every leaf is on the first device.
+
+    What `init_train_state` creates and what `mtjax.train.checkpoint.Checkpointer.restore` restores
+    into (which is how a checkpoint moves to another mesh or device count).
+    """
+    boxed = jax.eval_shape(_init_fn(model, optimizer, batch_shape), jax.random.PRNGKey(rng_seed))
+    abstract = nn.meta.unbox(boxed)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    if rules is None:
+        raise ValueError("abstract_train_state(mesh=...) needs rules=[(logical_axis, mesh_axes), ...]")
+    shardings = logical_shardings(boxed, mesh, rules)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
+                     batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
+                     rules: LogicalRules | None = None) -> TrainState:
+    """A fresh `TrainState`, each leaf created directly in its sharding.
+
+    Args:
+      model: a linen module called as ``model(tokens [batch, seq] int32, deterministic=...)``.
+      optimizer: the optax transformation.
+      rng: a raw PRNG key (``jax.random.PRNGKey(seed)``).
+      batch_shape: ``(batch, seq)`` of the token batches (only the shape matters).
+      mesh, rules: lay the state out on ``mesh`` by the logical-axis ``rules``.
+    """
+    init = _init_fn(model, optimizer, batch_shape)
+    if mesh is None:
+        return jax.jit(lambda r: nn.meta.unbox(init(r)))(rng)
+    abstract = abstract_train_state(model, optimizer, batch_shape, mesh=mesh, rules=rules)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    with use_mesh(mesh, rules):
+        return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)

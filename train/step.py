@@ -1,0 +1,201 @@
+"""The train and eval steps: jitted, sharded, donating the state; gradient accumulation; metrics.
+
+``make_train_step`` returns ``step(state, batch) -> (state, metrics)`` where ``batch`` is
+``{"inputs": int32[batch, seq], "targets": int32[batch, seq]}`` (global arrays when sharded) and
+``metrics`` holds device scalars ``loss``, ``grad_norm`` and ``learning_rate``. Wall-clock figures
+(tokens/s, model TFLOP/s, MFU) are computed on the host by `throughput`, since they need the time
+between steps, which the jitted step cannot see.
+
+FP8: the step traces whatever `mtjax.fp8.fp8_autocast` is in force when it is first called. The
+next FP8 meta rides on the gradient (see `mtjax.fp8`): `split_gradients` separates it from the
+parameter gradients, and micro-batches are combined with `accumulate_gradients`, which sums
+parameter gradients but combines amaxes by max (summing them would be wrong).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from mtjax import fp8
+from mtjax.sharding import LogicalRules, jit_sharded
+from mtjax.train.state import TrainState, batch_sharding
+
+Batch = Mapping[str, jax.Array]
+LossFn = Callable[[jax.Array, Batch], jax.Array]
+
+
+def next_token_loss(logits: jax.Array, batch: Batch) -> jax.Array:
+    """Mean cross-entropy of ``logits [batch, seq, vocab]`` against ``batch["targets"]``, in f32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return losses.mean()
+
+
+def _micro_batches(batch: Batch, count: int) -> Batch:
+    """``[batch, ...] -> [count, batch / count, ...]``, micro-batch ``i`` taking rows ``i, i + count, ...``.
+
+    Strided rather than contiguous rows, so each device's share of the (data-parallel) batch
+    contributes to every micro-batch and no device sits idle during one.
+    """
+    def split(x: jax.Array) -> jax.Array:
+        if x.shape[0] % count:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by grad_accum_steps={count}")
+        x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+        return nn.with_logical_constraint(x, (None, "activation_batch") + (None,) * (x.ndim - 2))
+
+    return jax.tree.map(split, dict(batch))
+
+
+def make_train_step(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    loss_fn: LossFn = next_token_loss,
+    *,
+    mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
+    state_sharding: TrainState | None = None,
+    grad_accum_steps: int = 1,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    donate: bool = True,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """A jitted ``step(state, batch) -> (state, metrics)``.
+
+    Args:
+      model: a linen module called as ``model(inputs [batch, seq] int32, deterministic=False)``
+        returning logits; dropout draws from the ``"dropout"`` rng.
+      optimizer: the optax transformation (clipping and schedules included, e.g. from `make_optimizer`).
+      loss_fn: ``loss_fn(logits, batch) -> scalar``; default `next_token_loss`.
+      mesh, rules: run sharded on ``mesh`` with the logical-axis ``rules``; then ``state_sharding``
+        (the shardings of the state, ``jax.tree.map(lambda a: a.sharding, abstract_state)``) is required.
+      grad_accum_steps: split each batch into this many micro-batches, run one after the other.
+      learning_rate: the optimizer's learning rate or schedule, reported as ``metrics["learning_rate"]``.
+      donate: donate the input state's buffers (the caller must not reuse the old state).
+    """
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
+    if (mesh is None) != (rules is None) or (mesh is not None and state_sharding is None):
+        raise ValueError("make_train_step: pass mesh, rules and state_sharding together (or none of them)")
+
+    def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any]:
+        def loss_of(variables: dict[str, Any]) -> jax.Array:
+            logits = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng})
+            return loss_fn(logits, batch)
+
+        return jax.value_and_grad(loss_of)(variables)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        rng, step_rng = jax.random.split(state.rng)
+        variables = state.variables()
+        if grad_accum_steps == 1:
+            loss, grads = grads_of(variables, batch, step_rng)
+        else:
+            micro = _micro_batches(batch, grad_accum_steps)
+            rngs = jax.random.split(step_rng, grad_accum_steps)
+            first_loss, first_grads = grads_of(variables, jax.tree.map(lambda x: x[0], micro), rngs[0])
+
+            def accumulate(carry, xs):
+                loss_sum, acc = carry
+                loss, grads = grads_of(variables, xs[0], xs[1])
+                return (loss_sum + loss, fp8.accumulate_gradients(acc, grads)), None
+
+            rest = (jax.tree.map(lambda x: x[1:], micro), rngs[1:])
+            (loss_sum, acc), _ = jax.lax.scan(
+                accumulate, (first_loss, fp8.accumulate_gradients(None, first_grads)), rest)
+            loss = loss_sum / grad_accum_steps
+            grads = fp8.finalize_accumulated(acc, grad_accum_steps)
+        grads, new_fp8_meta = fp8.split_gradients(grads)
+        param_grads = grads["params"]
+        updates, opt_state = optimizer.update(param_grads, state.opt_state, state.params)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=optax.apply_updates(state.params, updates),
+            fp8_meta=new_fp8_meta if state.fp8_meta else state.fp8_meta,
+            opt_state=opt_state,
+            rng=rng,
+        )
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(param_grads)}
+        if learning_rate is not None:
+            metrics["learning_rate"] = (learning_rate(state.step) if callable(learning_rate)
+                                        else jnp.asarray(learning_rate, jnp.float32))
+        return new_state, metrics
+
+    donate_argnums = (0,) if donate else ()
+    if mesh is None:
+        return jax.jit(step, donate_argnums=donate_argnums)
+    return jit_sharded(step, mesh=mesh, rules=rules, donate_argnums=donate_argnums,
+                       in_shardings=(state_sharding, batch_sharding(mesh, rules)),
+                       out_shardings=(state_sharding, None))
+
+
+def make_eval_step(
+    model: nn.Module,
+    loss_fn: LossFn = next_token_loss,
+    *,
+    mesh: Mesh | None = None,
+    rules: LogicalRules | None = None,
+    state_sharding: TrainState | None = None,
+) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
+    """A jitted ``eval_step(state, batch) -> {"loss": scalar}`` (no dropout, state untouched)."""
+    if (mesh is None) != (rules is None) or (mesh is not None and state_sharding is None):
+        raise ValueError("make_eval_step: pass mesh, rules and state_sharding together (or none of them)")
+
+    def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+        logits = model.apply(state.variables(), batch["inputs"], deterministic=True)
+        return {"loss": loss_fn(logits, batch)}
+
+    if mesh is None:
+        return jax.jit(eval_step)
+    return jit_sharded(eval_step, mesh=mesh, rules=rules,
+                       in_shardings=(state_sharding, batch_sharding(mesh, rules)), out_shardings=None)
+
+
+def make_optimizer(
+    learning_rate: float,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    min_learning_rate_ratio: float = 0.1,
+    weight_decay: float = 0.1,
+    clip_norm: float | None = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.95,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with global-norm clipping and linear warmup then cosine decay; returns (optimizer, schedule).
+
+    Weight decay applies to matrices only (not to biases and norm scales), the GPT-2/3 convention.
+    """
+    if learning_rate <= 0 or total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(
+            f"make_optimizer(learning_rate={learning_rate}, total_steps={total_steps}, "
+            f"warmup_steps={warmup_steps}): expected learning_rate > 0 and 0 <= warmup_steps <= total_steps >= 1"
+        )
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
+        decay_steps=total_steps, end_value=learning_rate * min_learning_rate_ratio)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    return optax.chain(*chain, adamw), schedule
+
+
+def throughput(tokens: int, seconds: float, *, flops_per_token: float | None = None,
+               num_devices: int = 1, peak_tflops: float | None = None) -> dict[str, float]:
+    """Wall-clock metrics of ``tokens`` trained in ``seconds``.
+
+    Returns ``tokens_per_s``; with ``flops_per_token`` (the model's training FLOPs per token, e.g.
+    ``config.flops_per_token(seq_len)``) also ``model_tflops`` per device, and with ``peak_tflops``
+    (one device's peak) ``mfu``, the fraction of that peak.
+    """
+    metrics = {"tokens_per_s": tokens / seconds}
+    if flops_per_token:
+        tflops = tokens * flops_per_token / seconds / num_devices / 1e12
+        metrics["model_tflops"] = tflops
+        if peak_tflops:
+            metrics["mfu"] = tflops / peak_tflops
+    return metrics
