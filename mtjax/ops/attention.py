@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
+from mtjax.kernels import flash_attention
+from mtjax.kernels._common import interpret as kernel_interpret
 from mtjax.ops._checks import check_choice, check_float, check_rank
 from mtjax.ops.softmax import causal_mask, masked_softmax
 
@@ -170,3 +172,62 @@ def attention(
         implementation=implementation, mask_type=mask_type, scale=scale, dropout_rate=float(dropout_rate),
         window_size=window_size, logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels. Selection from the H200 measurements (`mtjax bench attention`, README table): see the
+# priorities below.
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_causal(mask_type: str) -> bool:
+    return mask_type in ("causal", "padding_causal")
+
+
+def _pallas_triton_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+                               mask_type, scale, dropout_rate, window_size, logits_soft_cap) -> str | None:
+    if bias is not None:
+        return "bias (a [q_len, kv_len] operand; the kernel never reads one)"
+    if mask is not None:
+        return "an explicit mask (pass segment ids or seqlens instead)"
+    if dropout_rate > 0.0:
+        return "dropout"
+    if not jnp.result_type(query) == jnp.result_type(key) == jnp.result_type(value):
+        return "query, key and value of different dtypes"
+    return flash_attention.unsupported(jnp.shape(query), jnp.shape(key), jnp.result_type(query))
+
+
+@backend.register("attention", "pallas_triton", requires=(backend.PALLAS_TRITON,),
+                  supports=_pallas_triton_unsupported, priority=10)
+def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+                             mask_type, scale, dropout_rate, window_size, logits_soft_cap):
+    return flash_attention.flash_attention(
+        query, key, value, q_segment_ids, kv_segment_ids, scale=scale, causal=_is_causal(mask_type),
+        window_size=window_size, logits_soft_cap=logits_soft_cap, interpret=kernel_interpret(),
+    )
+
+
+def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+                       mask_type, scale, dropout_rate, window_size, logits_soft_cap) -> str | None:
+    dtype = jnp.result_type(query)
+    if dtype not in (jnp.bfloat16, jnp.float16) or not dtype == jnp.result_type(key) == jnp.result_type(value):
+        return f"dtype {dtype} (cuDNN flash attention takes bfloat16 or float16 q, k, v)"
+    head_dim = jnp.shape(query)[-1]
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} (cuDNN: a multiple of 8, at most 256)"
+    if _is_causal(mask_type) and jnp.shape(query)[1] != jnp.shape(key)[1]:
+        return "causal with q_len != kv_len (cuDNN aligns causal top-left, mtjax bottom-right)"
+    for name, present in (("bias", bias is not None), ("explicit mask", mask is not None),
+                          ("segment ids", q_segment_ids is not None), ("dropout", dropout_rate > 0.0),
+                          ("sliding window", window_size is not None), ("soft-cap", logits_soft_cap is not None)):
+        if present:
+            return f"{name} (not routed to cuDNN)"
+    return None
+
+
+@backend.register("attention", "cudnn", requires=(backend.CUDNN_ATTENTION,), platforms=("cuda",),
+                  supports=_cudnn_unsupported, priority=20)
+def _attention_cudnn(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+                     mask_type, scale, dropout_rate, window_size, logits_soft_cap):
+    return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=_is_causal(mask_type),
+                                        implementation="cudnn")

@@ -1,0 +1,543 @@
+"""Flash attention, forward and backward, in Pallas with the Triton lowering.
+
+Layout is BTNH: ``q [batch, q_len, heads, head_dim]``, ``k``/``v [batch, kv_len, kv_heads, head_dim]``
+with ``heads`` a multiple of ``kv_heads``. The kernels never materialise the ``q_len x kv_len``
+logits: the forward pass keeps an online softmax per block of queries and saves the row
+log-sum-exp; the backward pass recomputes the probabilities from it in two kernels, one over key
+blocks (dk, dv; for GQA it loops over the query heads of its kv head, so K/V are never repeated)
+and one over query blocks (dq).
+
+Masks are described statically by `MaskSpec` (causal and sliding window as a band of allowed
+``key - query`` offsets, bottom-right aligned) plus optional segment ids (0 marks padding). Key
+blocks entirely outside the band are skipped through the loop bounds; blocks entirely inside it
+run without any mask arithmetic; only the band's edges (and the padded tails) are masked.
+A query that sees no key returns zeros. Logits are scaled into the base-2 domain (``exp2``) and all
+statistics and accumulators are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+LOG2E = math.log2(math.e)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MIN_BLOCK = 16  # the smallest tile tl.dot accepts
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """Which keys a query sees, besides segment ids.
+
+    Query ``i`` may see key ``j`` when ``lo <= j - (i + kv_len - q_len) <= hi`` and ``j < kv_len``.
+
+    Attributes:
+      q_len: the true query length (the arrays may be padded beyond it).
+      kv_len: the true key length.
+      lo: the smallest allowed offset (``-left`` of a sliding window), ``None`` for unbounded.
+      hi: the largest allowed offset (0 when causal, ``right`` of a window), ``None`` for unbounded.
+      segments: segment ids are given: keys must share the query's non-zero id.
+    """
+
+    q_len: int
+    kv_len: int
+    lo: int | None = None
+    hi: int | None = None
+    segments: bool = False
+
+    @classmethod
+    def build(cls, q_len: int, kv_len: int, *, causal: bool, window_size: tuple[int, int] | None,
+              segments: bool) -> "MaskSpec":
+        lo = hi = None
+        if window_size is not None:
+            left, right = window_size
+            lo = -left if left >= 0 else None
+            hi = right if right >= 0 else None
+        if causal:
+            hi = 0 if hi is None else min(hi, 0)
+        return cls(q_len=q_len, kv_len=kv_len, lo=lo, hi=hi, segments=segments)
+
+    @property
+    def offset(self) -> int:
+        return self.kv_len - self.q_len
+
+    def keep(self, q_pos, k_pos, q_seg, kv_seg, *, edge: bool):
+        """Bool mask of visible pairs, or ``None`` when everything is visible.
+
+        ``q_pos``/``q_seg`` and ``k_pos``/``kv_seg`` are 2-d and broadcast against each other (a
+        column and a row, either way round), so the backward pass gets its transposed tile directly.
+        ``edge`` says the block may straddle the band or the key tail; blocks inside need only the
+        segment test.
+        """
+        keep = None
+
+        def conj(a, b):
+            return b if a is None else a & b
+
+        if edge:
+            delta = k_pos - q_pos - self.offset
+            if self.lo is not None:
+                keep = conj(keep, delta >= self.lo)
+            if self.hi is not None:
+                keep = conj(keep, delta <= self.hi)
+            keep = conj(keep, k_pos < self.kv_len)
+        if self.segments:
+            keep = conj(keep, (q_seg == kv_seg) & (q_seg != 0) & (kv_seg != 0))
+        return keep
+
+    def kv_blocks(self, q0, block_q: int, block_k: int):
+        """For queries ``[q0, q0 + block_q)``: key blocks ``lo <= full_lo <= full_hi <= hi``;
+        ``[lo, hi)`` may hold visible keys and ``[full_lo, full_hi)`` is visible to every row."""
+        off = self.offset
+        lo = 0 if self.lo is None else lax.div(jnp.maximum(q0 + off + self.lo, 0), block_k)
+        end = self.kv_len if self.hi is None else jnp.clip(q0 + block_q + off + self.hi, 0, self.kv_len)
+        hi = jnp.maximum(_cdiv(end, block_k), lo)
+        full_lo = lo if self.lo is None else jnp.clip(_cdiv(jnp.maximum(q0 + block_q - 1 + off + self.lo, 0), block_k), lo, hi)
+        full_end = self.kv_len if self.hi is None else jnp.clip(q0 + off + self.hi + 1, 0, self.kv_len)
+        full_hi = jnp.clip(lax.div(full_end, block_k), full_lo, hi)
+        return lo, full_lo, full_hi, hi
+
+    def q_blocks(self, k0, block_k: int, block_q: int):
+        """For keys ``[k0, k0 + block_k)``: query blocks ``lo <= full_lo <= full_hi <= hi`` (as
+        `kv_blocks`). Padded query rows need no mask: their output gradient is zero."""
+        off = self.offset
+        lo = 0 if self.hi is None else lax.div(jnp.maximum(k0 - off - self.hi, 0), block_q)
+        end = self.q_len if self.lo is None else jnp.clip(k0 + block_k - off - self.lo, 0, self.q_len)
+        hi = jnp.maximum(_cdiv(end, block_q), lo)
+        full_lo = lo if self.hi is None else jnp.clip(_cdiv(jnp.maximum(k0 + block_k - 1 - off - self.hi, 0), block_q), lo, hi)
+        full_hi = hi if self.lo is None else jnp.clip(lax.div(jnp.maximum(k0 - off - self.lo + 1, 0), block_q), full_lo, hi)
+        # A key block reaching into the padded key tail is masked throughout.
+        full_hi = jnp.where(k0 + block_k > self.kv_len, full_lo, full_hi)
+        return lo, full_lo, full_hi, hi
+
+
+def _cdiv(a, b: int):
+    return lax.div(a + b - 1, b)
+
+
+def _row(x):
+    return None if x is None else x[None, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles and Triton launch parameters of the three kernels.
+
+    Attributes:
+      block_q, block_k, num_warps, num_stages: the forward kernel.
+      dkdv_block_q, dkdv_block_k, dkdv_num_warps, dkdv_num_stages: the dk/dv kernel.
+      dq_block_q, dq_block_k, dq_num_warps, dq_num_stages: the dq kernel.
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    dkdv_block_q: int = 64
+    dkdv_block_k: int = 128
+    dkdv_num_warps: int = 8
+    dkdv_num_stages: int = 2
+    dq_block_q: int = 128
+    dq_block_k: int = 64
+    dq_num_warps: int = 8
+    dq_num_stages: int = 2
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "BlockSizes":
+        """The tuned defaults for a head dimension on Hopper (H200 measurements)."""
+        if head_dim <= 64:
+            return cls(block_q=128, block_k=64, num_warps=4, num_stages=3,
+                       dkdv_block_q=64, dkdv_block_k=128, dkdv_num_warps=4, dkdv_num_stages=2,
+                       dq_block_q=128, dq_block_k=64, dq_num_warps=4, dq_num_stages=2)
+        if head_dim <= 128:
+            return cls()
+        return cls(block_q=64, block_k=64, num_warps=8, num_stages=2,
+                   dkdv_block_q=32, dkdv_block_k=64, dkdv_num_warps=8, dkdv_num_stages=1,
+                   dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=1)
+
+    def clamp(self, q_len: int, kv_len: int) -> "BlockSizes":
+        """Shrink tiles that exceed the (power-of-two rounded) sequence lengths."""
+        def fit(block, length):
+            return max(_MIN_BLOCK, min(block, pl.next_power_of_2(length)))
+
+        return dataclasses.replace(
+            self,
+            block_q=fit(self.block_q, q_len), block_k=fit(self.block_k, kv_len),
+            dkdv_block_q=fit(self.dkdv_block_q, q_len), dkdv_block_k=fit(self.dkdv_block_k, kv_len),
+            dq_block_q=fit(self.dq_block_q, q_len), dq_block_k=fit(self.dq_block_k, kv_len),
+        )
+
+    @property
+    def q_multiple(self) -> int:
+        return max(self.block_q, self.dkdv_block_q, self.dq_block_q)
+
+    @property
+    def kv_multiple(self) -> int:
+        return max(self.block_k, self.dkdv_block_k, self.dq_block_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    mask: MaskSpec
+    scale: float
+    soft_cap: float | None
+    blocks: BlockSizes
+    interpret: bool
+
+
+def _logits2(q, k, st: _Static):
+    """``q k^T`` scaled (and soft-capped) into the base-2 domain, float32 ``[rows, cols]``."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if st.soft_cap is None:
+        return s * (st.scale * LOG2E)
+    return (st.soft_cap * LOG2E) * jnp.tanh(s * (st.scale / st.soft_cap))
+
+
+def _soft_cap_grad(ds, s2, st: _Static):
+    """Chain ``ds`` (w.r.t. the capped logits) through ``cap * tanh(x / cap)``; ``s2`` = capped * log2 e."""
+    if st.soft_cap is None:
+        return ds
+    t = s2 * (1.0 / (st.soft_cap * LOG2E))
+    return ds * (1.0 - t * t)
+
+
+def _for_blocks(bounds, body, carry):
+    """Run ``body(edge, block, carry)`` over ``[lo, full_lo)`` and ``[full_hi, hi)`` with masks and
+    over ``[full_lo, full_hi)`` without."""
+    lo, full_lo, full_hi, hi = bounds
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, st: _Static, num_q_blocks: int):
+    block_q, block_k = st.blocks.block_q, st.blocks.block_k
+    # The grid runs query blocks last-first: under a causal mask they carry the most work.
+    q0 = (num_q_blocks - 1 - pl.program_id(0)) * block_q
+    q = q_ref[...]
+    rows = (q0 + jnp.arange(block_q))[:, None]
+    q_seg = q_seg_ref[...][:, None] if st.mask.segments else None
+
+    def body(edge, j, carry):
+        acc, m, l = carry
+        k0 = pl.multiple_of(j * block_k, block_k)
+        k = k_ref[pl.ds(k0, block_k), :]
+        s = _logits2(q, k, st)
+        kv_seg = kv_seg_ref[pl.ds(k0, block_k)] if st.mask.segments else None
+        keep = st.mask.keep(rows, (k0 + jnp.arange(block_k))[None, :], q_seg, _row(kv_seg), edge=edge)
+        if keep is not None:
+            s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = v_ref[pl.ds(k0, block_k), :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    head_dim = q_ref.shape[-1]
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = _for_blocks(st.mask.kv_blocks(q0, block_q, block_k), body, carry)
+    empty = l == 0.0
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    # +inf for rows that saw nothing: the backward pass then recomputes p = exp2(s - lse) = 0.
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _forward(q, k, v, q_seg, kv_seg, st: _Static):
+    batch, q_pad, heads, head_dim = q.shape
+    kv_pad, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    b = st.blocks
+    nq = q_pad // b.block_q
+    grid = (nq, batch, heads)
+
+    def q_index(i, n, h):
+        return n, nq - 1 - i, h, 0
+
+    in_specs = [
+        pl.BlockSpec((None, b.block_q, None, head_dim), q_index),
+        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, n, h: (n, 0, h // groups, 0)),
+        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, n, h: (n, 0, h // groups, 0)),
+    ]
+    args = [q, k, v]
+    if st.mask.segments:
+        in_specs += [pl.BlockSpec((None, b.block_q), lambda i, n, h: (n, nq - 1 - i)),
+                     pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0))]
+        args += [q_seg, kv_seg]
+    kernel = functools.partial(_fwd_kernel, st=st, num_q_blocks=nq)
+    if not st.mask.segments:
+        kernel = _without_segments(kernel, 3)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, b.block_q, None, head_dim), q_index),
+                   pl.BlockSpec((None, None, b.block_q), lambda i, n, h: (n, h, nq - 1 - i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
+        interpret=st.interpret,
+        name="mtjax_flash_attention_fwd",
+    )(*args)
+
+
+def _without_segments(kernel, position: int):
+    """Adapt ``kernel`` to a call without the two segment-id refs (inserted as ``None``)."""
+    def adapted(*refs):
+        return kernel(*refs[:position], None, None, *refs[position:])
+    return adapted
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref, *,
+                 st: _Static, groups: int):
+    block_q, block_k = st.blocks.dkdv_block_q, st.blocks.dkdv_block_k
+    k0 = pl.program_id(0) * block_k
+    k = k_ref[...]
+    v = v_ref[...]
+    cols = (k0 + jnp.arange(block_k))[:, None]
+    kv_seg = kv_seg_ref[...][:, None] if st.mask.segments else None
+    bounds = st.mask.q_blocks(k0, block_k, block_q)
+
+    def head(g, carry):
+        def body(edge, i, carry):
+            dk, dv = carry
+            q0 = pl.multiple_of(i * block_q, block_q)
+            q = q_ref[pl.ds(q0, block_q), g, :]
+            do = do_ref[pl.ds(q0, block_q), g, :]
+            lse = lse_ref[g, pl.ds(q0, block_q)]
+            delta = delta_ref[g, pl.ds(q0, block_q)]
+            s_t = _logits2(k, q, st)  # [keys, queries]
+            q_seg = q_seg_ref[pl.ds(q0, block_q)][None, :] if st.mask.segments else None
+            keep_t = st.mask.keep((q0 + jnp.arange(block_q))[None, :], cols, q_seg, kv_seg, edge=edge)
+            p_t = jnp.exp2(s_t - lse[None, :])
+            if keep_t is not None:
+                p_t = jnp.where(keep_t, p_t, 0.0)
+            dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            dp_t = lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            ds_t = _soft_cap_grad(p_t * (dp_t - delta[None, :]), s_t, st)
+            dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            return dk, dv
+
+        return _for_blocks(bounds, body, carry)
+
+    head_dim = k_ref.shape[-1]
+    zeros = jnp.zeros((block_k, head_dim), jnp.float32)
+    dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref, *,
+               st: _Static, num_q_blocks: int):
+    block_q, block_k = st.blocks.dq_block_q, st.blocks.dq_block_k
+    q0 = (num_q_blocks - 1 - pl.program_id(0)) * block_q
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    rows = (q0 + jnp.arange(block_q))[:, None]
+    q_seg = q_seg_ref[...][:, None] if st.mask.segments else None
+
+    def body(edge, j, dq):
+        k0 = pl.multiple_of(j * block_k, block_k)
+        k = k_ref[pl.ds(k0, block_k), :]
+        v = v_ref[pl.ds(k0, block_k), :]
+        s = _logits2(q, k, st)
+        kv_seg = kv_seg_ref[pl.ds(k0, block_k)] if st.mask.segments else None
+        keep = st.mask.keep(rows, (k0 + jnp.arange(block_k))[None, :], q_seg, _row(kv_seg), edge=edge)
+        p = jnp.exp2(s - lse[:, None])
+        if keep is not None:
+            p = jnp.where(keep, p, 0.0)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = _soft_cap_grad(p * (dp - delta[:, None]), s, st)
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    dq = _for_blocks(st.mask.kv_blocks(q0, block_q, block_k), body,
+                     jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+
+
+def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static):
+    batch, q_pad, heads, head_dim = q.shape
+    kv_pad, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    b = st.blocks
+    # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
+    do = do.astype(q.dtype)
+    segments = st.mask.segments
+
+    # dk, dv: one program per key block and kv head, looping over the kv head's query heads.
+    nk = kv_pad // b.dkdv_block_k
+    kv_block = pl.BlockSpec((None, b.dkdv_block_k, None, head_dim), lambda j, n, h: (n, j, h, 0))
+    q_group = pl.BlockSpec((None, q_pad, groups, head_dim), lambda j, n, h: (n, 0, h, 0))
+    row_group = pl.BlockSpec((None, groups, q_pad), lambda j, n, h: (n, h, 0))
+    in_specs = [q_group, kv_block, kv_block, q_group, row_group, row_group]
+    args = [q, k, v, do, lse, delta]
+    if segments:
+        in_specs += [pl.BlockSpec((None, q_pad), lambda j, n, h: (n, 0)),
+                     pl.BlockSpec((None, b.dkdv_block_k), lambda j, n, h: (n, j))]
+        args += [q_seg, kv_seg]
+    kernel = functools.partial(_dkdv_kernel, st=st, groups=groups)
+    if not segments:
+        kernel = _without_segments(kernel, 6)
+    dk, dv = pl.pallas_call(
+        kernel,
+        grid=(nk, batch, kv_heads),
+        in_specs=in_specs,
+        out_specs=[kv_block, kv_block],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=pltriton.CompilerParams(num_warps=b.dkdv_num_warps, num_stages=b.dkdv_num_stages),
+        interpret=st.interpret,
+        name="mtjax_flash_attention_dkdv",
+    )(*args)
+
+    # dq: one program per query block and head.
+    nq = q_pad // b.dq_block_q
+
+    def q_index(i, n, h):
+        return n, nq - 1 - i, h, 0
+
+    q_block = pl.BlockSpec((None, b.dq_block_q, None, head_dim), q_index)
+    kv_full = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, n, h: (n, 0, h // groups, 0))
+    row_block = pl.BlockSpec((None, None, b.dq_block_q), lambda i, n, h: (n, h, nq - 1 - i))
+    in_specs = [q_block, kv_full, kv_full, q_block, row_block, row_block]
+    args = [q, k, v, do, lse, delta]
+    if segments:
+        in_specs += [pl.BlockSpec((None, b.dq_block_q), lambda i, n, h: (n, nq - 1 - i)),
+                     pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0))]
+        args += [q_seg, kv_seg]
+    kernel = functools.partial(_dq_kernel, st=st, num_q_blocks=nq)
+    if not segments:
+        kernel = _without_segments(kernel, 6)
+    dq = pl.pallas_call(
+        kernel,
+        grid=(nq, batch, heads),
+        in_specs=in_specs,
+        out_specs=q_block,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=b.dq_num_warps, num_stages=b.dq_num_stages),
+        interpret=st.interpret,
+        name="mtjax_flash_attention_dq",
+    )(*args)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------
+# custom_vjp glue and the entry point
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, st: _Static):
+    return _forward(q, k, v, q_seg, kv_seg, st)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, st: _Static):
+    out, lse = _forward(q, k, v, q_seg, kv_seg, st)
+    return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(st: _Static, residuals, do):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, do, st)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def unsupported(q_shape, kv_shape, dtype) -> str | None:
+    """Why `flash_attention` cannot take these shapes/dtype, or ``None`` if it can."""
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+        return f"dtype {jnp.dtype(dtype)} (supported: bfloat16, float16, float32)"
+    if q_shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q_shape[-1]} (supported: {HEAD_DIMS})"
+    if q_shape[1] == 0 or kv_shape[1] == 0:
+        return "empty sequence"
+    return None
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    *,
+    scale: float,
+    causal: bool = False,
+    window_size: tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Flash attention over BTNH arrays; differentiable in ``q``, ``k``, ``v``.
+
+    Args:
+      q: ``[batch, q_len, heads, head_dim]``; ``head_dim`` in `HEAD_DIMS`.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]``, same dtype as ``q``; ``heads % kv_heads == 0``.
+      q_segment_ids, kv_segment_ids: int ``[batch, q_len]`` / ``[batch, kv_len]`` or both ``None``;
+        a query sees keys of its own segment, id 0 is padding.
+      scale: multiplies ``q k^T``.
+      causal: bottom-right aligned causal mask (query ``i`` sees key ``j <= i + kv_len - q_len``).
+      window_size: ``(left, right)``, ``-1`` unbounded: query ``i`` sees keys ``i - left .. i + right``
+        (in the same bottom-right alignment).
+      logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling.
+      block_sizes: tiles and launch parameters; default `BlockSizes.for_head_dim`.
+      interpret: run the kernels in Pallas interpret mode (any backend, e.g. CPU tests).
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``q.dtype``; rows that see no key are zeros.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    reason = unsupported(q.shape, k.shape, q.dtype)
+    if reason is not None:
+        raise ValueError(f"flash_attention: unsupported {reason}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"flash_attention: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim or heads % kv_heads:
+        raise ValueError(f"flash_attention: k {k.shape} / v {v.shape} do not match q {q.shape}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("flash_attention: pass q_segment_ids and kv_segment_ids together")
+    segments = q_segment_ids is not None
+    blocks = (block_sizes or BlockSizes.for_head_dim(head_dim)).clamp(q_len, kv_len)
+    st = _Static(
+        mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
+        scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        blocks=blocks, interpret=interpret,
+    )
+    # Pad the sequences to whole blocks; the kernels mask the key tail and padded queries are dropped.
+    q_pad = -q_len % blocks.q_multiple
+    kv_pad = -kv_len % blocks.kv_multiple
+    seq_pad = ((0, 0), (0, q_pad), (0, 0), (0, 0))
+    kv_seq_pad = ((0, 0), (0, kv_pad), (0, 0), (0, 0))
+    if q_pad:
+        q = jnp.pad(q, seq_pad)
+    if kv_pad:
+        k, v = jnp.pad(k, kv_seq_pad), jnp.pad(v, kv_seq_pad)
+    if segments:
+        q_segment_ids = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, q_pad)))
+        kv_segment_ids = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, kv_pad)))
+    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, st)
+    return out[:, :q_len] if q_pad else out
