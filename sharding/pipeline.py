@@ -44,6 +44,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mtjax.fp8 import FP8_COLLECTION, accumulate_gradients, finalize_accumulated, split_gradients
 from mtjax.sharding.mesh import PP
 
 # Relative costs of a forward and a backward action (the usual estimate: backward = 2 forward).
@@ -361,12 +362,16 @@ def pipeline_loss(
       layer_params: the layers' parameters stacked on a leading axis (as ``nn.scan`` makes them),
         whose length divides by ``pp * schedule.num_chunks``; virtual stage ``v`` gets the ``v``-th
         consecutive block of layers. With one chunk, layers split over ``pp`` (the ``"layers"``
-        rule) are already where they run.
+        rule) are already where they run. May be a variables dict with an FP8 meta
+        (``{"params": ..., "fp8_meta": ...}``): the meta's "gradient" is its next value, combined
+        over micro-batches by max (`mtjax.fp8.accumulate_gradients`), never scaled or averaged.
+        Amaxes need no reduction over ``pp`` (each layer lives on one stage); over the data and
+        tensor axes, automatic inside the stages, ``jnp.max`` is already global.
       inputs: ``[batch, ...]`` float activations entering the first layer; ``batch`` divides by
         ``schedule.num_microbatches``. Micro-batch ``i`` is rows ``i, i + M, i + 2M, ...``.
       loss_fn: ``loss_fn(loss_params, y, targets_mb) -> scalar`` taken on the last stage (e.g. the
         final norm, the LM head and the cross-entropy).
-      loss_params: parameters of ``loss_fn``.
+      loss_params: parameters of ``loss_fn`` (may carry an FP8 meta too).
       targets: pytree of ``[batch, ...]`` arrays split like ``inputs`` (not differentiated).
       mesh: a mesh with a ``"pp"`` axis; its other axes stay automatic inside the stages.
       schedule: a `Schedule` (`GPipe`, `Circular`, `OneFOneB`).
@@ -396,7 +401,13 @@ def pipeline_loss(
         return value, grads
 
     def loss_bwd(grads, g):
-        return (*jax.tree.map(lambda x: (g * x).astype(x.dtype), grads), None)
+        def scale(tree):  # the FP8 meta riding on a gradient is the new meta, not a derivative
+            params, meta = split_gradients(tree)
+            scaled = jax.tree.map(lambda x: (g * x).astype(x.dtype), params)
+            return {**scaled, FP8_COLLECTION: meta} if meta else scaled
+
+        layer_grads, input_grads, loss_grads = grads
+        return scale(layer_grads), scale(input_grads), scale(loss_grads), None
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss(layer_params, inputs, loss_params, targets)
@@ -455,7 +466,7 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                         return dict(carry, loss=carry["loss"] + loss_fn(loss_params, y, target).astype(jnp.float32))
                     value, (g_lp, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(loss_params, y, target)
                     return dict(carry, loss=carry["loss"] + value.astype(jnp.float32),
-                                loss_grads=jax.tree.map(jnp.add, carry["loss_grads"], g_lp),
+                                loss_grads=accumulate_gradients(carry["loss_grads"], g_lp),
                                 dy=carry["dy"].at[row["f_dy"]].set(dy.astype(xs.dtype)))
 
                 carry = lax.cond(row["f_loss"], with_loss, lambda carry: carry, carry)
@@ -469,10 +480,9 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                     chunk = row["b_chunk"]
                     _, vjp = jax.vjp(stage_fn, chunk_of(staged, chunk), stage_input(carry, row["b_src"], row["b_mb"]))
                     g_params, g_x = vjp(carry["dy"][row["b_dy"]])
-                    grads = jax.tree.map(
-                        lambda acc, g: lax.dynamic_update_index_in_dim(
-                            acc, lax.dynamic_index_in_dim(acc, chunk, keepdims=False) + g, chunk, 0),
-                        carry["grads"], g_params)
+                    acc = accumulate_gradients(chunk_of(carry["grads"], chunk), g_params)
+                    grads = jax.tree.map(lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0),
+                                         carry["grads"], acc)
                     dx = jnp.where(row["b_first"], carry["dx"].at[row["b_mb"]].set(g_x), carry["dx"])
                     return dict(carry, grads=grads, dx=dx), jnp.where(row["b_first"], mb_zeros, g_x)
 
@@ -489,9 +499,9 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         loss = lax.psum(carry["loss"], PP) / m
         if not backward:
             return loss, None
-        grads = jax.tree.map(lambda g: g[:, None] / m, carry["grads"])  # back to [chunks, 1 stage, ...]
+        grads = jax.tree.map(lambda g: g[:, None], finalize_accumulated(carry["grads"], m))  # [chunks, 1 stage, ...]
         dx = lax.psum(carry["dx"], PP) / m
-        loss_grads = jax.tree.map(lambda g: lax.psum(g, PP) / m, carry["loss_grads"])
+        loss_grads = finalize_accumulated(lax.psum(carry["loss_grads"], PP), m)
         return loss, (grads, dx, loss_grads)
 
     stage_spec = jax.tree.map(lambda _: P(None, PP), staged)
