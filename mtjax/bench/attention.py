@@ -1,0 +1,165 @@
+"""`mtjax bench attention`: `mtjax.ops.attention` (its default choice and the Pallas Triton kernel)
+side by side with cuDNN and XLA, forward and forward+backward, bf16.
+
+FLOPs as in ANCHORS.md: ``4·B·H·Tq·Tk·D`` forward (halved when causal), 3.5x that for
+forward+backward. The ``mtjax`` row is the implementation the default selection picks for the case
+(named in ``extra["chosen"]``), so its time is that implementation's; the peer of every mtjax row is cuDNN.
+
+``python -m mtjax.bench.attention --sweep`` times block-size candidates of the kernel on the headline
+case (how `kernels.flash_attention.BlockSizes.for_head_dim` was tuned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mtjax import backend, ops
+from mtjax.bench.timing import measure, random_array, rotating, row
+from mtjax.kernels import flash_attention as fa
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/KV{self.kv_heads}"
+        return f"{'causal' if self.causal else 'full'} B{self.batch} S{self.seq} {heads} D{self.head_dim} bf16"
+
+    def flops(self, backward: bool) -> float:
+        forward = 4 * self.batch * self.heads * self.seq * self.seq * self.head_dim / (2 if self.causal else 1)
+        return forward * (3.5 if backward else 1.0)
+
+    def inputs(self, seed: int) -> tuple:
+        keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+        q_shape = (self.batch, self.seq, self.heads, self.head_dim)
+        kv_shape = (self.batch, self.seq, self.kv_heads, self.head_dim)
+        return (random_array(keys[0], q_shape, jnp.bfloat16), random_array(keys[1], kv_shape, jnp.bfloat16),
+                random_array(keys[2], kv_shape, jnp.bfloat16), random_array(keys[3], q_shape, jnp.bfloat16))
+
+
+HEADLINE = Case(4, 4096, 32, 32, 128, True)
+CASES = (
+    HEADLINE,
+    Case(4, 4096, 32, 32, 128, False),
+    Case(16, 1024, 32, 32, 128, True),
+    Case(16, 1024, 32, 32, 128, False),
+    Case(1, 16384, 32, 32, 128, True),
+    Case(1, 16384, 32, 32, 128, False),
+    Case(4, 4096, 32, 32, 64, True),
+    Case(4, 4096, 32, 32, 64, False),
+    Case(4, 4096, 32, 4, 128, True),
+)
+QUICK_CASES = (Case(1, 128, 2, 1, 64, True),)
+# XLA materialises the logits: timed only where that stays small.
+XLA_MAX_SEQ = 4096
+
+
+def _function(case: Case, implementation: str | None, backward: bool, block_sizes: fa.BlockSizes | None = None):
+    mask_type = "causal" if case.causal else "no_mask"
+    if block_sizes is None:
+        def attend(q, k, v):
+            return ops.attention(q, k, v, mask_type=mask_type, implementation=implementation)
+    else:  # a tuning candidate: the kernel itself with explicit tiles
+        def attend(q, k, v):
+            return fa.flash_attention(q, k, v, scale=case.head_dim ** -0.5, causal=case.causal, block_sizes=block_sizes)
+
+    if not backward:
+        return jax.jit(lambda q, k, v, do: attend(q, k, v))
+    return jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
+
+
+def _chosen(case: Case) -> str:
+    q, k, v, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.inputs(0))
+    static = dict(mask_type="causal" if case.causal else "no_mask", scale=case.head_dim ** -0.5, dropout_rate=0.0,
+                  window_size=None, logits_soft_cap=None)
+    return backend.select("attention", args=(q, k, v, None, None, None, None, None), static=static)[0].name
+
+
+def _runnable(implementation: str) -> bool:
+    return backend._get("attention", implementation).runs_on(backend.platform()) is None
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    for case in QUICK_CASES if quick else CASES:
+        inputs = rotating(case.inputs)
+        chosen = _chosen(case)
+        implementations = [i for i in ("pallas_triton", "cudnn", "xla") if _runnable(i)]
+        if case.seq > XLA_MAX_SEQ and "xla" in implementations and chosen != "xla":
+            implementations.remove("xla")
+        for backward in (False, True):
+            direction = "fwd+bwd" if backward else "fwd"
+            name = f"attention {direction} {case.label}"
+            flops = case.flops(backward)
+            extra = dict(shape=[case.batch, case.seq, case.heads, case.kv_heads, case.head_dim], causal=case.causal,
+                         direction=direction)
+            timings = {}
+            for implementation in implementations:
+                timings[implementation] = measure(_function(case, implementation, backward), inputs,
+                                                  runs=5 if quick else 10)
+                peer = None if implementation == "cudnn" or "cudnn" not in implementations else "cudnn"
+                label = "cudnn" if implementation == "cudnn" else "xla" if implementation == "xla" else f"mtjax {implementation}"
+                rows.append(row("attention", name, label, timings[implementation], flops=flops, peer=peer,
+                                ceiling="bf16_gemm_tflops", **extra))
+            if chosen in timings:
+                rows.append(row("attention", name, "mtjax", timings[chosen], flops=flops,
+                                peer="cudnn" if "cudnn" in timings else None, ceiling="bf16_gemm_tflops",
+                                chosen=chosen, **extra))
+    return rows
+
+
+def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
+    """TFLOP/s of block-size candidates (forward alone, then forward+backward), printed as a table."""
+    base = fa.BlockSizes.for_head_dim(case.head_dim)
+    forward = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+               for bq, bk, w, s in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+                                    (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4))]
+    backward = ([dict(dkdv_block_q=bq, dkdv_block_k=bk, dkdv_num_warps=w, dkdv_num_stages=s)
+                 for bq, bk, w, s in ((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
+                                      (128, 128, 8, 2), (32, 64, 4, 4))]
+                + [dict(dq_block_q=bq, dq_block_k=bk, dq_num_warps=w, dq_num_stages=s)
+                   for bq, bk, w, s in ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2),
+                                        (128, 32, 4, 4))])
+    inputs = rotating(case.inputs)
+    results = []
+    for backward_pass, candidates in ((False, forward), (True, backward)):
+        for changes in candidates:
+            blocks = dataclasses.replace(base, **changes)
+            label = ("fwd+bwd " if backward_pass else "fwd ") + " ".join(f"{k}={v}" for k, v in changes.items())
+            try:
+                t = measure(_function(case, None, backward_pass, blocks), inputs, runs=5).median
+                results.append((label, t * 1e3, case.flops(backward_pass) / t / 1e12))
+            except Exception as err:  # noqa: BLE001  (a candidate that does not compile, e.g. out of shared memory)
+                results.append((label + f"  FAILED {type(err).__name__}: {str(err)[:120]}", float("nan"), float("nan")))
+            print(f"{results[-1][0]:<90} {results[-1][1]:9.3f} ms {results[-1][2]:7.1f} TFLOP/s", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time block-size candidates on the headline case")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.sweep:
+        sweep()
+        return
+    from mtjax.bench import report
+
+    for r in report.complete(run(args.quick), {}, report.H200_BF16_PEAK_TFLOPS):
+        print(f"{r['name']:<60} {r['implementation']:<22} {r['time_ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s"
+              + (f"  {r['speedup_vs_peer']:.2f}x vs {r['peer']}" if r["speedup_vs_peer"] else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
