@@ -1,0 +1,162 @@
+"""mtjax.models: GPT (configs, scan/remat, training on CPU, packing, KV-cache decoding) and BERT."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.core import meta
+
+from mtjax.models import GPT, BertConfig, BertEncoder, GPTConfig, gpt_config
+
+TINY = gpt_config("tiny", num_layers=2, vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=64)
+
+
+def tokens(seed, shape, vocab=TINY.vocab_size):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = GPT(TINY)
+    params = meta.unbox(model.init(jax.random.key(0), tokens(0, (2, 8)))["params"])
+    return model, params
+
+
+def _param_count(cfg, seq=8):
+    shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(meta.unbox(shapes["params"])))
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(position_embedding="learned", tie_embeddings=False, use_bias=True, layernorm_type="layernorm",
+         activations=("gelu",), num_kv_heads=None, scan_layers=False),
+])
+def test_num_params_matches_init(overrides):
+    cfg = dataclasses.replace(TINY, **overrides)
+    assert cfg.num_params() == _param_count(cfg)
+
+
+def test_presets():
+    cfg = gpt_config("gpt-1.3b")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.mlp_dim, cfg.vocab_size) == (2048, 24, 16, 8192, 32768)
+    assert abs(cfg.num_params() - 1.275e9) < 1e6  # the stock-Flax peer of ANCHORS.md
+    assert cfg.flops_per_token(2048) == pytest.approx(6 * cfg.num_params() + 6 * 24 * 2048 * 2048)
+    llama = gpt_config("llama-1b")
+    assert llama.layernorm_type == "rmsnorm" and llama.activations == ("silu", "linear") and llama.num_kv_heads == 8
+    assert gpt_config("gpt-125m", num_layers=2).num_layers == 2
+    with pytest.raises(ValueError, match="name"):
+        gpt_config("gpt-5")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hidden_size=30, num_heads=4), "hidden_size"),
+    (dict(num_heads=4, num_kv_heads=3), "num_gqa_groups"),
+    (dict(activations=("swish", "cubic")), "activation_type"),
+    (dict(layernorm_type="groupnorm"), "layernorm_type"),
+    (dict(position_embedding="alibi"), "position_embedding"),
+    (dict(remat_policy="everything"), "remat_policy"),
+    (dict(num_layers=0), "num_layers"),
+    (dict(dropout_rate=1.5), "dropout_rate"),
+])
+def test_gpt_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**kwargs)
+
+
+def test_scan_equals_unrolled_and_remat_keeps_gradients(tiny):
+    model, params = tiny
+    toks = tokens(1, (2, 8))
+    unrolled_params = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(TINY.num_layers):
+        unrolled_params[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
+    unrolled = GPT(dataclasses.replace(TINY, scan_layers=False))
+    np.testing.assert_allclose(model.apply({"params": params}, toks), unrolled.apply({"params": unrolled_params}, toks),
+                               rtol=1e-5, atol=1e-5)
+
+    def loss(m):
+        return lambda p: jnp.mean(m.apply({"params": p}, toks) ** 2)
+
+    g = jax.jit(jax.grad(loss(model)))(params)
+    g_remat = jax.jit(jax.grad(loss(GPT(dataclasses.replace(TINY, remat_policy="dots")))))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, g_remat)
+
+
+def test_loss_falls_on_a_tiny_batch(tiny):
+    model, params = tiny
+    toks = tokens(2, (4, 16))
+    opt = optax.adam(3e-3)
+
+    def loss_fn(p):
+        logits = model.apply({"params": p}, toks[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
+    @jax.jit
+    def step(p, s):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state = opt.init(params)
+    losses = []
+    for _ in range(30):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert losses[0] > np.log(TINY.vocab_size) - 0.5
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_packed_sequences_equal_separate_ones(tiny):
+    model, params = tiny
+    a, b = tokens(3, (1, 5)), tokens(4, (1, 3))
+    packed = jnp.concatenate([a, b], axis=1)
+    seg = jnp.array([[1] * 5 + [2] * 3])
+    pos = jnp.array([list(range(5)) + list(range(3))])
+    out = model.apply({"params": params}, packed, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(out[:, :5], model.apply({"params": params}, a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], model.apply({"params": params}, b), rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_decoding_matches_full_forward(tiny):
+    model, params = tiny
+    toks = tokens(5, (2, 6))
+    full = model.apply({"params": params}, toks)
+    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32), decode=True)["cache"]
+    step = jax.jit(lambda c, t: model.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
+    logits, mutated = step(cache, toks[:, :2])  # a 2-token prompt, then one token at a time
+    outs = [logits]
+    for i in range(2, 6):
+        logits, mutated = step(mutated["cache"], toks[:, i:i + 1])
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_is_stochastic_only_when_not_deterministic():
+    cfg = dataclasses.replace(TINY, dropout_rate=0.3, attention_dropout=0.3, num_layers=1)
+    model = GPT(cfg)
+    toks = tokens(6, (1, 8))
+    v = model.init(jax.random.key(0), toks)
+    det = model.apply(v, toks)
+    a = model.apply(v, toks, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    assert not np.allclose(det, a)
+    np.testing.assert_allclose(det, model.apply(v, toks))
+
+
+def test_bert_padding_does_not_leak():
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, max_seq_len=16)
+    model = BertEncoder(cfg)
+    toks = tokens(7, (2, 8), vocab=50)
+    seg = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
+    v = model.init(jax.random.key(0), toks, segment_ids=seg)
+    assert {"token_embed", "position_embed", "type_embed", "embed_norm", "layers"} <= set(v["params"])
+    out = model.apply(v, toks, segment_ids=seg)
+    out2 = model.apply(v, toks.at[1, 5:].set(3), segment_ids=seg, token_type_ids=jnp.zeros_like(toks))
+    np.testing.assert_allclose(out[1, :5], out2[1, :5], rtol=1e-5, atol=1e-5)
+    assert out.shape == (2, 8, 32)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.apply(v, tokens(0, (1, 32), vocab=50))
+    with pytest.raises(ValueError, match="num_heads"):
+        BertConfig(hidden_size=30, num_heads=4)
