@@ -286,6 +286,9 @@ class Implementation:
       platforms: the platforms it is limited to, or ``None`` for any with the capabilities.
       supports: ``supports(*arrays, **static) -> str | None`` on abstract arrays: ``None`` when the
         configuration is supported, else the reason it is not (shapes, dtypes, options).
+      prefer: like ``supports`` but consulted by automatic selection only: ``None`` where this
+        implementation should be picked, else why not (e.g. "measured slower than xla here"). An
+        explicit choice ignores it, so tests and benchmarks can still run the kernel there.
       priority: higher wins in automatic selection.
     """
 
@@ -295,6 +298,7 @@ class Implementation:
     requires: frozenset[str] = frozenset()
     platforms: frozenset[str] | None = None
     supports: Callable[..., str | None] | None = None
+    prefer: Callable[..., str | None] | None = None
     priority: int = 0
 
     def runs_on(self, platform_name: str) -> str | None:
@@ -309,6 +313,9 @@ class Implementation:
     def unsupported(self, args: Sequence[Any], static: Mapping[str, Any]) -> str | None:
         return None if self.supports is None else self.supports(*args, **static)
 
+    def not_preferred(self, args: Sequence[Any], static: Mapping[str, Any]) -> str | None:
+        return None if self.prefer is None else self.prefer(*args, **static)
+
 
 _registry: dict[str, dict[str, Implementation]] = {}
 _logged_fallbacks: set[tuple[str, str, str, str]] = set()
@@ -321,6 +328,7 @@ def register(
     requires: Iterable[str] = (),
     platforms: Iterable[str] | None = None,
     supports: Callable[..., str | None] | None = None,
+    prefer: Callable[..., str | None] | None = None,
     priority: int = 0,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register ``fn`` as implementation ``name`` of ``op``. Returns ``fn`` unchanged."""
@@ -337,6 +345,7 @@ def register(
             requires=requires,
             platforms=None if platforms is None else frozenset(platforms),
             supports=supports,
+            prefer=prefer,
             priority=priority,
         )
         return fn
@@ -378,7 +387,7 @@ def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[
     for impl in candidates:
         reason = impl.runs_on(platform_name)
         if reason is None and args:
-            reason = impl.unsupported(args, static)
+            reason = impl.unsupported(args, static) or impl.not_preferred(args, static)
         if reason is None:
             why = "highest priority available" if not skipped else "; ".join(skipped)
             return impl, why
