@@ -51,7 +51,7 @@ def _device_events(trace: Mapping[str, Any]) -> list[dict]:
         if e.get("ph") == "X" and e.get("pid") in device_pids:
             lanes[thread_names.get((e["pid"], e.get("tid")), "")].append(e)
     streams = [lane for lane in lanes if lane.lower().startswith("stream")]
-    chosen = streams or [lane for lane in lanes if "xla ops" in lane.lower()]
+    chosen = streams or [lane for lane in lanes if "xla ops" in lane.lower()] or list(lanes)
     return [e for lane in chosen for e in lanes[lane]]
 
 
@@ -81,7 +81,7 @@ def profile(run_once: Callable[[], Any], *, steps: int = 3, out_dir: str | None 
     """Profile ``steps`` calls of ``run_once`` (already compiled and warm); returns `summarize`'s dict.
 
     With ``out_dir`` the Perfetto trace is kept as ``<out_dir>/<label>.trace.json.gz`` (open it in
-    ui.perfetto.dev) and the summary as ``<label>.profile.json``.
+    ui.perfetto.dev).
     """
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -93,8 +93,6 @@ def profile(run_once: Callable[[], Any], *, steps: int = 3, out_dir: str | None 
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             shutil.copy(path, os.path.join(out_dir, f"{label}.trace.json.gz"))
-            with open(os.path.join(out_dir, f"{label}.profile.json"), "w") as f:
-                json.dump(summary, f, indent=2)
     return summary
 
 

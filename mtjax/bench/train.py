@@ -110,6 +110,24 @@ def _compile_all(todo: Sequence[Variant], batch: dict[str, jax.Array]) -> list[t
     return timing.compile_all(lowered)
 
 
+def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], out_dir: str,
+             label: str) -> tuple[Any, dict]:
+    """Profile a few steps; returns the state after them and the row's ``extra`` entries."""
+    holder = {"state": state}
+
+    def once():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
+    # A profiler that cannot attach (no CUPTI in a VM) must not cost the measurements.
+    try:
+        summary = profile.profile(once, out_dir=out_dir, label=label)
+    except Exception as err:  # noqa: BLE001
+        return holder["state"], {"profile_error": repr(err)}
+    print(profile.format_summary(label, summary), file=sys.stderr, flush=True)
+    return holder["state"], {"profile_ms": summary["by_category_ms"], "profile_top_ops_ms": summary["top_ops_ms"][:15]}
+
+
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None) -> list[dict]:
     """Rows for each preset and variant (see the module docstring)."""
     from mtjax.models import gpt_config
@@ -137,21 +155,9 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
             if variant.implementation == "mtjax fp8":
                 extra["speedup_vs_mtjax_bf16"] = times["mtjax"] / t.median
             if profile_dir is not None:
-                label = f"{preset}_{variant.implementation.replace(' ', '_')}"
-                holder = [state]
-
-                def once(holder=holder, step=step):
-                    holder[0], metrics = step(holder[0], batches[0])
-                    return metrics
-
-                # A profiler that cannot attach (no CUPTI in a VM) must not cost the measurements.
-                try:
-                    summary = profile.profile(once, out_dir=profile_dir, label=label)
-                    extra["profile_ms"] = summary["by_category_ms"]
-                    print(profile.format_summary(label, summary), file=sys.stderr, flush=True)
-                except Exception as err:  # noqa: BLE001
-                    extra["profile_error"] = repr(err)
-                state = holder[0]
+                state, profiled = _profile(step, state, batches[0], profile_dir,
+                                           f"{preset}_{variant.implementation.replace(' ', '_')}")
+                extra.update(profiled)
             del state
             rows.append(timing.row("train", name, variant.implementation, t, flops=flops, peer=variant.peer,
                                    ceiling=variant.ceiling, **extra))
