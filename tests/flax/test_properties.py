@@ -1,0 +1,106 @@
+"""Hypothesis over shapes and options: rotary embeddings, MultiHeadAttention against the reference op,
+LayerNormMLP against its composition."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtjax import ops
+from mtjax.flax import LayerNormMLP, MultiHeadAttention, apply_rotary_pos_emb
+
+
+def rand(seed, shape, scale=1.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(np.float32) * scale)
+
+
+@given(half=st.integers(1, 8), method=st.sampled_from(["consecutive", "alternate"]), shift=st.integers(-50, 50),
+       seed=st.integers(0, 100))
+def test_rotary_is_a_rotation_by_relative_position(half, method, shift, seed):
+    head_dim = 2 * half
+    q, k = rand(seed, (1, 5, 2, head_dim)), rand(seed + 1, (1, 5, 2, head_dim))
+    pos = jnp.array([[0, 3, 7, 60, 61]])
+
+    def rope(x, p):
+        return apply_rotary_pos_emb(x, p, windows=(1.0, 10000.0), group_method=method)
+
+    # norms are kept, and q.k depends only on the distance between positions
+    np.testing.assert_allclose(jnp.linalg.norm(rope(q, pos), axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+    scores = jnp.einsum("bqnd,bknd->bnqk", rope(q, pos), rope(k, pos))
+    shifted = jnp.einsum("bqnd,bknd->bnqk", rope(q, pos + 100 + shift), rope(k, pos + 100 + shift))
+    np.testing.assert_allclose(scores, shifted, rtol=2e-4, atol=2e-4)
+    # "consecutive" pairs (2i, 2i+1), "alternate" pairs (i, i + d/2): the same rotation, permuted
+    perm = np.arange(head_dim).reshape(2, half).T.reshape(-1)  # alternate layout -> consecutive layout
+    other = "alternate" if method == "consecutive" else "consecutive"
+    if method == "alternate":
+        np.testing.assert_allclose(rope(q, pos)[..., perm],
+                                   apply_rotary_pos_emb(q[..., perm], pos, group_method=other), rtol=1e-5, atol=1e-6)
+
+
+def _reference_mha(p, x, *, heads, groups, head_dim, layernorm_type, input_layernorm, rope, mask_type, seg):
+    """The projections, rotary embedding and ops.attention reference, written out."""
+    if input_layernorm:
+        norm_params = p.get("qkv", p["query"])
+        h = (ops.rmsnorm(x, norm_params["scale"]) if layernorm_type == "rmsnorm"
+             else ops.layernorm(x, norm_params["scale"], norm_params["ln_bias"]))
+    else:
+        h = x
+    if "qkv" in p:
+        qkv = jnp.einsum("bsh,hcnd->bscnd", h, p["qkv"]["kernel"])
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+        q = jnp.einsum("bsh,hnd->bsnd", h, p["query"]["kernel"])
+        if "kv" in p:
+            kv = jnp.einsum("bsh,hcnd->bscnd", h, p["kv"]["kernel"])
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        else:
+            k = jnp.einsum("bsh,hnd->bsnd", h, p["key"]["kernel"])
+            v = jnp.einsum("bsh,hnd->bsnd", h, p["value"]["kernel"])
+    if rope:
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        q, k = apply_rotary_pos_emb(q, pos, group_method=rope), apply_rotary_pos_emb(k, pos, group_method=rope)
+    o = ops.attention(q, k, v, mask_type=mask_type, q_segment_ids=seg, kv_segment_ids=seg, implementation="xla")
+    return jnp.einsum("bsnd,ndh->bsh", o, p["out"]["kernel"])
+
+
+@given(
+    batch=st.integers(1, 2), length=st.integers(1, 6), groups=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([2, 4]), mask_type=st.sampled_from(["no_mask", "causal", "padding", "padding_causal"]),
+    fuse=st.booleans(), input_layernorm=st.booleans(), layernorm_type=st.sampled_from(["layernorm", "rmsnorm"]),
+    rope=st.sampled_from([None, "consecutive", "alternate"]), seed=st.integers(0, 100),
+)
+def test_mha_against_reference(batch, length, groups, ratio, head_dim, mask_type, fuse, input_layernorm,
+                               layernorm_type, rope, seed):
+    heads, hidden = groups * ratio, 8
+    x = rand(seed, (batch, length, hidden))
+    seg = None
+    if mask_type.startswith("padding"):
+        seg = jnp.ones((batch, length), jnp.int32).at[0, length - 1:].set(0 if length > 1 else 1)
+    mha = MultiHeadAttention(
+        head_dim=head_dim, num_attention_heads=heads, num_gqa_groups=groups, attn_mask_type=mask_type,
+        fuse_qkv_params=fuse, input_layernorm=input_layernorm, layernorm_type=layernorm_type,
+        enable_rotary_pos_emb=rope is not None, rotary_pos_emb_group_method=rope or "consecutive",
+    )
+    p = meta.unbox(mha.init(jax.random.key(seed), x, q_segment_ids=seg, deterministic=True)["params"])
+    p = jax.tree.map(lambda a: a + rand(a.size + seed, a.shape, 0.1), p)
+    out, _ = mha.apply({"params": p}, x, q_segment_ids=seg, deterministic=True)
+    ref = _reference_mha(p, x, heads=heads, groups=groups, head_dim=head_dim, layernorm_type=layernorm_type,
+                         input_layernorm=input_layernorm, rope=rope, mask_type=mask_type, seg=seg)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@given(activation=st.sampled_from(sorted(ops.ACTIVATIONS)), hidden=st.integers(1, 6), dim=st.integers(1, 6),
+       use_bias=st.booleans(), seed=st.integers(0, 100))
+def test_layernorm_mlp_against_composition(activation, hidden, dim, use_bias, seed):
+    x = rand(seed, (2, 3, hidden))
+    mlp = LayerNormMLP(intermediate_dim=dim, activations=activation, use_bias=use_bias, intermediate_dropout_rate=0.5)
+    p = meta.unbox(mlp.init(jax.random.key(seed), x, deterministic=True)["params"])
+    p = jax.tree.map(lambda a: a + rand(a.size + seed, a.shape, 0.3), p)
+    y, _ = mlp.apply({"params": p}, x, deterministic=True)
+    h = ops.layernorm(x, p["scale"], p["ln_bias"], implementation="xla")
+    pre = jnp.einsum("bsh,hkm->bskm", h, p["wi_kernel"]).reshape(2, 3, -1)
+    a = ops.activation(pre, activation, p["wi_bias"].reshape(-1) if use_bias else None, implementation="xla")
+    expected = a @ p["wo_kernel"] + (p["wo_bias"] if use_bias else 0.0)
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
