@@ -96,6 +96,8 @@ class DelayedScaling:
       amax_compute_algo: ``"max"`` of the history or its ``"most_recent"`` entry.
       fp8_format: a `Format`; ``HYBRID`` is E4M3 forward and E5M2 gradients.
       reduce_amax: max-reduce each amax over `fp8_autocast`'s ``mesh_axes`` so replicas share a scale.
+        (Inside ``shard_map`` amaxes are always reduced over the axes the data varies over and the meta
+        does not: replicated meta must stay replicated.)
     """
 
     margin: int = 0
@@ -229,6 +231,13 @@ def _bound_axes(mesh_axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(bound)
 
 
+def _varying_axes(x: Any) -> frozenset[str]:
+    """The shard_map axes ``x`` varies over (empty outside shard_map or without its type checks)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.11; earlier versions called it ``vma``
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
 def amax(x: jax.Array, mesh_axes: Sequence[str] = ()) -> jax.Array:
     """``max |x|`` as float32, max-reduced over those of ``mesh_axes`` that are bound."""
     value = jnp.max(jnp.abs(x)).astype(jnp.float32)
@@ -333,7 +342,7 @@ class _GemmSpec:
     recipe: Recipe
     fwd_dtype: Any
     bwd_dtype: Any
-    mesh_axes: tuple[str, ...]
+    reduce_axes: tuple[str, ...]  # bound mesh axes every amax is max-reduced over
     x_dtype: Any
     w_dtype: Any
     out_dtype: Any
@@ -345,8 +354,7 @@ def _scale_for(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | None, sp
     """The scale ``x`` is quantized with and the role's next state (empty for current scaling)."""
     recipe = spec.recipe
     limit = fp8_max(dtype)
-    reduce = not isinstance(recipe, DelayedScaling) or recipe.reduce_amax
-    observed = amax(x, spec.mesh_axes if reduce else ())
+    observed = amax(x, spec.reduce_axes)
     if isinstance(recipe, CurrentScaling):
         return compute_scale(observed, jnp.float32(1.0), limit), {}
     history, previous = meta[f"{role}_amax_history"], meta[f"{role}_scale"]
@@ -449,12 +457,24 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     def size(x, dims):
         return math.prod(x.shape[d] for d in dims)
 
+    # Inside shard_map: the operands are cast to vary over the same axes (the transpose of that cast
+    # sums the gradient of a replicated operand, as autodiff of a plain dot would), and amaxes are
+    # max-reduced over every axis the data varies over but the meta does not, so replicated meta
+    # stays replicated (plus the bound ``mesh_axes`` the recipe asks to reduce over).
+    data_axes = _varying_axes(lhs) | _varying_axes(rhs)
+    lhs = lax.pcast(lhs, tuple(sorted(data_axes - _varying_axes(lhs))), to="varying")
+    rhs = lax.pcast(rhs, tuple(sorted(data_axes - _varying_axes(rhs))), to="varying")
+    meta_axes = frozenset().union(*(_varying_axes(v) for v in jax.tree.leaves(meta)))
+    reduce_axes = set(data_axes - meta_axes) if meta is not None else set()
+    if not isinstance(recipe, DelayedScaling) or recipe.reduce_amax:
+        reduce_axes |= set(_bound_axes(mesh_axes))
+
     batch = (size(lhs, lhs_batch),) if lhs_batch else ()
     m, k, n = size(lhs, lhs_free), size(lhs, lhs_contract), size(rhs, rhs_free)
     x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(batch + (m, k))
     w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(batch + (k, n))
     fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
-    spec = _GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, mesh_axes=tuple(mesh_axes),
+    spec = _GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=tuple(sorted(reduce_axes)),
                      x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=result.dtype, implementation=implementation)
     return _fp8_matmul(x, w, meta, spec).reshape(result.shape)
 

@@ -1,0 +1,118 @@
+"""Formats, recipes, fp8_autocast and the scaling arithmetic (exact)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mtjax import fp8
+
+
+def test_format_dtypes():
+    assert fp8.Format.HYBRID.dtypes() == (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    assert fp8.Format.E4M3.dtypes() == (jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+    assert fp8.Format.E5M2.dtypes() == (jnp.float8_e5m2, jnp.float8_e5m2)
+    assert fp8.Format.HYBRID.dtypes(fnuz=True) == (jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
+    assert [fp8.fp8_max(d) for d in fp8.FP8_DTYPES] == [448.0, 57344.0, 240.0, 57344.0]
+
+
+@pytest.mark.parametrize("kwargs, error, field", [
+    (dict(margin=-1), ValueError, "margin"),
+    (dict(margin=0.5), TypeError, "margin"),
+    (dict(amax_history_len=0), ValueError, "amax_history_len"),
+    (dict(amax_compute_algo="mean"), ValueError, "amax_compute_algo"),
+    (dict(fp8_format="E4M3"), TypeError, "fp8_format"),
+    (dict(reduce_amax=1), TypeError, "reduce_amax"),
+])
+def test_delayed_scaling_validation(kwargs, error, field):
+    with pytest.raises(error, match=field):
+        fp8.DelayedScaling(**kwargs)
+
+
+def test_current_scaling_and_autocast_validation():
+    with pytest.raises(TypeError, match="fp8_format"):
+        fp8.CurrentScaling(fp8_format=jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="recipe"):
+        with fp8.fp8_autocast(recipe="delayed"):
+            pass
+    with pytest.raises(TypeError, match="mesh_axes"):
+        with fp8.fp8_autocast(mesh_axes=("dp", 3)):
+            pass
+    with pytest.raises(TypeError, match="enabled"):
+        with fp8.fp8_autocast(enabled="yes"):
+            pass
+
+
+def test_autocast_nesting():
+    assert fp8.current_autocast() is None
+    with fp8.fp8_autocast(mesh_axes="dp"):
+        outer = fp8.current_autocast()
+        assert outer.recipe == fp8.DelayedScaling() and outer.mesh_axes == ("dp",)
+        with fp8.fp8_autocast(enabled=False):
+            assert fp8.current_autocast() is None
+        with fp8.fp8_autocast(recipe=fp8.CurrentScaling()):
+            assert isinstance(fp8.current_autocast().recipe, fp8.CurrentScaling)
+        assert fp8.current_autocast() is outer
+    assert fp8.current_autocast() is None
+
+
+def test_compute_scale_formula_exact():
+    amaxes = np.array([3.7, 0.011, 448.0, 1e4], np.float32)
+    for margin in (0, 2):
+        for fmt_max in (448.0, 57344.0):
+            got = np.asarray(jax.vmap(lambda a: fp8.compute_scale(a, 1.0, fmt_max, margin))(amaxes))
+            want = (np.float32(fmt_max) / amaxes) / np.float32(2.0**margin)
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("bad", [0.0, np.nan, np.inf, -np.inf, 1e-45])
+def test_compute_scale_keeps_previous_on_bad_amax(bad):
+    # 1e-45 is a float32 denormal: 448 / 1e-45 overflows to Inf, which must not become the scale.
+    assert float(fp8.compute_scale(jnp.float32(bad), jnp.float32(7.5), 448.0)) == 7.5
+
+
+def test_history_roll_exact():
+    history = jnp.array([5.0, 4.0, 3.0, 2.0], jnp.float32)
+    np.testing.assert_array_equal(fp8.roll_amax_history(history, 9.0), [9.0, 5.0, 4.0, 3.0])
+    np.testing.assert_array_equal(fp8.roll_amax_history(history, jnp.inf), [0.0, 5.0, 4.0, 3.0])
+    np.testing.assert_array_equal(fp8.roll_amax_history(history, jnp.nan), [0.0, 5.0, 4.0, 3.0])
+    assert float(fp8.history_amax(history, "max")) == 5.0
+    assert float(fp8.history_amax(jnp.array([1.0, 8.0]), "most_recent")) == 1.0
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        fp8.history_amax(history, "mean")
+
+
+@pytest.mark.parametrize("dtype", fp8.FP8_DTYPES)
+def test_quantize_saturates_never_inf(dtype):
+    x = jnp.array([1.0, -2.5, 1e9, -1e9, jnp.inf, -jnp.inf, jnp.nan, 0.0], jnp.float32)
+    q = fp8.quantize(x, jnp.float32(4.0), dtype)
+    assert q.dtype == dtype
+    back = np.asarray(q.astype(jnp.float32))
+    limit = fp8.fp8_max(dtype)
+    np.testing.assert_array_equal(back[:6], [4.0, -10.0, limit, -limit, limit, -limit])
+    assert np.isnan(back[6]) and back[7] == 0.0
+    np.testing.assert_array_equal(fp8.dequantize(q[:2], jnp.float32(4.0), jnp.float32), [1.0, -2.5])
+
+
+def test_quantize_round_trip_error():
+    x = jax.random.normal(jax.random.key(0), (4096,), jnp.float32)
+    scale = fp8.compute_scale(fp8.amax(x), 1.0, 448.0)
+    err = fp8.dequantize(fp8.quantize(x, scale, jnp.float8_e4m3fn), scale) - x
+    # E4M3 keeps 3 mantissa bits: round-to-nearest is within 2**-4 relative in the normal range.
+    normal = jnp.abs(x * scale) >= 2.0**-6
+    assert float(jnp.max(jnp.abs(err / x)[normal])) <= 2.0**-4
+    with pytest.raises(TypeError, match="dtype"):
+        fp8.quantize(x, scale, jnp.bfloat16)
+
+
+def test_amax_reduced_over_bound_mesh_axes():
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jnp.arange(64.0).reshape(8, 8) - 60.0  # |min| = 60 lives on the first shard only
+    xs = jax.device_put(x, jax.NamedSharding(mesh, P("dp")))
+    local = jax.shard_map(lambda s: fp8.amax(s)[None], mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))(xs)
+    reduced = jax.shard_map(lambda s: fp8.amax(s, ("dp",))[None], mesh=mesh, in_specs=P("dp"),
+                            out_specs=P("dp"))(xs)
+    assert float(local[1]) == 52.0 and np.all(np.asarray(reduced) == 60.0)
+    # Unbound axes (plain jit over a sharded array) are skipped: jnp.max is already global there.
+    assert float(jax.jit(lambda s: fp8.amax(s, ("dp",)))(xs)) == 60.0
