@@ -11,11 +11,12 @@ import argparse
 import datetime
 import importlib
 import importlib.util
+import os
 import sys
 
 import jax
 
-from mtjax.bench import ceilings, report
+from mtjax.bench import ceilings, report, variants
 
 # suite -> module exposing run(quick: bool) -> list[dict] (rows from mtjax.bench.timing.row)
 SUITES = {
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dense bf16 peak used as the MFU denominator (default: H200, %(default)s)")
     parser.add_argument("--presets", nargs="+", metavar="NAME",
                         help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick)")
+    parser.add_argument("--kernels", action="append", default=[], metavar="OP=IMPL[,OP=IMPL...]",
+                        help="layer and train suites: also run mtjax with these kernel choices (repeatable)")
     parser.add_argument("--profile", metavar="DIR",
                         help="train suite: write a per-op GPU-time profile of each train step into DIR")
 
@@ -48,10 +51,12 @@ def _available(name: str) -> bool:
         return False
 
 
-def _run_suite(name: str, args: argparse.Namespace) -> list[dict]:
+def _run_suite(name: str, args: argparse.Namespace, kernel_sets: list[dict[str, str]]) -> list[dict]:
     module = importlib.import_module(SUITES[name])
     if name == "train":
-        return module.run(args.quick, presets=args.presets, profile_dir=args.profile)
+        return module.run(args.quick, presets=args.presets, profile_dir=args.profile, kernel_sets=kernel_sets)
+    if name == "layer":
+        return module.run(args.quick, kernel_sets=kernel_sets)
     return module.run(args.quick)
 
 
@@ -64,13 +69,18 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"mtjax bench: suite(s) {missing} are not installed in this version of mtjax", file=sys.stderr)
         return 2
+    try:
+        kernel_sets = [variants.parse_kernels(spec) for spec in args.kernels]
+    except ValueError as err:
+        print(f"mtjax bench: {err}", file=sys.stderr)
+        return 2
     suites = args.suites or [s for s in SUITES if _available(s)]
     skipped = [s for s in SUITES if s not in suites]
 
     rows, ceiling_values = ceilings.run(args.quick)
     for name in suites:
         print(f"mtjax bench: running {name}...", file=sys.stderr, flush=True)
-        rows += _run_suite(name, args)
+        rows += _run_suite(name, args, kernel_sets)
     rows = report.complete(rows, ceiling_values, args.peak_tflops)
 
     device = jax.devices()[0]
@@ -85,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         "ceilings": ceiling_values,
         "suites": suites,
         "suites_not_run": skipped,
+        "kernel_sets": kernel_sets,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  MFU of {args.peak_tflops:g} TFLOP/s")
     print(report.table(rows))

@@ -4,13 +4,15 @@ The block of the ``gpt-1.3b`` preset (hidden 2048, 16 heads, MLP 8192, LayerNorm
 causal self-attention) on ``[8, 2048, 2048]`` bf16 activations; ``--quick`` shrinks it to a toy.
 Timed: the gradient of ``sum(block(x) * dy)`` with respect to the variables and ``x``, which for
 FP8 variants includes the next scaling state. Variants as in the train suite: ``mtjax``,
-``mtjax fp8`` (under ``fp8_autocast``), ``flax`` and ``flax fp8`` (`mtjax.bench.peers`).
+``mtjax fp8`` (under ``fp8_autocast``), ``mtjax [op=impl,...]`` for each ``--kernels`` set, ``flax``
+and ``flax fp8`` (`mtjax.bench.peers`).
 FLOPs: 6 per parameter per token plus causal attention (6·seq·hidden per token), as for MFU.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.bench import peers, timing
+from mtjax.bench.variants import label, mtjax_context, mtjax_variants
 
 FULL = dict(batch=8, seq=2048, hidden=2048, heads=16, mlp=8192)
 QUICK = dict(batch=2, seq=32, hidden=64, heads=4, mlp=256)
@@ -42,17 +45,15 @@ def _grad_fn(apply):
     return jax.jit(jax.grad(objective, argnums=(0, 1)))
 
 
-def _variants(shape: dict) -> list[tuple[str, str | None, str, nn.Module, Any, Any]]:
+def _variants(shape: dict, kernel_sets: Sequence[dict[str, str]]) -> list[tuple[str, str | None, str, nn.Module, Any, Any]]:
     """``(implementation, peer, ceiling, module, apply, context)`` per variant."""
-    from mtjax.fp8 import fp8_autocast
-
     out = []
-    for fp8 in (False, True):
+    for fp8, kernels in mtjax_variants(list(kernel_sets)):
         layer = _mtjax_layer(shape)
-        out.append(("mtjax fp8" if fp8 else "mtjax", "flax fp8" if fp8 else "flax",
+        out.append((label(fp8, kernels), "flax fp8" if fp8 else "flax",
                      "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
                      lambda v, x, layer=layer: layer.apply(v, x, deterministic=True),
-                     lambda fp8=fp8: fp8_autocast(enabled=fp8)))
+                     lambda fp8=fp8, kernels=kernels: mtjax_context(fp8, kernels)))
     for fp8 in (False, True):
         layer = peers.FlaxTransformerLayer(shape["hidden"], shape["heads"], shape["mlp"], fp8=fp8)
         out.append(("flax fp8" if fp8 else "flax", "flax" if fp8 else None,
@@ -61,7 +62,8 @@ def _variants(shape: dict) -> list[tuple[str, str | None, str, nn.Module, Any, A
     return out
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, kernel_sets: Sequence[dict[str, str]] = ()) -> list[dict]:
+    """Rows of every variant; ``kernel_sets`` add mtjax rows with forced kernels (`mtjax.bench.variants`)."""
     shape = QUICK if quick else FULL
     b, s, h, f = shape["batch"], shape["seq"], shape["hidden"], shape["mlp"]
     keys = jax.random.split(jax.random.key(3), 16)
@@ -70,7 +72,7 @@ def run(quick: bool) -> list[dict]:
     flops = b * s * (6 * (4 * h * h + 2 * h * f) + 6 * s * h)
     name = f"block fwd+bwd b{b} s{s} h{h} ffn{f}"
     todo, lowered = [], []
-    for implementation, peer, ceiling, layer, apply, context in _variants(shape):
+    for implementation, peer, ceiling, layer, apply, context in _variants(shape, kernel_sets):
         with context():
             variables = jax.jit(layer.init)(jax.random.key(0), inputs[0][0])
             lowered.append(_grad_fn(apply).lower(variables, *inputs[0]))

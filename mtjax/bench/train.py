@@ -6,6 +6,7 @@ variants run side by side in one process:
 - ``mtjax``: `mtjax.models.GPT` trained by `mtjax.train`'s step (``make_train_step``), bf16 compute,
   f32 parameters;
 - ``mtjax fp8``: the same under ``mtjax.fp8.fp8_autocast`` (delayed scaling);
+- ``mtjax [op=impl,...]`` (and its fp8): with kernel choices forced (``--kernels``, `mtjax.bench.variants`);
 - ``flax``: `mtjax.bench.peers.FlaxGPT`, the same model in stock Flax (cuDNN attention);
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from mtjax.bench import peers, profile, timing
+from mtjax.bench.variants import label, mtjax_context, mtjax_variants
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
@@ -71,8 +73,7 @@ def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Varia
                    "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", init, peers.train_step(model, opt))
 
 
-def _mtjax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
-    from mtjax.fp8 import fp8_autocast
+def _mtjax_variant(config: Any, fp8: bool, kernels: dict[str, str], batch_shape: tuple[int, int]) -> Variant:
     from mtjax.models import GPT
     from mtjax.train.state import init_train_state
     from mtjax.train.step import make_train_step
@@ -80,17 +81,16 @@ def _mtjax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Vari
     model = GPT(config)
     opt = optimizer()
     return Variant(
-        "mtjax fp8" if fp8 else "mtjax", "flax fp8" if fp8 else "flax",
-        "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
+        label(fp8, kernels), "flax fp8" if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
         init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
         step=make_train_step(model, opt),
-        context=lambda: fp8_autocast(enabled=fp8),
+        context=lambda: mtjax_context(fp8, kernels),
     )
 
 
-def variants(config: Any, batch_shape: tuple[int, int]) -> list[Variant]:
-    return [_mtjax_variant(config, False, batch_shape), _mtjax_variant(config, True, batch_shape),
-            _flax_variant(config, False, batch_shape), _flax_variant(config, True, batch_shape)]
+def variants(config: Any, batch_shape: tuple[int, int], kernel_sets: Sequence[dict[str, str]] = ()) -> list[Variant]:
+    mtjax_rows = [_mtjax_variant(config, fp8, kernels, batch_shape) for fp8, kernels in mtjax_variants(list(kernel_sets))]
+    return mtjax_rows + [_flax_variant(config, False, batch_shape), _flax_variant(config, True, batch_shape)]
 
 
 def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict[str, jax.Array]]:
@@ -128,8 +128,9 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
     return holder["state"], {"profile_ms": summary["by_category_ms"], "profile_top_ops_ms": summary["top_ops_ms"][:15]}
 
 
-def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None) -> list[dict]:
-    """Rows for each preset and variant (see the module docstring)."""
+def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,
+        kernel_sets: Sequence[dict[str, str]] = ()) -> list[dict]:
+    """Rows for each preset and variant (see the module docstring); ``kernel_sets``: `mtjax.bench.variants`."""
     from mtjax.models import gpt_config
 
     presets = list(presets or (["tiny"] if quick else ["gpt-1.3b"]))
@@ -141,7 +142,7 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
         batches = _batches(config.vocab_size, batch_size, seq_len)
         tokens_per_step = batch_size * seq_len
         flops = config.flops_per_token(seq_len) * tokens_per_step
-        todo = variants(config, (batch_size, seq_len))
+        todo = variants(config, (batch_size, seq_len), kernel_sets)
         compiled = _compile_all(todo, batches[0])
         name = f"{preset} b{batch_size} s{seq_len}"
         times = {}
@@ -152,8 +153,9 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
             times[variant.implementation] = t.median
             extra = {"tokens_per_s": tokens_per_step / t.median, "batch": batch_size, "seq_len": seq_len,
                      "params": config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s}
-            if variant.implementation == "mtjax fp8":
-                extra["speedup_vs_mtjax_bf16"] = times["mtjax"] / t.median
+            if variant.implementation.startswith("mtjax fp8"):
+                bf16 = variant.implementation.replace("mtjax fp8", "mtjax", 1)
+                extra["speedup_vs_mtjax_bf16"] = times[bf16] / t.median
             if profile_dir is not None:
                 state, profiled = _profile(step, state, batches[0], profile_dir,
                                            f"{preset}_{variant.implementation.replace(' ', '_')}")

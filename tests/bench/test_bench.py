@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from mtjax.bench import cli, peers, profile, report, timing
+from mtjax.bench import cli, peers, profile, report, timing, variants
 
 # The suites this test runs end to end (the kernel suites are tested by their owners).
 OWN_SUITES = ["layer", "train"]
@@ -126,3 +126,12 @@ def test_flax_fp8_peer_updates_its_scaling_state():
     history = new_fp8_state[peers.FP8_COLLECTION]["layers"]["qkv"]["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
     assert history.shape == (2, 1024) and float(history[:, 0].min()) > 0
     assert jnp.isfinite(metrics["loss"])
+
+
+def test_kernel_sets_are_checked_and_labelled():
+    assert variants.parse_kernels("layernorm=xla, activation=xla") == {"layernorm": "xla", "activation": "xla"}
+    assert variants.label(True, {"layernorm": "xla", "activation": "xla"}) == "mtjax fp8 [activation=xla,layernorm=xla]"
+    assert variants.mtjax_variants([{"layernorm": "xla"}])[2:] == [(False, {"layernorm": "xla"}), (True, {"layernorm": "xla"})]
+    for bad in ("layernorm=nope", "nope=xla", "layernorm", ""):
+        with pytest.raises(ValueError, match="--kernels"):
+            variants.parse_kernels(bad)
