@@ -431,68 +431,72 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         me = lax.axis_index(PP)
         staged = jax.tree.map(lambda w: w[:, 0], staged)  # [chunks, layers per virtual stage, ...]
         varying = functools.partial(lax.pcast, axis_name=PP, to="varying")
-        mb_zeros = varying(jnp.zeros(xs.shape[1:], xs.dtype))
+        mb_shape, dtype = xs.shape[1:], xs.dtype
+        mb_zeros = varying(jnp.zeros(mb_shape, dtype))
+        zero = varying(jnp.zeros((), jnp.float32))
+        loss_grad_zeros = varying(jax.tree.map(jnp.zeros_like, loss_params))
+        chunk_grad_zeros = varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), staged))
         # Per-device copies: differentiating a pp-invariant value would psum over pp inside the
         # device-dependent branches below (a deadlock); the gradients are psummed once at the end.
         loss_params = varying(loss_params)
-        carry = dict(
-            act=varying(jnp.zeros((timeline.num_act_slots, *xs.shape[1:]), xs.dtype)),
-            dy=varying(jnp.zeros((timeline.num_dy_slots, *xs.shape[1:]), xs.dtype)),
-            loss=varying(jnp.zeros((), jnp.float32)),
-        )
+        # Each buffer has one extra "dump" row taking the writes of devices with nothing to write,
+        # so every tick updates buffers in place; the conditionals return only per-action values.
+        dump_act, dump_dy = timeline.num_act_slots, timeline.num_dy_slots
+        carry = dict(act=varying(jnp.zeros((dump_act + 1, *mb_shape), dtype)), loss=zero)
         if backward:
             carry.update(
+                dy=varying(jnp.zeros((dump_dy + 1, *mb_shape), dtype)),
                 grads=jax.tree.map(jnp.zeros_like, staged),
-                loss_grads=jax.tree.map(jnp.zeros_like, loss_params),
-                dx=varying(jnp.zeros_like(xs)),
+                loss_grads=loss_grad_zeros,
+                dx=varying(jnp.zeros((m + 1, *mb_shape), dtype)),
             )
 
         def chunk_of(tree, i):
-            return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
+            return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, jnp.maximum(i, 0), keepdims=False), tree)
 
-        def stage_input(carry, src, mb):
-            return jnp.where(src >= 0, carry["act"][jnp.maximum(src, 0)], xs[jnp.maximum(mb, 0)])
+        def stage_input(act, src, mb):
+            return jnp.where(src >= 0, act[jnp.maximum(src, 0)], xs[jnp.maximum(mb, 0)])
 
         def tick(carry, row):
             row = {k: v[me] for k, v in row.items()}
             carry = dict(carry)
-            # Forward: run the stage; on the last virtual stage take the loss and its gradient.
-            def forward(carry):
-                y = stage_fn(chunk_of(staged, row["f_chunk"]), stage_input(carry, row["f_src"], row["f_mb"]))
-
-                def with_loss(carry):
-                    target = chunk_of(ts, row["f_mb"])
-                    if not backward:
-                        return dict(carry, loss=carry["loss"] + loss_fn(loss_params, y, target).astype(jnp.float32))
+            # Forward: the stage on its stashed input (the pipeline input on virtual stage 0).
+            x_f = stage_input(carry["act"], row["f_src"], row["f_mb"])
+            y = lax.cond(row["f_mb"] >= 0, lambda: stage_fn(chunk_of(staged, row["f_chunk"]), x_f).astype(dtype),
+                         lambda: mb_zeros)
+            # On the last virtual stage: the micro-batch's loss and, with backward, its gradients.
+            target = chunk_of(ts, row["f_mb"])
+            if backward:
+                def with_loss():
                     value, (g_lp, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(loss_params, y, target)
-                    return dict(carry, loss=carry["loss"] + value.astype(jnp.float32),
-                                loss_grads=accumulate_gradients(carry["loss_grads"], g_lp),
-                                dy=carry["dy"].at[row["f_dy"]].set(dy.astype(xs.dtype)))
+                    return value.astype(jnp.float32), g_lp, dy.astype(dtype)
 
-                carry = lax.cond(row["f_loss"], with_loss, lambda carry: carry, carry)
-                return carry, jnp.where(row["f_loss"], mb_zeros, y.astype(xs.dtype))
-
-            carry, send_f = lax.cond(row["f_mb"] >= 0, forward, lambda carry: (carry, mb_zeros), carry)
-            send_b = mb_zeros
+                value, g_lp, dy = lax.cond(row["f_loss"], with_loss, lambda: (zero, loss_grad_zeros, mb_zeros))
+                carry["loss_grads"] = accumulate_gradients(carry["loss_grads"], g_lp)
+                carry["dy"] = carry["dy"].at[jnp.where(row["f_loss"], row["f_dy"], dump_dy)].set(dy)
+            else:
+                value = lax.cond(row["f_loss"], lambda: loss_fn(loss_params, y, target).astype(jnp.float32), lambda: zero)
+            carry["loss"] = carry["loss"] + value
+            # Hand-off to the next device (what it does not expect goes to its dump slot).
+            recv_f = lax.ppermute(y, PP, [(i, (i + 1) % p) for i in range(p)])
             if backward:
-                # Backward: recompute the stage from its stashed input, apply its vjp.
-                def backward_step(carry):
-                    chunk = row["b_chunk"]
-                    _, vjp = jax.vjp(stage_fn, chunk_of(staged, chunk), stage_input(carry, row["b_src"], row["b_mb"]))
-                    g_params, g_x = vjp(carry["dy"][row["b_dy"]])
-                    acc = accumulate_gradients(chunk_of(carry["grads"], chunk), g_params)
-                    grads = jax.tree.map(lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0),
-                                         carry["grads"], acc)
-                    dx = jnp.where(row["b_first"], carry["dx"].at[row["b_mb"]].set(g_x), carry["dx"])
-                    return dict(carry, grads=grads, dx=dx), jnp.where(row["b_first"], mb_zeros, g_x)
+                # Backward: recompute the stage from its stashed input and apply its vjp.
+                x_b, dy_b = stage_input(carry["act"], row["b_src"], row["b_mb"]), carry["dy"][jnp.maximum(row["b_dy"], 0)]
 
-                carry, send_b = lax.cond(row["b_mb"] >= 0, backward_step, lambda carry: (carry, mb_zeros), carry)
-            # Hand-offs: activations to the next device, gradients to the previous one.
-            recv_f = lax.ppermute(send_f, PP, [(i, (i + 1) % p) for i in range(p)])
-            carry["act"] = jnp.where(row["recv_f"] >= 0, carry["act"].at[jnp.maximum(row["recv_f"], 0)].set(recv_f), carry["act"])
-            if backward:
-                recv_b = lax.ppermute(send_b, PP, [(i, (i - 1) % p) for i in range(p)])
-                carry["dy"] = jnp.where(row["recv_b"] >= 0, carry["dy"].at[jnp.maximum(row["recv_b"], 0)].set(recv_b), carry["dy"])
+                def backward_step():
+                    _, vjp = jax.vjp(stage_fn, chunk_of(staged, row["b_chunk"]), x_b)
+                    g_params, g_x = vjp(dy_b)
+                    return g_params, g_x.astype(dtype)
+
+                g_params, g_x = lax.cond(row["b_mb"] >= 0, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
+                chunk = jnp.maximum(row["b_chunk"], 0)
+                acc = accumulate_gradients(chunk_of(carry["grads"], chunk), g_params)
+                carry["grads"] = jax.tree.map(lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0),
+                                              carry["grads"], acc)
+                carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
+                recv_b = lax.ppermute(g_x, PP, [(i, (i - 1) % p) for i in range(p)])
+                carry["dy"] = carry["dy"].at[jnp.where(row["recv_b"] >= 0, row["recv_b"], dump_dy)].set(recv_b)
+            carry["act"] = carry["act"].at[jnp.where(row["recv_f"] >= 0, row["recv_f"], dump_act)].set(recv_f)
             return carry, None
 
         carry, _ = lax.scan(tick, carry, table)
@@ -500,7 +504,7 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         if not backward:
             return loss, None
         grads = jax.tree.map(lambda g: g[:, None], finalize_accumulated(carry["grads"], m))  # [chunks, 1 stage, ...]
-        dx = lax.psum(carry["dx"], PP) / m
+        dx = lax.psum(carry["dx"][:m], PP) / m
         loss_grads = finalize_accumulated(lax.psum(carry["loss_grads"], PP), m)
         return loss, (grads, dx, loss_grads)
 
