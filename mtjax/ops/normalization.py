@@ -225,23 +225,25 @@ def residual_norm(
 
 
 # --------------------------------------------------------------------------------------------------
-# Pallas Triton kernels. Selection rule from the H200 measurements (mtjax/bench/norm.py, README):
-# the kernels decline what they cannot do (`norm_kernels.supported`) and the rows too narrow to
-# beat XLA.
+# Pallas Triton kernels: `supports` declines what they cannot compute, `prefer` (automatic
+# selection only) the shapes where XLA measured as fast (H200, mtjax/bench/norm.py, README table).
 # --------------------------------------------------------------------------------------------------
 
-# Below this hidden size XLA's fused norm was as fast as the kernel (H200, see the README table).
+# Below this hidden size XLA's fused norm was as fast as the kernel.
 MIN_KERNEL_HIDDEN = 0
 
 
 def _kernel_supports(x, *_, **__) -> str | None:
-    reason = norm_kernels.supported(jnp.shape(x), jnp.result_type(x))
-    if reason is None and jnp.shape(x)[-1] < MIN_KERNEL_HIDDEN:
-        reason = f"hidden size {jnp.shape(x)[-1]} < {MIN_KERNEL_HIDDEN}, where XLA is as fast"
-    return reason
+    return norm_kernels.supported(jnp.shape(x), jnp.result_type(x))
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, priority=10)
+def _kernel_preferred(x, *_, **__) -> str | None:
+    if jnp.shape(x)[-1] < MIN_KERNEL_HIDDEN:
+        return f"hidden size {jnp.shape(x)[-1]} < {MIN_KERNEL_HIDDEN}: XLA measured as fast"
+    return None
+
+
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=_kernel_preferred, priority=10)
 
 
 @backend.register("layernorm", "pallas_triton", **_KERNEL)

@@ -38,11 +38,12 @@ def masked_softmax(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 @backend.register("softmax", backend.REFERENCE)
 def softmax_reference(logits, mask, *, scale: float, causal: bool):
+    dtype = logits.dtype
     logits = logits.astype(jnp.float32) * scale
     if causal:
         cm = causal_mask(logits.shape[-2], logits.shape[-1])
         mask = cm if mask is None else jnp.logical_and(mask, cm)
-    return masked_softmax(logits, mask)
+    return masked_softmax(logits, mask).astype(dtype)
 
 
 def softmax(
@@ -73,10 +74,9 @@ def softmax(
             jnp.broadcast_shapes(jnp.shape(mask), jnp.shape(logits))
         except ValueError:
             raise ValueError(f"softmax: mask of shape {jnp.shape(mask)} does not broadcast to logits {jnp.shape(logits)}") from None
-    probs = backend.dispatch(
+    return backend.dispatch(
         "softmax", logits, mask, implementation=implementation, scale=float(scale), causal=bool(causal)
     )
-    return probs.astype(logits.dtype)
 
 
 # The Pallas Triton kernel (kernels/softmax.py); it declines rows over 16384 and masks it cannot

@@ -1,0 +1,240 @@
+"""`mtjax bench norm`: the fused norm / residual / activation / softmax kernels against XLA.
+
+Every case times the op through `mtjax.ops` twice, ``implementation="pallas_triton"`` (row
+``mtjax``) and ``implementation="xla"`` (row ``xla``, the peer); each row's ``extra["auto"]`` names
+the implementation the dispatcher picks for that case, so the selection rule in `mtjax.ops` can be
+checked against the same run. Bytes are the measured function's inputs read once and outputs
+written once; rows are judged against the copy bandwidth (``ceiling="copy_gbps"``). Without a GPU
+the kernels run in Pallas interpret mode (``--quick`` smoke test on the CPU).
+
+Cases: LayerNorm and RMSNorm forward and forward+backward over the table (hidden 1024..12288,
+tokens 2048..65536, bf16); LayerNorm + FP8 cast vs XLA's norm then quantize; residual add +
+LayerNorm forward+backward; bias+GELU and SwiGLU forward+backward; causal softmax forward+backward.
+``python -m mtjax.bench.norm --sweep`` times the kernels' tile options (how the heuristics in
+kernels/ were chosen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mtjax import backend, ops
+from mtjax.config import override
+from mtjax.bench import ceilings, timing
+from mtjax.kernels import layer_norm as norm_kernels
+
+MAIN_SHAPE = (16384, 8192)
+TABLE_HIDDEN = (1024, 2048, 4096, 8192, 12288)
+TABLE_TOKENS = (2048, 16384, 65536)
+IMPLEMENTATIONS = (("mtjax", "pallas_triton"), ("xla", "xla"))
+
+
+def _inputs(shape, hidden, dtype, *, count_arrays: int, seed: int = 0) -> list[tuple]:
+    """Rotating sets of ``count_arrays`` activations of ``shape`` plus gamma and beta ``[hidden]``."""
+    keys = jax.random.split(jax.random.key(seed), 64)
+
+    def make(i):
+        k = jax.random.split(keys[i], count_arrays + 2)
+        acts = tuple(timing.random_array(k[j], shape, dtype) for j in range(count_arrays))
+        return acts + (timing.random_array(k[-2], (hidden,), jnp.float32), timing.random_array(k[-1], (hidden,), jnp.float32))
+
+    return timing.rotating(make)
+
+
+def _nbytes(*arrays) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(arrays))
+
+
+def _auto(op: str, *args, **static) -> str:
+    """The implementation automatic selection picks for ``op`` on these (abstract) arguments here."""
+    return backend.select(op, args=args, static=static)[0].name
+
+
+def _case(rows, name: str, fns: dict[str, Callable], inputs, out_bytes: int, quick: bool, auto: str) -> None:
+    """Time each ``{implementation: jitted fn}`` of one case and append its rows (peer: xla)."""
+    in_bytes = _nbytes(inputs[0])
+    with _on_gpu_or_interpret():
+        for implementation, fn in fns.items():
+            t = timing.measure(fn, inputs, runs=3 if quick else 20)
+            rows.append(timing.row("norm", name, implementation, t, bytes=in_bytes + out_bytes,
+                                   peer=None if implementation == "xla" else "xla", ceiling="copy_gbps", auto=auto))
+
+
+def _on_gpu_or_interpret():
+    """Pallas interpret mode where the platform cannot run the Triton kernels (CPU smoke runs)."""
+    if backend.PALLAS_TRITON in backend.capabilities():
+        return contextlib.nullcontext()
+    return override(pallas_interpret=True)
+
+
+def _norm_fns(kind: str, backward: bool) -> dict[str, Callable]:
+    def norm(impl, x, g, b):
+        if kind == "layernorm":
+            return ops.layernorm(x, g, b, implementation=impl)
+        return ops.rmsnorm(x, g, implementation=impl)
+
+    def fwd(impl, x, dy, g, b):
+        return norm(impl, x, g, b)
+
+    def fwd_bwd(impl, x, dy, g, b):
+        y, vjp = jax.vjp(functools.partial(norm, impl), x, g, b)
+        return (y,) + vjp(dy)
+
+    body = fwd_bwd if backward else fwd
+    return {label: jax.jit(functools.partial(body, impl)) for label, impl in IMPLEMENTATIONS}
+
+
+def _norm_shapes(quick: bool) -> list[tuple[str, int, int]]:
+    """``(kind, tokens, hidden)``: the main shape first, LayerNorm over the whole table, RMSNorm at 16384 tokens."""
+    if quick:
+        return [("layernorm", 256, 1000), ("rmsnorm", 256, 1000)]
+    shapes = [("layernorm", *MAIN_SHAPE), ("rmsnorm", *MAIN_SHAPE)]
+    shapes += [("layernorm", t, h) for h in TABLE_HIDDEN for t in TABLE_TOKENS if (t, h) != MAIN_SHAPE]
+    shapes += [("rmsnorm", MAIN_SHAPE[0], h) for h in TABLE_HIDDEN if h != MAIN_SHAPE[1]]
+    return shapes
+
+
+def _norm_cases(rows, quick: bool) -> None:
+    for kind, tokens, hidden in _norm_shapes(quick):
+        inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
+        x, _, g, b = inputs[0]
+        auto = _auto(kind, x, g, b, epsilon=1e-6, zero_centered_gamma=False) if kind == "layernorm" else \
+            _auto(kind, x, g, epsilon=1e-6, zero_centered_gamma=False)
+        size = tokens * hidden * 2
+        for backward in (False, True):
+            # forward writes y; forward+backward writes y, dx (and the [hidden] dgamma/dbeta)
+            name = f"{kind} {'fwd+bwd' if backward else 'fwd'} {tokens}x{hidden} bf16"
+            _case(rows, name, _norm_fns(kind, backward), inputs, size * (2 if backward else 1), quick, auto)
+
+
+def _fp8_case(rows, quick: bool) -> None:
+    tokens, hidden = (256, 1000) if quick else MAIN_SHAPE
+    inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=1)
+    scale = jnp.float32(4.0)
+    fns = {
+        label: jax.jit(lambda x, g, b, impl=impl: ops.layernorm_fp8(x, g, b, scale, implementation=impl))
+        for label, impl in IMPLEMENTATIONS
+    }
+    x, g, b = inputs[0]
+    auto = _auto("layernorm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
+                 zero_centered_gamma=False, out_dtype=jnp.dtype(jnp.float8_e4m3fn))
+    _case(rows, f"layernorm+fp8 cast fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, tokens * hidden, quick, auto)
+
+
+def _residual_case(rows, quick: bool) -> None:
+    tokens, hidden = (256, 1000) if quick else MAIN_SHAPE
+    inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=4)
+    rng = jax.random.key(7)
+
+    def fwd_bwd(impl, x, r, dr, dy, g, b):
+        def f(x, r, g, b):
+            return ops.residual_norm(x, r, g, b, dropout_rate=0.1, dropout_rng=rng, implementation=impl)
+        outs, vjp = jax.vjp(f, x, r, g, b)
+        return outs + vjp((dr, dy))
+
+    fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
+    x, r, _, _, g, b = inputs[0]
+    auto = _auto("residual_norm", x, r, g, b, jnp.uint32(0), layernorm_type="layernorm", epsilon=1e-6,
+                 zero_centered_gamma=False, dropout_rate=0.1)
+    # outputs: new residual, normalized, dx, dresidual (dgamma/dbeta are [hidden])
+    _case(rows, f"residual+dropout+layernorm fwd+bwd {tokens}x{hidden} bf16", fns, inputs,
+          4 * tokens * hidden * 2, quick, auto)
+
+
+def _activation_cases(rows, quick: bool) -> None:
+    tokens, hidden = (256, 1000) if quick else MAIN_SHAPE
+    for act, width in (("gelu", hidden), ("swiglu", 2 * hidden)):
+        keys = jax.random.split(jax.random.key(3), 3)
+        inputs = timing.rotating(lambda i, width=width: (
+            timing.random_array(jax.random.fold_in(keys[0], i), (tokens, width), jnp.bfloat16),
+            timing.random_array(jax.random.fold_in(keys[1], i), (tokens, hidden), jnp.bfloat16),
+            timing.random_array(jax.random.fold_in(keys[2], i), (width,), jnp.bfloat16),
+        ))
+
+        def fwd_bwd(impl, x, dy, bias, act=act):
+            y, vjp = jax.vjp(lambda x, bias: ops.activation(x, act, bias, implementation=impl), x, bias)
+            return (y,) + vjp(dy)
+
+        fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
+        x, _, bias = inputs[0]
+        # outputs: y [tokens, hidden], dx [tokens, width]
+        _case(rows, f"bias+{act} fwd+bwd {tokens}x{width} bf16", fns, inputs, (tokens * hidden + tokens * width) * 2,
+              quick, _auto("activation", x, bias, activation_type=act))
+
+
+def _softmax_case(rows, quick: bool) -> None:
+    shape = (2, 4, 64, 64) if quick else (4, 16, 2048, 2048)
+    keys = jax.random.split(jax.random.key(5), 2)
+    inputs = timing.rotating(lambda i: tuple(
+        timing.random_array(jax.random.fold_in(k, i), shape, jnp.bfloat16) for k in keys))
+
+    def fwd_bwd(impl, x, dy):
+        y, vjp = jax.vjp(lambda x: ops.softmax(x, scale=0.125, causal=True, implementation=impl), x)
+        return (y,) + vjp(dy)
+
+    fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
+    auto = _auto("softmax", inputs[0][0], None, scale=0.125, causal=True)
+    _case(rows, f"causal softmax fwd+bwd {'x'.join(map(str, shape))} bf16", fns, inputs,
+          2 * math.prod(shape) * 2, quick, auto)
+
+
+CASES = (_norm_cases, _fp8_case, _residual_case, _activation_cases, _softmax_case)
+
+
+def run(quick: bool) -> list[dict]:
+    """Rows (`mtjax.bench.timing.row`) of every case; ``quick``: tiny shapes (CPU smoke test)."""
+    rows: list[dict] = []
+    for case in CASES:
+        case(rows, quick)
+    return rows
+
+
+def sweep(hidden_sizes=(1024, 8192, 12288), tokens: int = 16384) -> list[dict]:
+    """Time the norm kernels' tile options (``block_m``, ``num_warps``) forward and backward."""
+    rows = []
+    for hidden in hidden_sizes:
+        (x, dy, g, b), *_ = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
+        n_pad = norm_kernels.next_power_of_2(hidden)
+        for elements in (4096, 8192, 16384):
+            block_m = max(1, elements // n_pad)
+            for warps in (4, 8, 16):
+                tile = (block_m, warps)
+                fwd = jax.jit(lambda x, g, b, tile=tile: norm_kernels.forward(
+                    x, g, b, rms=False, epsilon=1e-6, zero_centered_gamma=False, tile=tile))
+                bwd = jax.jit(lambda x, g, dy, tile=tile: norm_kernels.backward(
+                    x, g, dy, rms=False, epsilon=1e-6, zero_centered_gamma=False, has_beta=True, tile=tile))
+                for label, fn, args, size in (("fwd", fwd, (x, g, b), 2), ("bwd", bwd, (x, g, dy), 3)):
+                    t = timing.measure(fn, [args], runs=10)
+                    rows.append(timing.row("norm", f"layernorm {label} {tokens}x{hidden} tile {tile}", "mtjax", t,
+                                           bytes=size * x.size * 2, ceiling="copy_gbps", block_m=block_m, num_warps=warps))
+    return rows
+
+
+def _print(rows, copy_gbps: float) -> None:
+    for r in rows:
+        auto = r["extra"].get("auto", "")
+        print(f"{r['name']:<58} {r['implementation']:<6} {r['time_ms']:8.3f} ms {r['gbps']:7.0f} GB/s "
+              f"{r['gbps'] / copy_gbps:5.0%} of copy  auto={auto}", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time the tile options of the norm kernels")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    args = parser.parse_args()
+    copy = ceilings.run(args.quick)[1]["copy_gbps"]
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    if args.sweep:
+        _print(sweep(), copy)
+    else:
+        for case in CASES:
+            case_rows: list[dict] = []
+            case(case_rows, args.quick)
+            _print(case_rows, copy)

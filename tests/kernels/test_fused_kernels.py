@@ -1,0 +1,302 @@
+"""The fused Pallas kernels (norms, norm+FP8, residual+norm, activation, softmax) in interpret mode
+against their ops' references, forward and gradients, and their Triton lowering for an H200.
+
+Interpret mode is slow on the CPU: shapes stay tiny (rows <= 16, hidden <= 300) and odd, so row
+tails and column tails of the power-of-two tiles are masked in every test.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtjax import backend, ops
+from mtjax.config import override
+
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
+DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
+ROWS = st.sampled_from([(1,), (5,), (3, 4), (16,)])
+HIDDEN = st.sampled_from([1, 7, 64, 100, 257, 300])
+
+
+def _random(seed, shape, dtype, scale=1.0):
+    return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
+
+
+def _run(fn, args, diff_argnums, implementation):
+    """Outputs of ``fn(*args, implementation=...)`` and the gradients of a random projection of them."""
+
+    def loss(*diff):
+        full = list(args)
+        for i, a in zip(diff_argnums, diff):
+            full[i] = a
+        out = fn(*full, implementation=implementation)
+        total = 0.0
+        for k, leaf in enumerate(jax.tree.leaves(out)):
+            weights = jax.random.normal(jax.random.key(100 + k), leaf.shape, jnp.float32)
+            total = total + jnp.sum(leaf.astype(jnp.float32) * weights)
+        return total, out
+
+    if not diff_argnums:
+        return fn(*args, implementation=implementation), ()
+    grad_fn = jax.value_and_grad(loss, argnums=tuple(range(len(diff_argnums))), has_aux=True)
+    (_, out), grads = jax.jit(grad_fn)(*[args[i] for i in diff_argnums])
+    return out, grads
+
+
+def _assert_close(got, want, dtype):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        tol = TOLERANCE[jnp.dtype(dtype)]
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, np.max(np.abs(w))))
+
+
+def check_kernel(fn, args, diff_argnums, dtype, interpret=True):
+    """The Pallas kernel (in interpret mode unless on the GPU) matches the op's reference, forward and gradients."""
+    with override(pallas_interpret=interpret):
+        got = _run(fn, args, diff_argnums, "pallas_triton")
+    want = _run(fn, args, diff_argnums, "xla")
+    _assert_close(got, want, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Norms
+# --------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=4)
+@given(rows=ROWS, hidden=HIDDEN, dtype=DTYPES, kind=st.sampled_from(["layernorm", "rmsnorm"]),
+       zero_centered=st.booleans(), with_beta=st.booleans(), seed=st.integers(0, 2**16))
+def test_norm_kernels_match_reference(rows, hidden, dtype, kind, zero_centered, with_beta, seed):
+    x = _random(seed, rows + (hidden,), dtype, 2.0) + 0.5
+    gamma = _random(seed + 1, (hidden,), jnp.float32)
+    beta = _random(seed + 2, (hidden,), jnp.float32)
+    if kind == "layernorm":
+        def fn(x, gamma, beta, implementation):
+            return ops.layernorm(x, gamma, beta if with_beta else None, zero_centered_gamma=zero_centered,
+                                 implementation=implementation)
+        check_kernel(fn, (x, gamma, beta), (0, 1, 2) if with_beta else (0, 1), dtype)
+    else:
+        def fn(x, gamma, implementation):
+            return ops.rmsnorm(x, gamma, zero_centered_gamma=zero_centered, implementation=implementation)
+        check_kernel(fn, (x, gamma), (0, 1), dtype)
+
+
+@pytest.mark.parametrize("kind, out_dtype", [("layernorm", jnp.float8_e4m3fn), ("rmsnorm", jnp.float8_e5m2)])
+def test_norm_fp8_matches_reference(kind, out_dtype):
+    x = _random(0, (13, 300), jnp.bfloat16, 3.0)
+    gamma = _random(1, (300,), jnp.float32)
+    beta = _random(2, (300,), jnp.float32) if kind == "layernorm" else None
+    scale = jnp.float32(jnp.finfo(out_dtype).max / 2)  # the largest |y| (> 2) saturate
+
+    def fn(*args, implementation):
+        return ops.layernorm_fp8(*args, layernorm_type=kind, out_dtype=out_dtype, implementation=implementation)
+
+    with override(pallas_interpret=True):
+        q, amax = fn(x, gamma, beta, scale, implementation="pallas_triton")
+    q_ref, amax_ref = fn(x, gamma, beta, scale, implementation="xla")
+    assert q.dtype == out_dtype and amax.shape == () and amax.dtype == jnp.float32
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-6)
+    # Same f32 value before the cast: the FP8 codes agree except for rare ties one code apart.
+    q, q_ref = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+    assert np.all(np.isfinite(q)) and np.max(np.abs(q)) == float(jnp.finfo(out_dtype).max)
+    assert np.mean(q == q_ref) > 0.99
+    np.testing.assert_allclose(q, q_ref, rtol=0.13)
+
+
+@pytest.mark.parametrize("kind, x_dtype, residual_dtype, dropout_rate", [
+    ("layernorm", jnp.float32, jnp.float32, 0.0),
+    ("layernorm", jnp.bfloat16, jnp.float32, 0.25),
+    ("rmsnorm", jnp.bfloat16, jnp.bfloat16, 0.5),
+])
+def test_residual_norm_matches_reference(kind, x_dtype, residual_dtype, dropout_rate):
+    shape = (3, 5, 257)
+    x = _random(0, shape, x_dtype)
+    residual = _random(1, shape, residual_dtype, 2.0)
+    gamma = _random(2, (257,), jnp.float32)
+    beta = _random(3, (257,), jnp.float32) if kind == "layernorm" else None
+    rng = jax.random.key(4)
+
+    def fn(x, residual, gamma, beta, implementation):
+        return ops.residual_norm(x, residual, gamma, beta, layernorm_type=kind, dropout_rate=dropout_rate,
+                                 dropout_rng=rng, implementation=implementation)
+
+    check_kernel(fn, (x, residual, gamma, beta), (0, 1, 2, 3) if beta is not None else (0, 1, 2), x_dtype)
+    if dropout_rate:
+        new_residual, _ = fn(x, residual, gamma, beta, implementation="xla")
+        dropped = np.mean(np.asarray(new_residual == residual.astype(residual_dtype)))
+        assert abs(dropped - dropout_rate) < 0.05
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation and softmax
+# --------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=4)
+@given(rows=ROWS, hidden=st.sampled_from([1, 37, 150]), dtype=DTYPES, with_bias=st.booleans(),
+       activation=st.sampled_from(["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"]),
+       seed=st.integers(0, 2**16))
+def test_activation_kernel_matches_reference(rows, hidden, dtype, with_bias, activation, seed):
+    width = 2 * hidden if ops.is_gated(activation) else hidden
+    x = _random(seed, rows + (width,), dtype, 2.0)
+    bias = _random(seed + 1, (width,), dtype)
+
+    def fn(x, bias, implementation):
+        return ops.activation(x, activation, bias if with_bias else None, implementation=implementation)
+
+    check_kernel(fn, (x, bias), (0, 1) if with_bias else (0,), dtype)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_activation_fp8_matches_reference(activation):
+    x = _random(0, (2, 7, 200), jnp.bfloat16, 2.0)
+    bias = _random(1, (200,), jnp.bfloat16)
+
+    def fn(implementation):
+        return ops.activation_fp8(x, activation, bias, scale=jnp.float32(100.0), implementation=implementation)
+
+    with override(pallas_interpret=True):
+        q, amax = fn("pallas_triton")
+    q_ref, amax_ref = fn("xla")
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-6)
+    q, q_ref = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+    assert np.mean(q == q_ref) > 0.99 and np.max(np.abs(q)) == 448.0
+
+
+@settings(max_examples=3)
+@given(lead=st.sampled_from([(1,), (2, 3), (3,)]), q_len=st.sampled_from([1, 5, 8]), kv_len=st.sampled_from([1, 6, 37]),
+       mask_kind=st.sampled_from([None, "full", "per_batch", "shared"]), causal=st.booleans(), dtype=DTYPES,
+       seed=st.integers(0, 2**16))
+def test_softmax_kernel_matches_reference(lead, q_len, kv_len, mask_kind, causal, dtype, seed):
+    shape = lead + (q_len, kv_len)
+    logits = _random(seed, shape, dtype, 3.0)
+    mask_shape = {None: None, "full": shape, "per_batch": lead[:1] + (1,) * (len(lead) - 1) + (1, kv_len),
+                  "shared": (kv_len,)}[mask_kind]
+    mask = None
+    if mask_shape is not None:
+        mask = jax.random.bernoulli(jax.random.key(seed + 1), 0.7, mask_shape)
+        mask = mask.at[(0,) * (len(mask_shape) - 1)].set(False)  # a fully masked row
+
+    def fn(logits, implementation):
+        return ops.softmax(logits, mask, scale=0.7, causal=causal, implementation=implementation)
+
+    check_kernel(fn, (logits,), (0,), dtype)
+
+
+def test_softmax_kernel_declines_masks_it_cannot_read_as_rows():
+    logits = jax.ShapeDtypeStruct((2, 3, 4, 8), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 3, 1, 8), jnp.bool_)  # varies along heads but not batch
+    impl, why = backend.select("softmax", platform_name="cuda", args=(logits, mask), static={"scale": 1.0, "causal": False})
+    assert impl.name == "xla" and "mask" in why
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton lowering for an H200, on the CPU
+# --------------------------------------------------------------------------------------------------
+
+
+def _lower_for_cuda(fn, *args):
+    """Triton kernels in ``fn`` lowered for an H200. The ops are called with automatic selection
+    (explicitly naming a GPU kernel on a CPU-only host is an error), at shapes where it picks them."""
+    with backend.abstract_gpu():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton")
+
+
+def test_every_kernel_lowers_for_cuda():
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    x = jax.ShapeDtypeStruct((8, 2048, 4000), bf16)
+    g = jax.ShapeDtypeStruct((4000,), f32)
+    scale = jax.ShapeDtypeStruct((), f32)
+    impl = None
+
+    def norms(x, r, g, b, scale, key):
+        out = []
+        for kind, beta in (("layernorm", b), ("rmsnorm", None)):
+            norm = ops.layernorm if kind == "layernorm" else ops.rmsnorm
+            args = (x, g, b) if kind == "layernorm" else (x, g)
+            y, vjp = jax.vjp(lambda *a: norm(*a, zero_centered_gamma=True, implementation=impl), *args)
+            out += [y, vjp(y)]
+            out.append(ops.layernorm_fp8(x, g, beta, scale, layernorm_type=kind, implementation=impl))
+            res, vjp = jax.vjp(lambda x, r: ops.residual_norm(x, r, g, beta, layernorm_type=kind, dropout_rate=0.1,
+                                                                  dropout_rng=key, implementation=impl), x, r)
+            out += [res, vjp(res)]
+        return out
+
+    key = jax.random.key(0)
+    r = jax.ShapeDtypeStruct(x.shape, f32)
+    # per norm kind: fwd, bwd, fp8 fwd, residual fwd, residual bwd
+    assert _lower_for_cuda(norms, x, r, g, g, scale, key) == 10
+
+    def activations(x, bias, scale):
+        out = []
+        for act in ("gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"):
+            y, vjp = jax.vjp(lambda x, b: ops.activation(x, act, b, implementation=impl), x, bias)
+            out += [y, vjp(y), ops.activation_fp8(x, act, bias, scale=scale, implementation=impl)]
+        return out
+
+    assert _lower_for_cuda(activations, x, jax.ShapeDtypeStruct((4000,), bf16), scale) == 21
+
+    def softmax(logits, mask):
+        y, vjp = jax.vjp(lambda l: ops.softmax(l, mask, scale=0.5, causal=True, implementation=impl), logits)
+        return y, vjp(y)
+
+    logits = jax.ShapeDtypeStruct((2, 4, 1000, 3000), bf16)
+    assert _lower_for_cuda(softmax, logits, jax.ShapeDtypeStruct((2, 1, 1, 3000), jnp.bool_)) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (compiled Triton kernels), at sizes with several row blocks and odd hidden sizes
+# --------------------------------------------------------------------------------------------------
+
+GPU_NORM_SHAPES = [((4, 333, 1000), jnp.bfloat16), ((999, 4097), jnp.float32), ((2048, 12288), jnp.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", GPU_NORM_SHAPES)
+def test_norm_kernels_on_gpu(shape, dtype):
+    hidden = shape[-1]
+    x = _random(0, shape, dtype, 2.0)
+    gamma, beta = _random(1, (hidden,), jnp.float32), _random(2, (hidden,), jnp.float32)
+    residual = _random(3, shape, jnp.float32)
+    check_kernel(lambda x, g, b, implementation: ops.layernorm(x, g, b, implementation=implementation),
+                 (x, gamma, beta), (0, 1, 2), dtype, interpret=False)
+    check_kernel(lambda x, g, implementation: ops.rmsnorm(x, g, zero_centered_gamma=True, implementation=implementation),
+                 (x, gamma), (0, 1), dtype, interpret=False)
+    check_kernel(lambda x, r, g, b, implementation: ops.residual_norm(
+        x, r, g, b, dropout_rate=0.1, dropout_rng=jax.random.key(5), implementation=implementation),
+        (x, residual, gamma, beta), (0, 1, 2, 3), dtype, interpret=False)
+    scale = jnp.float32(100.0)
+    q, amax = ops.layernorm_fp8(x, gamma, beta, scale, implementation="pallas_triton")
+    q_ref, amax_ref = ops.layernorm_fp8(x, gamma, beta, scale, implementation="xla")
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
+    assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"])
+def test_activation_kernels_on_gpu(activation):
+    width = 2 * 1500 if ops.is_gated(activation) else 1500
+    x = _random(0, (777, width), jnp.bfloat16, 2.0)
+    bias = _random(1, (width,), jnp.bfloat16)
+    check_kernel(lambda x, b, implementation: ops.activation(x, activation, b, implementation=implementation),
+                 (x, bias), (0, 1), jnp.bfloat16, interpret=False)
+    q, amax = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="pallas_triton")
+    q_ref, amax_ref = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="xla")
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
+    assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_softmax_kernel_on_gpu(dtype):
+    logits = _random(0, (2, 4, 100, 1000), dtype, 3.0)
+    mask = jax.random.bernoulli(jax.random.key(1), 0.8, (2, 1, 1, 1000))
+    check_kernel(lambda l, implementation: ops.softmax(l, mask, scale=0.3, causal=True, implementation=implementation),
+                 (logits,), (0,), dtype, interpret=False)
