@@ -1,0 +1,108 @@
+"""Which implementation the fused ops pick (per lowering platform and shape), and their argument errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax import backend, ops
+from mtjax.kernels._common import dropout_keep
+from mtjax.ops import normalization
+
+S = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+NORM_STATIC = {"epsilon": 1e-6, "zero_centered_gamma": False}
+
+
+def _choice(op, *args, **static):
+    return backend.select(op, platform_name="cuda", args=args, static=static)
+
+
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm", "layernorm_fp8", "residual_norm", "activation",
+                                "activation_fp8", "softmax"])
+def test_every_fused_op_has_a_pallas_triton_kernel_first(op):
+    assert backend.implementations(op) == ("pallas_triton", "xla")
+
+
+def test_cuda_picks_the_kernel_where_it_is_faster_and_cpu_the_reference():
+    x, g = S((16384, 8192), BF16), S((8192,), F32)
+    assert _choice("layernorm", x, g, g, **NORM_STATIC)[0].name == "pallas_triton"
+    assert _choice("rmsnorm", x, g, **NORM_STATIC)[0].name == "pallas_triton"
+    assert backend.select("layernorm", platform_name="cpu", args=(x, g, g), static=NORM_STATIC)[0].name == "xla"
+
+
+def test_narrow_rows_go_to_xla_on_cuda_but_an_explicit_choice_still_runs_the_kernel(interpret):
+    if normalization.MIN_KERNEL_HIDDEN <= 1:
+        pytest.skip("the kernel is preferred at every hidden size")
+    hidden = normalization.MIN_KERNEL_HIDDEN - 1
+    impl, why = _choice("layernorm", S((4096, hidden), BF16), S((hidden,), F32), None, **NORM_STATIC)
+    assert impl.name == "xla" and "measured" in why
+    x = jnp.ones((2, hidden), F32).at[0, 0].set(3.0)
+    y = ops.layernorm(x, jnp.ones((hidden,)), implementation="pallas_triton")
+    np.testing.assert_allclose(y, ops.layernorm(x, jnp.ones((hidden,)), implementation="xla"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, args, static, reason", [
+    ("layernorm", (S((8, 20000), BF16), S((20000,), F32), None), NORM_STATIC, "hidden size"),
+    ("layernorm", (S((8, 1024), jnp.float8_e4m3fn), S((1024,), F32), None), NORM_STATIC, "dtype"),
+    ("activation", (S((8, 1024), BF16), None), {"activation_type": "gelu_exact"}, "activation"),
+    ("softmax", (S((8, 2, 4, 32), F32), S((1, 2, 1, 32), jnp.bool_)), {"scale": 1.0, "causal": False}, "mask"),
+])
+def test_kernels_decline_what_they_cannot_compute(op, args, static, reason):
+    impl, why = _choice(op, *args, **static)
+    assert impl.name == "xla" and reason in why
+    with pytest.raises(ValueError, match="pallas_triton"):
+        backend.select(op, "pallas_triton", platform_name="cuda", args=args, static=static)
+
+
+def test_explicit_kernel_on_a_cpu_without_interpret_mode_names_the_op():
+    with pytest.raises(ValueError, match="layernorm_fp8.*pallas_triton"):
+        ops.layernorm_fp8(jnp.ones((2, 8)), jnp.ones((8,)), None, jnp.float32(1.0), layernorm_type="rmsnorm",
+                          implementation="pallas_triton")
+
+
+def test_dropout_mask_is_a_deterministic_function_of_seed_row_and_column():
+    rows, cols = jnp.arange(512)[:, None], jnp.arange(300)[None, :]
+    keep = dropout_keep(jnp.uint32(7), rows, cols, 0.25)
+    assert abs(float(jnp.mean(keep)) - 0.75) < 0.01
+    assert bool(jnp.all(keep == dropout_keep(jnp.uint32(7), rows, cols, 0.25)))
+    assert float(jnp.mean(keep == dropout_keep(jnp.uint32(8), rows, cols, 0.25))) < 0.7
+    assert bool(jnp.any(keep[:, :150] != keep[:, 150:]))  # columns get different bits
+
+
+def test_residual_norm_and_fp8_ops_run_their_references():
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    r = jax.random.normal(jax.random.key(1), (4, 16))
+    g, b = jnp.ones(16), jnp.zeros(16)
+    new_residual, normalized = ops.residual_norm(x, r, g, b)
+    np.testing.assert_allclose(new_residual, x + r, rtol=1e-6)
+    np.testing.assert_allclose(normalized, ops.layernorm(x + r, g, b), rtol=1e-5, atol=1e-6)
+    q, amax = ops.layernorm_fp8(x, g, b, jnp.float32(2.0))
+    y = ops.layernorm(x, g, b)
+    assert q.dtype == jnp.float8_e4m3fn
+    np.testing.assert_allclose(amax, jnp.max(jnp.abs(y)), rtol=1e-6)
+    np.testing.assert_allclose(q.astype(F32), (y * 2.0).astype(jnp.float8_e4m3fn).astype(F32))
+    q, amax = ops.activation_fp8(x, "relu", scale=jnp.float32(1e5), out_dtype=jnp.float8_e5m2)
+    assert q.dtype == jnp.float8_e5m2 and float(jnp.max(q.astype(F32))) == 57344.0
+    np.testing.assert_allclose(amax, jnp.max(jnp.abs(jax.nn.relu(x))))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, g: ops.layernorm_fp8(x, g, None, jnp.float32(1.0), out_dtype=jnp.bfloat16), ValueError, "out_dtype"),
+    (lambda x, g: ops.layernorm_fp8(x, g, None, jnp.ones(2)), ValueError, "scale"),
+    (lambda x, g: ops.layernorm_fp8(x, g, g, jnp.float32(1.0), layernorm_type="rmsnorm"), ValueError, "beta"),
+    (lambda x, g: ops.layernorm_fp8(x, g, None, jnp.float32(1.0), layernorm_type="batchnorm"), ValueError,
+     "layernorm_type.*'layernorm', 'rmsnorm'"),
+    (lambda x, g: ops.residual_norm(x, x[:, :4], g), ValueError, "residual"),
+    (lambda x, g: ops.residual_norm(x, x, g, dropout_rate=0.1), ValueError, "dropout_rng"),
+    (lambda x, g: ops.residual_norm(x, x, g, dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError,
+     "dropout_rate"),
+    (lambda x, g: ops.residual_norm(x, x.astype(jnp.int32), g), TypeError, "residual"),
+    (lambda x, g: ops.activation_fp8(x, "gelu", scale=jnp.float32(1.0), out_dtype=F32), ValueError, "out_dtype"),
+    (lambda x, g: ops.activation_fp8(x, "swish", scale=jnp.float32(1.0)), ValueError, "activation_type"),
+])
+def test_bad_arguments_raise_naming_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call(jnp.ones((2, 8)), jnp.ones((8,)))
