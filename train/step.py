@@ -170,10 +170,10 @@ def make_optimizer(
 
     Weight decay applies to matrices only (not to biases and norm scales), the GPT-2/3 convention.
     """
-    if learning_rate <= 0 or total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+    if learning_rate <= 0 or not 0 <= warmup_steps < total_steps:
         raise ValueError(
             f"make_optimizer(learning_rate={learning_rate}, total_steps={total_steps}, "
-            f"warmup_steps={warmup_steps}): expected learning_rate > 0 and 0 <= warmup_steps <= total_steps >= 1"
+            f"warmup_steps={warmup_steps}): expected learning_rate > 0 and 0 <= warmup_steps < total_steps"
         )
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,

@@ -1,0 +1,79 @@
+"""Multi-process training on localhost (2 processes x 4 CPU devices) against 1 process x 8 devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from mtjax.sharding import MeshConfig, logical_axis_rules
+from mtjax.train import distributed
+from mtjax.train.checkpoint import Checkpointer
+from mtjax.train.state import abstract_train_state
+from tests.train import multiprocess_worker
+from tests.train.tiny_lm import TinyLM
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_path):
+    port, env = _free_port(), {**os.environ, "JAX_PLATFORMS": "cpu",
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    workers = [subprocess.Popen([sys.executable, "-m", "tests.train.multiprocess_worker", str(i), "2", str(port),
+                                 str(tmp_path / "two")], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outputs = [w.communicate(timeout=120) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    for w, (_, err) in zip(workers, outputs):
+        assert w.returncode == 0, err[-3000:]
+    two_process_losses = json.loads(outputs[0][0].splitlines()[-1])  # after gloo's connection messages
+
+    one_process_losses = multiprocess_worker.train(str(tmp_path / "one"))
+    np.testing.assert_allclose(two_process_losses, one_process_losses, rtol=1e-6)
+
+    config = MeshConfig(dp=8)
+    abstract = abstract_train_state(TinyLM(), optax.adam(1e-2), (8, 16), mesh=config.make_mesh(),
+                                    rules=logical_axis_rules(config))
+    with Checkpointer(tmp_path / "two") as two, Checkpointer(tmp_path / "one") as one:
+        (from_two, meta), (from_one, _) = two.restore(abstract), one.restore(abstract)
+    assert meta == {"data": {"position": multiprocess_worker.STEPS}}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 jax.device_get(from_two), jax.device_get(from_one))
+
+
+def test_initialize_is_a_no_op_alone_and_rejects_partial_settings(monkeypatch):
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.initialize() is False
+    with pytest.raises(ValueError, match="num_processes, process_id missing"):
+        distributed.initialize("localhost:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two'"):
+        distributed.initialize()
+    with pytest.raises(ValueError, match="process_id=3"):
+        distributed.initialize("localhost:1234", 2, 3)
+
+
+def test_process_rows_of_a_single_process_is_the_whole_batch():
+    config = MeshConfig(dp=4, tp=2)
+    sharding = jax.sharding.NamedSharding(config.make_mesh(), jax.sharding.PartitionSpec(("dp", "fsdp")))
+    assert distributed.process_rows(sharding, 8) == slice(0, 8)
+    batch = distributed.global_batch({"inputs": np.arange(16).reshape(8, 2)}, sharding, 8)
+    assert batch["inputs"].sharding == sharding
+    np.testing.assert_array_equal(batch["inputs"], np.arange(16).reshape(8, 2))
