@@ -28,6 +28,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def unsupported(shape, dtype, max_row: int | None = MAX_ROW) -> str | None:
+    """Why a row-wise kernel cannot take an array of ``shape``/``dtype`` (rows of at most ``max_row``), or ``None``."""
+    row = shape[-1] if shape else 0
+    if max_row is not None and not 0 < row <= max_row:
+        return f"last axis {row} outside 1..{max_row}"
+    if jnp.dtype(dtype) not in KERNEL_DTYPES:
+        return f"dtype {jnp.dtype(dtype)} (float32, bfloat16, float16 only)"
+    size = int(np.prod(shape))
+    if not 0 < size <= MAX_ELEMENTS:
+        return f"{size} elements (1..{MAX_ELEMENTS})"
+    return None
+
+
 def check_size(name: str, x: jax.Array) -> None:
     if x.size > MAX_ELEMENTS:
         raise ValueError(f"{name}: {x.size} elements; the kernel indexes with int32 and takes at most {MAX_ELEMENTS}")

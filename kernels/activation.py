@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import FP8_DTYPES, check_size, interpret, next_power_of_2, saturate_cast
+from mtjax.kernels._common import FP8_DTYPES, check_size, interpret, next_power_of_2, saturate_cast, unsupported
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
@@ -186,14 +186,7 @@ def supported(x_shape, x_dtype, activation: str) -> str | None:
     """``None`` if the kernels take this input, else why not (for the op's ``supports=``)."""
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} (kernels: {sorted(ACTIVATIONS)})"
-    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(x_dtype)} (float32, bfloat16, float16 only)"
-    size = 1
-    for d in x_shape:
-        size *= d
-    if size == 0 or size > 2**31 - 1:
-        return f"{size} elements (1..2**31-1)"
-    return None
+    return unsupported(x_shape, x_dtype, max_row=None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels._common import (
-    FP8_DTYPES, MAX_ROW, check_size, dropout_keep, interpret, next_power_of_2, saturate_cast,
+    FP8_DTYPES, check_size, dropout_keep, interpret, next_power_of_2, saturate_cast, unsupported,
 )
 
 # Programs of the backward kernel: enough to fill an H100/H200 (132 SMs) a few times over, few
@@ -285,21 +285,6 @@ def backward(h, gamma, dy, dresidual=None, seed=None, *, rms: bool, epsilon: flo
     dgamma = jnp.sum(outs.pop(0), axis=0)
     dbeta = jnp.sum(outs.pop(0), axis=0) if has_beta else None
     return dh, dx, dgamma, dbeta
-
-
-def supported(x_shape, x_dtype) -> str | None:
-    """``None`` if the kernels take ``x``, else why not (for the ops' ``supports=`` predicates)."""
-    n = x_shape[-1] if x_shape else 0
-    if not 0 < n <= MAX_ROW:
-        return f"hidden size {n} outside 1..{MAX_ROW}"
-    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(x_dtype)} (float32, bfloat16, float16 only)"
-    size = 1
-    for d in x_shape:
-        size *= d
-    if size == 0 or size > 2**31 - 1:
-        return f"{size} elements (1..2**31-1)"
-    return None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import MAX_ROW, check_size, interpret, next_power_of_2
+from mtjax.kernels._common import check_size, interpret, next_power_of_2, unsupported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,15 +158,10 @@ def backward(y, dy, *, scale: float, tile_override=None):
 
 def supported(logits_shape, logits_dtype, mask_shape) -> str | None:
     """``None`` if the kernels take this call, else why not (for the op's ``supports=``)."""
-    if not logits_shape or not 0 < logits_shape[-1] <= MAX_ROW:
-        return f"row length {logits_shape[-1] if logits_shape else 0} outside 1..{MAX_ROW}"
-    if jnp.dtype(logits_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(logits_dtype)} (float32, bfloat16, float16 only)"
-    if not 0 < math.prod(logits_shape) <= 2**31 - 1:
-        return f"{math.prod(logits_shape)} elements (1..2**31-1)"
-    if mask_shape is not None and mask_layout(mask_shape, logits_shape) is None:
-        return f"mask {tuple(mask_shape)} must match a prefix of the logits' leading axes and be 1 elsewhere"
-    return None
+    reason = unsupported(logits_shape, logits_dtype)
+    if reason is None and mask_shape is not None and mask_layout(mask_shape, logits_shape) is None:
+        reason = f"mask {tuple(mask_shape)} must match a prefix of the logits' leading axes and be 1 elsewhere"
+    return reason
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -197,23 +197,26 @@ def run(quick: bool) -> list[dict]:
 
 
 def sweep(hidden_sizes=(1024, 8192, 12288), tokens: int = 16384) -> list[dict]:
-    """Time the norm kernels' tile options (``block_m``, ``num_warps``) forward and backward."""
+    """Time the LayerNorm kernels' tile options: forward ``(block_m, num_warps)``, backward also ``programs``."""
     rows = []
     for hidden in hidden_sizes:
         (x, dy, g, b), *_ = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
         n_pad = norm_kernels.next_power_of_2(hidden)
-        for elements in (4096, 8192, 16384):
-            block_m = max(1, elements // n_pad)
-            for warps in (4, 8, 16):
-                tile = (block_m, warps)
-                fwd = jax.jit(lambda x, g, b, tile=tile: norm_kernels.forward(
+        options = [("fwd", max(1, e // n_pad), w, None) for e in (4096, 8192, 16384) for w in (4, 8, 16)]
+        options += [("bwd", max(1, e // n_pad), w, p) for e in (2048, 4096, 8192) for w in (8, 16) for p in (264, 528)]
+        for label, block_m, warps, programs in options:
+            if label == "fwd":
+                fn = jax.jit(lambda x, g, b, tile=(block_m, warps): norm_kernels.forward(
                     x, g, b, rms=False, epsilon=1e-6, zero_centered_gamma=False, tile=tile))
-                bwd = jax.jit(lambda x, g, dy, tile=tile: norm_kernels.backward(
-                    x, g, dy, rms=False, epsilon=1e-6, zero_centered_gamma=False, has_beta=True, tile=tile))
-                for label, fn, args, size in (("fwd", fwd, (x, g, b), 2), ("bwd", bwd, (x, g, dy), 3)):
-                    t = timing.measure(fn, [args], runs=10)
-                    rows.append(timing.row("norm", f"layernorm {label} {tokens}x{hidden} tile {tile}", "mtjax", t,
-                                           bytes=size * x.size * 2, ceiling="copy_gbps", block_m=block_m, num_warps=warps))
+                args, size = (x, g, b), 2
+            else:
+                fn = jax.jit(lambda x, g, dy, tile=(block_m, warps), programs=programs: norm_kernels.backward(
+                    x, g, dy, rms=False, epsilon=1e-6, zero_centered_gamma=False, has_beta=True, tile=tile,
+                    programs=programs))
+                args, size = (x, g, dy), 3
+            t = timing.measure(fn, [args], runs=10)
+            rows.append(timing.row("norm", f"layernorm {label} {tokens}x{hidden} m={block_m} w={warps} p={programs}",
+                                   "mtjax", t, bytes=size * x.size * 2, ceiling="copy_gbps"))
     return rows
 
 

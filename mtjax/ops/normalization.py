@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from mtjax import backend
 from mtjax.kernels import layer_norm as norm_kernels
 from mtjax.kernels import residual_norm as residual_norm_kernels
-from mtjax.kernels._common import FP8_DTYPES, dropout_keep, saturate_cast
+from mtjax.kernels._common import FP8_DTYPES, dropout_keep, saturate_cast, unsupported
 from mtjax.ops._checks import check_choice, check_float, check_shape
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
@@ -234,7 +234,7 @@ MIN_KERNEL_HIDDEN = 0
 
 
 def _kernel_supports(x, *_, **__) -> str | None:
-    return norm_kernels.supported(jnp.shape(x), jnp.result_type(x))
+    return unsupported(jnp.shape(x), jnp.result_type(x))
 
 
 def _kernel_preferred(x, *_, **__) -> str | None:
