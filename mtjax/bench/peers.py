@@ -1,7 +1,7 @@
 """The stock-Flax peers mtjax is measured against: what a user would write without mtjax.
 
-Only ``flax.linen`` building blocks (``nn.LayerNorm``, ``nn.Dense``, ``nn.gelu``, ``nn.Embed``,
-``nn.scan``) and ``jax.nn.dot_product_attention`` (cuDNN on the GPU, XLA elsewhere), bf16 compute and
+Only ``flax.linen`` building blocks (``nn.LayerNorm``/``nn.RMSNorm``, ``nn.Dense``, ``nn.gelu``/``nn.silu``,
+``nn.Embed``, ``nn.scan``) and ``jax.nn.dot_product_attention`` (cuDNN on the GPU, XLA elsewhere), bf16 compute and
 f32 parameters; with ``fp8=True`` every ``nn.Dense`` gets Flax's own FP8 op,
 ``flax.linen.fp8_ops.Fp8DirectDotGeneralOp``, whose delayed-scaling state lives in Flax's
 ``"_overwrite_with_gradient"`` collection (its gradient is the next state).
@@ -24,17 +24,32 @@ from flax.linen import fp8_ops
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 
 
-def _attention_implementation() -> str:
-    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+def _attention_implementation(dtype: Any) -> str:
+    """cuDNN flash attention where it runs (a GPU, 16-bit inputs), else XLA."""
+    return "cudnn" if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+_ACTIVATIONS = {"gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu}
+
+
+def _check_activations(owner: str, activations: tuple[str, ...]) -> None:
+    names = tuple(activations)
+    if not (len(names) == 1 and names[0] in _ACTIVATIONS) and not (
+            len(names) == 2 and names[0] in _ACTIVATIONS and names[1] == "linear"):
+        raise ValueError(f"{owner}: activations={activations!r}; accepted: (act,) or (act, 'linear') "
+                         f"with act one of {sorted(_ACTIVATIONS)}")
 
 
 class FlaxTransformerLayer(nn.Module):
-    """A pre-LayerNorm GPT block of stock Flax modules, causal self-attention and a GELU MLP.
+    """A pre-norm GPT block of stock Flax modules: causal self-attention and an MLP.
 
     Attributes:
       hidden_size: model width.
-      num_heads: attention heads (head_dim = hidden_size // num_heads).
+      num_heads: query heads (head_dim = hidden_size // num_heads).
       mlp_dim: MLP hidden width.
+      num_kv_heads: key/value heads (None: num_heads; fewer: GQA, as jax.nn.dot_product_attention takes it).
+      layernorm_type: ``"layernorm"`` (``nn.LayerNorm``) or ``"rmsnorm"`` (``nn.RMSNorm``).
+      activations: ``("gelu",)``, or gated as ``("silu", "linear")`` (SwiGLU), mtjax's notation.
       dtype: compute dtype (parameters stay f32).
       fp8: run every Dense through Flax's ``Fp8DirectDotGeneralOp``.
 
@@ -44,24 +59,36 @@ class FlaxTransformerLayer(nn.Module):
     hidden_size: int
     num_heads: int
     mlp_dim: int
+    num_kv_heads: int | None = None
+    layernorm_type: str = "layernorm"
+    activations: tuple[str, ...] = ("gelu",)
     dtype: Any = jnp.bfloat16
     fp8: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        _check_activations("FlaxTransformerLayer", self.activations)
+        if self.layernorm_type not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"FlaxTransformerLayer: layernorm_type={self.layernorm_type!r}; accepted: layernorm, rmsnorm")
         dense = functools.partial(
             nn.Dense, dtype=self.dtype, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp if self.fp8 else None
         )
+        norm = functools.partial(nn.LayerNorm if self.layernorm_type == "layernorm" else nn.RMSNorm, dtype=self.dtype)
         batch, seq, _hidden = x.shape
-        head_dim = self.hidden_size // self.num_heads
-        h = nn.LayerNorm(dtype=self.dtype, name="ln_attention")(x)
-        qkv = dense(3 * self.hidden_size, name="qkv")(h).reshape(batch, seq, 3, self.num_heads, head_dim)
-        attended = jax.nn.dot_product_attention(
-            qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True, implementation=_attention_implementation()
-        )
+        heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
+        head_dim = self.hidden_size // heads
+        h = norm(name="ln_attention")(x)
+        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h).reshape(batch, seq, heads + 2 * kv_heads, head_dim)
+        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_implementation(q.dtype))
         x = x + dense(self.hidden_size, name="attention_out")(attended.reshape(batch, seq, self.hidden_size))
-        h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
-        h = nn.gelu(dense(self.mlp_dim, name="mlp_in")(h))
+        h = norm(name="ln_mlp")(x)
+        act = _ACTIVATIONS[self.activations[0]]
+        if len(self.activations) == 2:
+            gate, up = jnp.split(dense(2 * self.mlp_dim, name="mlp_in")(h), 2, axis=-1)
+            h = act(gate) * up
+        else:
+            h = act(dense(self.mlp_dim, name="mlp_in")(h))
         x = x + dense(self.hidden_size, name="mlp_out")(h)
         return x, None
 
@@ -69,8 +96,11 @@ class FlaxTransformerLayer(nn.Module):
 class FlaxGPT(nn.Module):
     """A decoder-only GPT of stock Flax modules: tied embedding, scanned `FlaxTransformerLayer` s.
 
+    No position encoding (as the anchors' peer; mtjax presets with RoPE do that extra work).
+
     Attributes:
       vocab_size, hidden_size, num_layers, num_heads, mlp_dim: the model's sizes.
+      num_kv_heads, layernorm_type, activations: as `FlaxTransformerLayer`.
       dtype: compute dtype (parameters stay f32).
       fp8: Flax FP8 (``Fp8DirectDotGeneralOp``) in every Dense of the layers.
 
@@ -82,14 +112,19 @@ class FlaxGPT(nn.Module):
     num_layers: int
     num_heads: int
     mlp_dim: int
+    num_kv_heads: int | None = None
+    layernorm_type: str = "layernorm"
+    activations: tuple[str, ...] = ("gelu",)
     dtype: Any = jnp.bfloat16
     fp8: bool = False
 
     @classmethod
     def like(cls, config: Any, *, fp8: bool = False) -> "FlaxGPT":
-        """The stock-Flax model of the same sizes as an `mtjax.models.GPTConfig`."""
+        """The stock-Flax model of the same sizes, norm and MLP as an `mtjax.models.GPTConfig`."""
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
-                   num_heads=config.num_heads, mlp_dim=config.mlp_dim, fp8=fp8)
+                   num_heads=config.num_heads, mlp_dim=config.mlp_dim, num_kv_heads=config.num_kv_heads,
+                   layernorm_type=config.layernorm_type, activations=tuple(config.activations),
+                   dtype=config.dtype, fp8=fp8)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -101,8 +136,10 @@ class FlaxGPT(nn.Module):
             split_rngs={"params": True},
             length=self.num_layers,
         )
-        x, _ = layers(self.hidden_size, self.num_heads, self.mlp_dim, self.dtype, self.fp8, name="layers")(x, None)
-        x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
+        x, _ = layers(self.hidden_size, self.num_heads, self.mlp_dim, self.num_kv_heads, self.layernorm_type,
+                      self.activations, self.dtype, self.fp8, name="layers")(x, None)
+        norm = nn.LayerNorm if self.layernorm_type == "layernorm" else nn.RMSNorm
+        x = norm(dtype=self.dtype, name="ln_final")(x)
         return embed.attend(x)
 
 
