@@ -44,7 +44,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mtjax.fp8 import FP8_COLLECTION, accumulate_gradients, finalize_accumulated, split_gradients
+from mtjax.fp8 import FP8_COLLECTION, accumulate_gradients, split_gradients
 from mtjax.sharding.mesh import PP
 
 # Relative costs of a forward and a backward action (the usual estimate: backward = 2 forward).
@@ -424,6 +424,9 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
     xs = _split_microbatches(inputs, m)
     ts = jax.tree.map(lambda t: _split_microbatches(t, m), targets)
 
+    def mean_part(loss_params, y, target):
+        return loss_fn(loss_params, y, target).astype(jnp.float32) / m
+
     def stage_fn(chunk_params, h):
         return lax.scan(lambda h, w: (layer_fn(w, h), None), h, chunk_params)[0]
 
@@ -468,14 +471,16 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
             target = chunk_of(ts, row["f_mb"])
             if backward:
                 def with_loss():
-                    value, (g_lp, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(loss_params, y, target)
-                    return value.astype(jnp.float32), g_lp, dy.astype(dtype)
+                    # The mean over micro-batches is taken here, on the gradient flowing back: FP8
+                    # gradient amaxes must see the true gradient, not m times it.
+                    value, (g_lp, dy) = jax.value_and_grad(mean_part, argnums=(0, 1))(loss_params, y, target)
+                    return value, g_lp, dy.astype(dtype)
 
                 value, g_lp, dy = lax.cond(row["f_loss"], with_loss, lambda: (zero, loss_grad_zeros, mb_zeros))
                 carry["loss_grads"] = accumulate_gradients(carry["loss_grads"], g_lp)
                 carry["dy"] = carry["dy"].at[jnp.where(row["f_loss"], row["f_dy"], dump_dy)].set(dy)
             else:
-                value = lax.cond(row["f_loss"], lambda: loss_fn(loss_params, y, target).astype(jnp.float32), lambda: zero)
+                value = lax.cond(row["f_loss"], lambda: mean_part(loss_params, y, target), lambda: zero)
             carry["loss"] = carry["loss"] + value
             # Hand-off to the next device (what it does not expect goes to its dump slot).
             recv_f = lax.ppermute(y, PP, [(i, (i + 1) % p) for i in range(p)])
@@ -500,18 +505,16 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
             return carry, None
 
         carry, _ = lax.scan(tick, carry, table)
-        loss = lax.psum(carry["loss"], PP) / m
+        loss = lax.psum(carry["loss"], PP)
         if not backward:
             return loss, None
-        grads = jax.tree.map(lambda g: g[:, None], finalize_accumulated(carry["grads"], m))  # [chunks, 1 stage, ...]
-        dx = lax.psum(carry["dx"][:m], PP) / m
-        loss_grads = finalize_accumulated(lax.psum(carry["loss_grads"], PP), m)
-        return loss, (grads, dx, loss_grads)
+        grads = jax.tree.map(lambda g: g[:, None], carry["grads"])  # [chunks, 1 stage, ...]
+        return loss, (grads, lax.psum(carry["dx"][:m], PP), lax.psum(carry["loss_grads"], PP))
 
     stage_spec = jax.tree.map(lambda _: P(None, PP), staged)
     out_specs = (P(), None if not backward else (stage_spec, P(), jax.tree.map(lambda _: P(), loss_params)))
     loss, grads = jax.shard_map(
-        per_device, mesh=mesh, axis_names={PP},
+        per_device, mesh=mesh, axis_names={PP}, check_vma=False,
         in_specs=(stage_spec, P(), jax.tree.map(lambda _: P(), loss_params), jax.tree.map(lambda _: P(), ts),
                   jax.tree.map(lambda _: P(), table)),
         out_specs=out_specs,
