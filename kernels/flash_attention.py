@@ -12,7 +12,8 @@ Masks are described statically by `MaskSpec` (causal and sliding window as a ban
 blocks entirely outside the band are skipped through the loop bounds; blocks entirely inside it
 run without any mask arithmetic; only the band's edges (and the padded tails) are masked.
 A query that sees no key returns zeros. Logits are scaled into the base-2 domain (``exp2``) and all
-statistics and accumulators are float32.
+statistics and accumulators are float32. Dropout draws its mask from a counter-based hash of
+(seed, row, key) in every kernel, so no ``q_len x kv_len`` mask is stored either.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from mtjax.kernels._common import dropout_keep
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -103,7 +106,7 @@ class MaskSpec:
         full_lo = lo if self.lo is None else jnp.clip(_cdiv(jnp.maximum(q0 + block_q - 1 + off + self.lo, 0), block_k), lo, hi)
         full_end = self.kv_len if self.hi is None else jnp.clip(q0 + off + self.hi + 1, 0, self.kv_len)
         full_hi = jnp.clip(lax.div(full_end, block_k), full_lo, hi)
-        return lo, full_lo, full_hi, hi
+        return _int32(lo, full_lo, full_hi, hi)
 
     def q_blocks(self, k0, block_k: int, block_q: int):
         """For keys ``[k0, k0 + block_k)``: query blocks ``lo <= full_lo <= full_hi <= hi`` (as
@@ -114,6 +117,7 @@ class MaskSpec:
         hi = jnp.maximum(_cdiv(end, block_q), lo)
         full_lo = lo if self.hi is None else jnp.clip(_cdiv(jnp.maximum(k0 + block_k - 1 - off - self.hi, 0), block_q), lo, hi)
         full_hi = hi if self.lo is None else jnp.clip(lax.div(jnp.maximum(k0 - off - self.lo + 1, 0), block_q), full_lo, hi)
+        lo, full_lo, full_hi, hi = _int32(lo, full_lo, full_hi, hi)
         # A key block reaching into the padded key tail is masked throughout.
         full_hi = jnp.where(k0 + block_k > self.kv_len, full_lo, full_hi)
         return lo, full_lo, full_hi, hi
@@ -121,6 +125,11 @@ class MaskSpec:
 
 def _cdiv(a, b: int):
     return lax.div(a + b - 1, b)
+
+
+def _int32(*bounds):
+    # Bounds that are Python constants must become int32 values: Triton's select takes no mixed types.
+    return tuple(jnp.asarray(b, jnp.int32) for b in bounds)
 
 
 def _row(x):
@@ -138,25 +147,25 @@ class BlockSizes:
     """
 
     block_q: int = 128
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
     dkdv_block_q: int = 64
     dkdv_block_k: int = 128
     dkdv_num_warps: int = 8
-    dkdv_num_stages: int = 2
+    dkdv_num_stages: int = 3
     dq_block_q: int = 128
     dq_block_k: int = 64
     dq_num_warps: int = 8
-    dq_num_stages: int = 2
+    dq_num_stages: int = 3
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "BlockSizes":
-        """The tuned defaults for a head dimension on Hopper (H200 measurements)."""
+        """Defaults per head dimension. head_dim 128 is the H200 sweep's best (`mtjax.bench.attention
+        --sweep`: forward 128x128 tiles, 8 warps, 3 stages); 64 keeps the forward to 4 warps on
+        128x64 tiles; 256 halves the tiles to fit shared memory."""
         if head_dim <= 64:
-            return cls(block_q=128, block_k=64, num_warps=4, num_stages=3,
-                       dkdv_block_q=64, dkdv_block_k=128, dkdv_num_warps=4, dkdv_num_stages=2,
-                       dq_block_q=128, dq_block_k=64, dq_num_warps=4, dq_num_stages=2)
+            return cls(block_k=64, num_warps=4)
         if head_dim <= 128:
             return cls()
         return cls(block_q=64, block_k=64, num_warps=8, num_stages=2,
@@ -191,6 +200,7 @@ class _Static:
     soft_cap: float | None
     blocks: BlockSizes
     interpret: bool
+    dropout_rate: float = 0.0
 
 
 def _logits2(q, k, st: _Static):
@@ -218,18 +228,56 @@ def _for_blocks(bounds, body, carry):
     return lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
 
 
+def _optional_inputs(st: _Static, q_seg, kv_seg, seed, q_seg_spec, kv_seg_spec):
+    """BlockSpecs and arrays of the inputs a call may lack: segment ids, the dropout seed."""
+    specs, args = [], []
+    if st.mask.segments:
+        specs += [q_seg_spec, kv_seg_spec]
+        args += [q_seg, kv_seg]
+    if st.dropout_rate > 0.0:
+        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
+        args.append(seed.reshape(1))
+    return specs, args
+
+
+def _optional_refs(refs, st: _Static):
+    """Split a kernel's trailing refs into ``(q_seg_ref, kv_seg_ref, seed_ref, output_refs)`` as laid
+    out by `_optional_inputs` (absent ones are ``None``)."""
+    refs = list(refs)
+    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if st.mask.segments else (None, None)
+    seed_ref = refs.pop(0) if st.dropout_rate > 0.0 else None
+    return q_seg_ref, kv_seg_ref, seed_ref, refs
+
+
+def _dropout_rows(batch_index, head, num_heads: int, rows, st: _Static):
+    """The dropout hash's row counters of query positions ``rows``: ``(b * heads + h) * q_len + i``
+    (`mtjax.ops.attention.dropout_rows`), in uint32."""
+    base = (batch_index * num_heads + head).astype(jnp.uint32) * jnp.uint32(st.mask.q_len)
+    return base + rows.astype(jnp.uint32)
+
+
+def _dropout(x, seed_ref, row_ids, cols, st: _Static):
+    """``x`` with the dropout mask applied (kept entries scaled by ``1 / (1 - rate)``)."""
+    if seed_ref is None:
+        return x
+    keep = dropout_keep(seed_ref[0], row_ids, cols, st.dropout_rate)
+    return jnp.where(keep, x * (1.0 / (1.0 - st.dropout_rate)), 0.0)
+
+
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, st: _Static, num_q_blocks: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, num_q_blocks: int):
+    q_seg_ref, kv_seg_ref, seed_ref, (o_ref, lse_ref) = _optional_refs(refs, st)
     block_q, block_k = st.blocks.block_q, st.blocks.block_k
     # The grid runs query blocks last-first: under a causal mask they carry the most work.
     q0 = (num_q_blocks - 1 - pl.program_id(0)) * block_q
     q = q_ref[...]
     rows = (q0 + jnp.arange(block_q))[:, None]
     q_seg = q_seg_ref[...][:, None] if st.mask.segments else None
+    row_ids = _dropout_rows(pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows, st)
 
     def body(edge, j, carry):
         acc, m, l = carry
@@ -244,7 +292,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, s
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
+        l = l * alpha + jnp.sum(p, axis=1)  # the normaliser counts dropped entries too
+        p = _dropout(p, seed_ref, row_ids, (k0 + jnp.arange(block_k))[None, :], st)
         v = v_ref[pl.ds(k0, block_k), :]
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l
@@ -259,7 +308,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, s
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def _forward(q, k, v, q_seg, kv_seg, st: _Static):
+def _forward(q, k, v, q_seg, kv_seg, seed, st: _Static):
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -275,32 +324,20 @@ def _forward(q, k, v, q_seg, kv_seg, st: _Static):
         pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, n, h: (n, 0, h // groups, 0)),
         pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, n, h: (n, 0, h // groups, 0)),
     ]
-    args = [q, k, v]
-    if st.mask.segments:
-        in_specs += [pl.BlockSpec((None, b.block_q), lambda i, n, h: (n, nq - 1 - i)),
-                     pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0))]
-        args += [q_seg, kv_seg]
-    kernel = functools.partial(_fwd_kernel, st=st, num_q_blocks=nq)
-    if not st.mask.segments:
-        kernel = _without_segments(kernel, 3)
+    specs, args = _optional_inputs(st, q_seg, kv_seg, seed,
+                                   pl.BlockSpec((None, b.block_q), lambda i, n, h: (n, nq - 1 - i)),
+                                   pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0)))
     return pl.pallas_call(
-        kernel,
+        functools.partial(_fwd_kernel, st=st, num_q_blocks=nq),
         grid=grid,
-        in_specs=in_specs,
+        in_specs=in_specs + specs,
         out_specs=[pl.BlockSpec((None, b.block_q, None, head_dim), q_index),
                    pl.BlockSpec((None, None, b.block_q), lambda i, n, h: (n, h, nq - 1 - i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
         interpret=st.interpret,
         name="mtjax_flash_attention_fwd",
-    )(*args)
-
-
-def _without_segments(kernel, position: int):
-    """Adapt ``kernel`` to a call without the two segment-id refs (inserted as ``None``)."""
-    def adapted(*refs):
-        return kernel(*refs[:position], None, None, *refs[position:])
-    return adapted
+    )(q, k, v, *args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,8 +345,8 @@ def _without_segments(kernel, position: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref, *,
-                 st: _Static, groups: int):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, groups: int):
+    q_seg_ref, kv_seg_ref, seed_ref, (dk_ref, dv_ref) = _optional_refs(refs, st)
     block_q, block_k = st.blocks.dkdv_block_q, st.blocks.dkdv_block_k
     k0 = pl.program_id(0) * block_k
     k = k_ref[...]
@@ -317,6 +354,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_
     cols = (k0 + jnp.arange(block_k))[:, None]
     kv_seg = kv_seg_ref[...][:, None] if st.mask.segments else None
     bounds = st.mask.q_blocks(k0, block_k, block_q)
+    # Grid coordinates are read here: interpret mode cannot read them inside loops.
+    batch_index, first_head, num_heads = pl.program_id(1), pl.program_id(2) * groups, pl.num_programs(2) * groups
 
     def head(g, carry):
         def body(edge, i, carry):
@@ -332,8 +371,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_
             p_t = jnp.exp2(s_t - lse[None, :])
             if keep_t is not None:
                 p_t = jnp.where(keep_t, p_t, 0.0)
-            dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            row_ids = _dropout_rows(batch_index, first_head + g, num_heads, (q0 + jnp.arange(block_q))[None, :], st)
+            dv = dv + jnp.dot(_dropout(p_t, seed_ref, row_ids, cols, st).astype(do.dtype), do,
+                              preferred_element_type=jnp.float32)
             dp_t = lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            dp_t = _dropout(dp_t, seed_ref, row_ids, cols, st)
             ds_t = _soft_cap_grad(p_t * (dp_t - delta[None, :]), s_t, st)
             dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
             return dk, dv
@@ -347,8 +389,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref, *,
-               st: _Static, num_q_blocks: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static, num_q_blocks: int):
+    q_seg_ref, kv_seg_ref, seed_ref, (dq_ref,) = _optional_refs(refs, st)
     block_q, block_k = st.blocks.dq_block_q, st.blocks.dq_block_k
     q0 = (num_q_blocks - 1 - pl.program_id(0)) * block_q
     q = q_ref[...]
@@ -357,6 +399,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     delta = delta_ref[...]
     rows = (q0 + jnp.arange(block_q))[:, None]
     q_seg = q_seg_ref[...][:, None] if st.mask.segments else None
+    row_ids = _dropout_rows(pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows, st)
 
     def body(edge, j, dq):
         k0 = pl.multiple_of(j * block_k, block_k)
@@ -369,6 +412,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
         if keep is not None:
             p = jnp.where(keep, p, 0.0)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dp = _dropout(dp, seed_ref, row_ids, (k0 + jnp.arange(block_k))[None, :], st)
         ds = _soft_cap_grad(p * (dp - delta[:, None]), s, st)
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
@@ -377,7 +421,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_se
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static):
+def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st: _Static):
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -385,32 +429,24 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static):
     # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
     do = do.astype(q.dtype)
-    segments = st.mask.segments
 
     # dk, dv: one program per key block and kv head, looping over the kv head's query heads.
     nk = kv_pad // b.dkdv_block_k
     kv_block = pl.BlockSpec((None, b.dkdv_block_k, None, head_dim), lambda j, n, h: (n, j, h, 0))
     q_group = pl.BlockSpec((None, q_pad, groups, head_dim), lambda j, n, h: (n, 0, h, 0))
     row_group = pl.BlockSpec((None, groups, q_pad), lambda j, n, h: (n, h, 0))
-    in_specs = [q_group, kv_block, kv_block, q_group, row_group, row_group]
-    args = [q, k, v, do, lse, delta]
-    if segments:
-        in_specs += [pl.BlockSpec((None, q_pad), lambda j, n, h: (n, 0)),
-                     pl.BlockSpec((None, b.dkdv_block_k), lambda j, n, h: (n, j))]
-        args += [q_seg, kv_seg]
-    kernel = functools.partial(_dkdv_kernel, st=st, groups=groups)
-    if not segments:
-        kernel = _without_segments(kernel, 6)
+    specs, args = _optional_inputs(st, q_seg, kv_seg, seed, pl.BlockSpec((None, q_pad), lambda j, n, h: (n, 0)),
+                                   pl.BlockSpec((None, b.dkdv_block_k), lambda j, n, h: (n, j)))
     dk, dv = pl.pallas_call(
-        kernel,
+        functools.partial(_dkdv_kernel, st=st, groups=groups),
         grid=(nk, batch, kv_heads),
-        in_specs=in_specs,
+        in_specs=[q_group, kv_block, kv_block, q_group, row_group, row_group] + specs,
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=pltriton.CompilerParams(num_warps=b.dkdv_num_warps, num_stages=b.dkdv_num_stages),
         interpret=st.interpret,
         name="mtjax_flash_attention_dkdv",
-    )(*args)
+    )(q, k, v, do, lse, delta, *args)
 
     # dq: one program per query block and head.
     nq = q_pad // b.dq_block_q
@@ -421,25 +457,19 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static):
     q_block = pl.BlockSpec((None, b.dq_block_q, None, head_dim), q_index)
     kv_full = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, n, h: (n, 0, h // groups, 0))
     row_block = pl.BlockSpec((None, None, b.dq_block_q), lambda i, n, h: (n, h, nq - 1 - i))
-    in_specs = [q_block, kv_full, kv_full, q_block, row_block, row_block]
-    args = [q, k, v, do, lse, delta]
-    if segments:
-        in_specs += [pl.BlockSpec((None, b.dq_block_q), lambda i, n, h: (n, nq - 1 - i)),
-                     pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0))]
-        args += [q_seg, kv_seg]
-    kernel = functools.partial(_dq_kernel, st=st, num_q_blocks=nq)
-    if not segments:
-        kernel = _without_segments(kernel, 6)
+    specs, args = _optional_inputs(st, q_seg, kv_seg, seed,
+                                   pl.BlockSpec((None, b.dq_block_q), lambda i, n, h: (n, nq - 1 - i)),
+                                   pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0)))
     dq = pl.pallas_call(
-        kernel,
+        functools.partial(_dq_kernel, st=st, num_q_blocks=nq),
         grid=(nq, batch, heads),
-        in_specs=in_specs,
+        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block] + specs,
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=b.dq_num_warps, num_stages=b.dq_num_stages),
         interpret=st.interpret,
         name="mtjax_flash_attention_dq",
-    )(*args)
+    )(q, k, v, do, lse, delta, *args)
     return dq, dk, dv
 
 
@@ -448,20 +478,20 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static):
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, st: _Static):
-    return _forward(q, k, v, q_seg, kv_seg, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, seed, st: _Static):
+    return _forward(q, k, v, q_seg, kv_seg, seed, st)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, st: _Static):
-    out, lse = _forward(q, k, v, q_seg, kv_seg, st)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, seed, st: _Static):
+    out, lse = _forward(q, k, v, q_seg, kv_seg, seed, st)
+    return out, (q, k, v, q_seg, kv_seg, seed, out, lse)
 
 
 def _flash_bwd(st: _Static, residuals, do):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, do, st)
-    return dq, dk, dv, None, None
+    q, k, v, q_seg, kv_seg, seed, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -489,6 +519,8 @@ def flash_attention(
     causal: bool = False,
     window_size: tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -504,6 +536,9 @@ def flash_attention(
       window_size: ``(left, right)``, ``-1`` unbounded: query ``i`` sees keys ``i - left .. i + right``
         (in the same bottom-right alignment).
       logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling.
+      dropout_rate: probability of dropping an attention weight (kept ones scale by ``1 / (1 - rate)``).
+      dropout_seed: uint32 scalar; the mask is ``_common.dropout_keep(seed, (b * heads + h) * q_len + i, j)``,
+        recomputed by every kernel, never stored.
       block_sizes: tiles and launch parameters; default `BlockSizes.for_head_dim`.
       interpret: run the kernels in Pallas interpret mode (any backend, e.g. CPU tests).
     Returns:
@@ -520,12 +555,16 @@ def flash_attention(
         raise ValueError(f"flash_attention: k {k.shape} / v {v.shape} do not match q {q.shape}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("flash_attention: pass q_segment_ids and kv_segment_ids together")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"flash_attention: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
+    if dropout_rate > 0.0 and dropout_seed is None:
+        raise ValueError("flash_attention: dropout_rate > 0 needs dropout_seed")
     segments = q_segment_ids is not None
     blocks = (block_sizes or BlockSizes.for_head_dim(head_dim)).clamp(q_len, kv_len)
     st = _Static(
         mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        blocks=blocks, interpret=interpret,
+        blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
     )
     # Pad the sequences to whole blocks; the kernels mask the key tail and padded queries are dropped.
     q_pad = -q_len % blocks.q_multiple
@@ -539,5 +578,6 @@ def flash_attention(
     if segments:
         q_segment_ids = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, q_pad)))
         kv_segment_ids = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, kv_pad)))
-    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, st)
+    seed = None if dropout_rate == 0.0 else jnp.asarray(dropout_seed, jnp.uint32)
+    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, seed, st)
     return out[:, :q_len] if q_pad else out

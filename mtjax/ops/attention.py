@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from mtjax import backend
 from mtjax.kernels import flash_attention
+from mtjax.kernels._common import dropout_keep
 from mtjax.kernels._common import interpret as kernel_interpret
 from mtjax.ops._checks import check_choice, check_float, check_rank
 from mtjax.ops.softmax import causal_mask, masked_softmax
@@ -57,8 +58,20 @@ def combined_mask(q_len, kv_len, *, mask, q_segment_ids, kv_segment_ids, mask_ty
     return keep
 
 
+def dropout_rows(batch: int, heads: int, q_len: int) -> jax.Array:
+    """``[batch, heads, q_len, 1]`` row counters of the dropout hash: ``(b * heads + h) * q_len + i``.
+
+    With the key index as column, `mtjax.kernels._common.dropout_keep` of these draws the attention
+    dropout mask; kernels recompute it tile by tile instead of storing it.
+    """
+    b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None, None]
+    h = jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None]
+    i = jnp.arange(q_len, dtype=jnp.uint32)[None, None, :, None]
+    return (b * heads + h) * q_len + i
+
+
 @backend.register("attention", backend.REFERENCE)
-def attention_reference(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+def attention_reference(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                         mask_type: str, scale: float, dropout_rate: float,
                         window_size: tuple[int, int] | None, logits_soft_cap: float | None):
     batch, q_len, heads, head_dim = query.shape
@@ -75,7 +88,8 @@ def attention_reference(query, key, value, bias, mask, q_segment_ids, kv_segment
                          mask_type=mask_type, window_size=window_size)
     probs = masked_softmax(logits, keep)
     if dropout_rate > 0.0:
-        kept = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        kept = dropout_keep(dropout_seed, dropout_rows(batch, heads, q_len), jnp.arange(kv_len)[None, None, None, :],
+                            dropout_rate)
         probs = jnp.where(kept, probs / (1.0 - dropout_rate), 0.0)
     probs = probs.astype(value.dtype).reshape(batch, kv_heads, groups, q_len, kv_len)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, value, preferred_element_type=jnp.float32)
@@ -110,7 +124,9 @@ def attention(
     Args:
       bias: float, broadcastable to ``[batch, heads, q_len, kv_len]``, added to the scaled logits.
       scale: logit scale, default ``1 / sqrt(head_dim)``.
-      dropout_rate: attention-probability dropout; needs ``dropout_rng``.
+      dropout_rate: attention-probability dropout; needs ``dropout_rng``. The mask is a counter-based
+        hash of (a 32-bit seed drawn from the key, batch, head, query, key position), the same in
+        every implementation, so kernels never store it.
       logits_soft_cap: ``cap * tanh(logits / cap)`` after scale and bias.
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``query.dtype``.
@@ -168,7 +184,7 @@ def attention(
     scale = float(head_dim ** -0.5 if scale is None else scale)
     return backend.dispatch(
         op, query, key, value, bias, mask, q_segment_ids, kv_segment_ids,
-        dropout_rng if dropout_rate > 0.0 else None,
+        jax.random.bits(dropout_rng, (), jnp.uint32) if dropout_rate > 0.0 else None,
         implementation=implementation, mask_type=mask_type, scale=scale, dropout_rate=float(dropout_rate),
         window_size=window_size, logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
     )
@@ -184,14 +200,12 @@ def _is_causal(mask_type: str) -> bool:
     return mask_type in ("causal", "padding_causal")
 
 
-def _pallas_triton_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+def _pallas_triton_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                                mask_type, scale, dropout_rate, window_size, logits_soft_cap) -> str | None:
     if bias is not None:
         return "bias (a [q_len, kv_len] operand; the kernel never reads one)"
     if mask is not None:
         return "an explicit mask (pass segment ids or seqlens instead)"
-    if dropout_rate > 0.0:
-        return "dropout"
     if not jnp.result_type(query) == jnp.result_type(key) == jnp.result_type(value):
         return "query, key and value of different dtypes"
     return flash_attention.unsupported(jnp.shape(query), jnp.shape(key), jnp.result_type(query))
@@ -199,15 +213,16 @@ def _pallas_triton_unsupported(query, key, value, bias, mask, q_segment_ids, kv_
 
 @backend.register("attention", "pallas_triton", requires=(backend.PALLAS_TRITON,),
                   supports=_pallas_triton_unsupported, priority=10)
-def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                              mask_type, scale, dropout_rate, window_size, logits_soft_cap):
     return flash_attention.flash_attention(
         query, key, value, q_segment_ids, kv_segment_ids, scale=scale, causal=_is_causal(mask_type),
-        window_size=window_size, logits_soft_cap=logits_soft_cap, interpret=kernel_interpret(),
+        window_size=window_size, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_seed=dropout_seed,
+        interpret=kernel_interpret(),
     )
 
 
-def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                        mask_type, scale, dropout_rate, window_size, logits_soft_cap) -> str | None:
     dtype = jnp.result_type(query)
     if dtype not in (jnp.bfloat16, jnp.float16) or not dtype == jnp.result_type(key) == jnp.result_type(value):
@@ -227,7 +242,7 @@ def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_
 
 @backend.register("attention", "cudnn", requires=(backend.CUDNN_ATTENTION,), platforms=("cuda",),
                   supports=_cudnn_unsupported, priority=20)
-def _attention_cudnn(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_rng, *,
+def _attention_cudnn(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                      mask_type, scale, dropout_rate, window_size, logits_soft_cap):
     return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=_is_causal(mask_type),
                                         implementation="cudnn")
