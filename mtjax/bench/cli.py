@@ -80,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
     rows, ceiling_values = ceilings.run(args.quick)
     for name in suites:
         print(f"mtjax bench: running {name}...", file=sys.stderr, flush=True)
-        rows += _run_suite(name, args, kernel_sets)
+        suite_rows = _run_suite(name, args, kernel_sets)
+        # Each suite's rows as soon as it ends, so a run cut short still reports what it measured.
+        print(report.table(report.complete(suite_rows, ceiling_values, args.peak_tflops)), file=sys.stderr, flush=True)
+        rows += suite_rows
     rows = report.complete(rows, ceiling_values, args.peak_tflops)
 
     device = jax.devices()[0]
