@@ -2,7 +2,7 @@
 
 `profile` runs a function a few times under ``jax.profiler.trace`` and reads the Perfetto trace it
 writes: the device's kernel events are summed by HLO op (or kernel name) and sorted into categories
-(GEMM, attention, fused elementwise/reductions, copies, collectives, other), so the biggest gaps
+(GEMM, attention, mtjax's Pallas kernels, XLA fusions, copies, collectives, other), so the biggest gaps
 against the ceilings are visible without a GUI.
 """
 
@@ -24,6 +24,7 @@ import jax
 CATEGORIES = (
     ("attention", ("fmha", "flash", "cudnn", "attention", "sdpa")),
     ("gemm", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot")),
+    ("pallas", ("mtjax_",)),  # mtjax's own Pallas kernels (named mtjax_*) other than attention
     ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "collective")),
     ("copy", ("memcpy", "memset", "copy", "transpose")),
     ("fusion", ("fusion", "triton", "reduce", "loop_", "input_", "convert", "broadcast")),
