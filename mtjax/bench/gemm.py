@@ -1,0 +1,107 @@
+"""`mtjax bench gemm`: an FP8 dense layer's forward+backward against the same layer in bf16.
+
+Each case is one Dense GEMM ``y = x @ w`` (x ``[tokens, in]``, w ``[in, out]``, bf16) with its
+backward (dgrad and wgrad), timed as one jitted ``jax.vjp`` call: three GEMMs, ``6 * M * K * N``
+FLOPs. Rows: ``xla bf16`` (the peer: ``lax.dot_general`` in bf16), ``mtjax fp8`` (`mtjax.fp8.
+fp8_dot_general` with delayed scaling, quantization, amaxes and the meta update included) and,
+at the square shape, ``mtjax fp8 current`` (current scaling: one more pass over each operand).
+
+Shapes: 8192^3, and the four GEMMs of a 1.3B GPT layer (hidden 2048, ffn 8192) at 8192 tokens.
+``python -m mtjax.bench.gemm [--quick]`` prints the rows as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtjax import fp8
+from mtjax.bench import timing
+
+DENSE = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N]
+HISTORY = 1024  # DelayedScaling's default amax_history_len
+
+# (name, tokens M, in K, out N)
+SHAPES = (
+    ("8192^3", 8192, 8192, 8192),
+    ("gpt-1.3b qkv", 8192, 2048, 6144),
+    ("gpt-1.3b attn out", 8192, 2048, 2048),
+    ("gpt-1.3b mlp fc1", 8192, 2048, 8192),
+    ("gpt-1.3b mlp fc2", 8192, 8192, 2048),
+)
+QUICK_SHAPES = (("256^3", 256, 256, 256),)
+
+
+def _bf16_fwd_bwd(x, w, dy, meta):
+    y, vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, DENSE), x, w)
+    return (y, *vjp(dy))
+
+
+def _fp8_fwd_bwd(recipe, x, w, dy, meta):
+    y, vjp = jax.vjp(lambda x, w, m: fp8.fp8_dot_general(x, w, DENSE, m, recipe=recipe), x, w, meta)
+    return (y, *vjp(dy))
+
+
+VARIANTS = {  # implementation -> (jitted fwd+bwd, recipe or None)
+    "xla bf16": (jax.jit(_bf16_fwd_bwd), None),
+    "mtjax fp8": (jax.jit(functools.partial(_fp8_fwd_bwd, fp8.DelayedScaling())), fp8.DelayedScaling()),
+    "mtjax fp8 current": (jax.jit(functools.partial(_fp8_fwd_bwd, fp8.CurrentScaling())), fp8.CurrentScaling()),
+}
+
+
+def _inputs(m: int, k: int, n: int, seed: int) -> list[tuple]:
+    keys = jax.random.split(jax.random.key(seed), 64)
+
+    def make(i):
+        kx, kw, kg = jax.random.split(keys[i], 3)
+        return (timing.random_array(kx, (m, k), jnp.bfloat16), timing.random_array(kw, (k, n), jnp.bfloat16, k**-0.5),
+                timing.random_array(kg, (m, n), jnp.bfloat16, 1e-3))
+
+    return timing.rotating(make)
+
+
+def _calibrated_meta(fn, inputs: tuple) -> dict:
+    """The meta after two steps, so the timed calls quantize with real (not initial) scales."""
+    meta = fp8.init_meta(HISTORY)
+    for _ in range(2):
+        meta = fn(*inputs, meta)[3]
+    return meta
+
+
+def run(quick: bool) -> list[dict]:
+    """Rows (`timing.row`, suite ``"gemm"``) for every shape and variant; peer: ``xla bf16``."""
+    rows = []
+    for index, (label, m, k, n) in enumerate(QUICK_SHAPES if quick else SHAPES):
+        inputs = _inputs(m, k, n, seed=index)
+        name = f"dense fwd+bwd {label} ({m}x{k}x{n})"
+        for implementation, (fn, recipe) in VARIANTS.items():
+            if implementation == "mtjax fp8 current" and index > 0:
+                continue  # current scaling only at the square shape: it differs by amax passes only
+            meta = _calibrated_meta(fn, inputs[0]) if isinstance(recipe, fp8.DelayedScaling) else None
+            t = timing.measure(fn, [xs + (meta,) for xs in inputs], runs=3 if quick else 20)
+            is_fp8 = recipe is not None
+            rows.append(timing.row(
+                "gemm", name, implementation, t, flops=6 * m * k * n,
+                peer="xla bf16" if is_fp8 else None,
+                ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
+                shape=[m, k, n], dtype="fp8 (e4m3 fwd, e5m2 grads)" if is_fp8 else "bf16"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    rows = run(parser.parse_args().quick)
+    times = {(r["name"], r["implementation"]): r["time_ms"] for r in rows}
+    print(f"{'case':<48} {'implementation':<18} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8}")
+    for r in rows:
+        ratio = times[(r["name"], r["peer"])] / r["time_ms"] if r["peer"] else 1.0
+        print(f"{r['name']:<48} {r['implementation']:<18} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio:7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
