@@ -433,25 +433,21 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
     def per_device(staged, xs, loss_params, ts, table):
         me = lax.axis_index(PP)
         staged = jax.tree.map(lambda w: w[:, 0], staged)  # [chunks, layers per virtual stage, ...]
-        varying = functools.partial(lax.pcast, axis_name=PP, to="varying")
         mb_shape, dtype = xs.shape[1:], xs.dtype
-        mb_zeros = varying(jnp.zeros(mb_shape, dtype))
-        zero = varying(jnp.zeros((), jnp.float32))
-        loss_grad_zeros = varying(jax.tree.map(jnp.zeros_like, loss_params))
-        chunk_grad_zeros = varying(jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), staged))
-        # Per-device copies: differentiating a pp-invariant value would psum over pp inside the
-        # device-dependent branches below (a deadlock); the gradients are psummed once at the end.
-        loss_params = varying(loss_params)
+        mb_zeros = jnp.zeros(mb_shape, dtype)
+        zero = jnp.zeros((), jnp.float32)
+        loss_grad_zeros = jax.tree.map(jnp.zeros_like, loss_params)
+        chunk_grad_zeros = jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), staged)
         # Each buffer has one extra "dump" row taking the writes of devices with nothing to write,
         # so every tick updates buffers in place; the conditionals return only per-action values.
         dump_act, dump_dy = timeline.num_act_slots, timeline.num_dy_slots
-        carry = dict(act=varying(jnp.zeros((dump_act + 1, *mb_shape), dtype)), loss=zero)
+        carry = dict(act=jnp.zeros((dump_act + 1, *mb_shape), dtype), loss=zero)
         if backward:
             carry.update(
-                dy=varying(jnp.zeros((dump_dy + 1, *mb_shape), dtype)),
+                dy=jnp.zeros((dump_dy + 1, *mb_shape), dtype),
                 grads=jax.tree.map(jnp.zeros_like, staged),
                 loss_grads=loss_grad_zeros,
-                dx=varying(jnp.zeros((m + 1, *mb_shape), dtype)),
+                dx=jnp.zeros((m + 1, *mb_shape), dtype),
             )
 
         def chunk_of(tree, i):
@@ -513,6 +509,10 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
 
     stage_spec = jax.tree.map(lambda _: P(None, PP), staged)
     out_specs = (P(), None if not backward else (stage_spec, P(), jax.tree.map(lambda _: P(), loss_params)))
+    # check_vma=False: the ops' dispatch traces their Pallas kernels too, whose outputs do not declare
+    # how they vary over manual axes. Nothing here relies on implicit psums: each device computes
+    # its own gradients (inside device-dependent branches, where a collective over pp would hang)
+    # and they are psummed over pp once, after the loop.
     loss, grads = jax.shard_map(
         per_device, mesh=mesh, axis_names={PP}, check_vma=False,
         in_specs=(stage_spec, P(), jax.tree.map(lambda _: P(), loss_params), jax.tree.map(lambda _: P(), ts),
