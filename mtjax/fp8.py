@@ -51,6 +51,8 @@ FP8_COLLECTION = "fp8_meta"
 
 # The tensors of one GEMM that get their own scale, in the order the meta lists them.
 ROLES = ("input", "kernel", "output_grad")
+# The delayed-scaling state of one GEMM: an amax history and a scale per role.
+META_KEYS = tuple(f"{role}_{field}" for role in ROLES for field in ("amax_history", "scale"))
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
 
@@ -405,7 +407,7 @@ def _check_meta(meta: Any, recipe: Recipe) -> None:
         if meta is not None:
             raise ValueError("fp8_dot_general(meta=...): CurrentScaling keeps no state; pass meta=None")
         return
-    expected = set(init_meta(1))
+    expected = set(META_KEYS)
     if not isinstance(meta, Mapping) or set(meta) != expected:
         got = sorted(meta) if isinstance(meta, Mapping) else type(meta).__name__
         raise ValueError(f"fp8_dot_general(meta=...): DelayedScaling needs the keys {sorted(expected)} "
@@ -508,15 +510,14 @@ class DotGeneral(nn.Module):
                                mesh_axes=state.mesh_axes, preferred_element_type=preferred_element_type)
 
     def _meta(self, recipe: DelayedScaling) -> dict[str, jax.Array]:
-        meta = {}
-        for name, initial in init_meta(recipe.amax_history_len).items():
-            if not self.has_variable(FP8_COLLECTION, name) and not self.is_mutable_collection(FP8_COLLECTION):
-                raise ValueError(
-                    f"DotGeneral {self.path}: no {FP8_COLLECTION!r} variables; initialise the model inside "
-                    f"fp8_autocast (or pass mutable=[{FP8_COLLECTION!r}]) to create them"
-                )
-            meta[name] = self.variable(FP8_COLLECTION, name, lambda v=initial: v).value
-        return meta
+        missing = not self.has_variable(FP8_COLLECTION, META_KEYS[0])
+        if missing and not self.is_mutable_collection(FP8_COLLECTION):
+            raise ValueError(
+                f"DotGeneral {self.path}: no {FP8_COLLECTION!r} variables; initialise the model inside "
+                f"fp8_autocast (or pass mutable=[{FP8_COLLECTION!r}]) to create them"
+            )
+        initial = init_meta(recipe.amax_history_len) if missing else {}
+        return {name: self.variable(FP8_COLLECTION, name, initial.__getitem__, name).value for name in META_KEYS}
 
 
 # --------------------------------------------------------------------------------------------------
