@@ -1,11 +1,12 @@
 """Hypothesis over shapes and options: rotary embeddings, MultiHeadAttention against the reference op,
-LayerNormMLP against its composition."""
+LayerNormMLP against its composition. Shapes come from small sets: modules run eagerly, and eager ops
+compile once per shape, so examples that share shapes share compilations."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from mtjax import ops
@@ -16,7 +17,7 @@ def rand(seed, shape, scale=1.0):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape).astype(np.float32) * scale)
 
 
-@given(half=st.integers(1, 8), method=st.sampled_from(["consecutive", "alternate"]), shift=st.integers(-50, 50),
+@given(half=st.sampled_from([1, 4]), method=st.sampled_from(["consecutive", "alternate"]), shift=st.integers(-50, 50),
        seed=st.integers(0, 100))
 def test_rotary_is_a_rotation_by_relative_position(half, method, shift, seed):
     head_dim = 2 * half
@@ -42,7 +43,7 @@ def test_rotary_is_a_rotation_by_relative_position(half, method, shift, seed):
 def _reference_mha(p, x, *, heads, groups, head_dim, layernorm_type, input_layernorm, rope, mask_type, seg):
     """The projections, rotary embedding and ops.attention reference, written out."""
     if input_layernorm:
-        norm_params = p.get("qkv", p["query"])
+        norm_params = p["qkv"] if "qkv" in p else p["query"]
         h = (ops.rmsnorm(x, norm_params["scale"]) if layernorm_type == "rmsnorm"
              else ops.layernorm(x, norm_params["scale"], norm_params["ln_bias"]))
     else:
@@ -66,11 +67,13 @@ def _reference_mha(p, x, *, heads, groups, head_dim, layernorm_type, input_layer
 
 
 @given(
-    batch=st.integers(1, 2), length=st.integers(1, 6), groups=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 2]),
+    batch=st.integers(1, 2), length=st.sampled_from([1, 5]), groups=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 2]),
     head_dim=st.sampled_from([2, 4]), mask_type=st.sampled_from(["no_mask", "causal", "padding", "padding_causal"]),
     fuse=st.booleans(), input_layernorm=st.booleans(), layernorm_type=st.sampled_from(["layernorm", "rmsnorm"]),
     rope=st.sampled_from([None, "consecutive", "alternate"]), seed=st.integers(0, 100),
 )
+@example(batch=2, length=5, groups=2, ratio=1, head_dim=4, mask_type="padding_causal", fuse=True, input_layernorm=True,
+         layernorm_type="layernorm", rope="alternate", seed=0)  # fused QKV with its norm and RoPE
 def test_mha_against_reference(batch, length, groups, ratio, head_dim, mask_type, fuse, input_layernorm,
                                layernorm_type, rope, seed):
     heads, hidden = groups * ratio, 8
@@ -91,7 +94,7 @@ def test_mha_against_reference(batch, length, groups, ratio, head_dim, mask_type
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@given(activation=st.sampled_from(sorted(ops.ACTIVATIONS)), hidden=st.integers(1, 6), dim=st.integers(1, 6),
+@given(activation=st.sampled_from(sorted(ops.ACTIVATIONS)), hidden=st.sampled_from([1, 4]), dim=st.sampled_from([2, 3]),
        use_bias=st.booleans(), seed=st.integers(0, 100))
 def test_layernorm_mlp_against_composition(activation, hidden, dim, use_bias, seed):
     x = rand(seed, (2, 3, hidden))
