@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dense bf16 peak used as the MFU denominator (default: H200, %(default)s)")
     parser.add_argument("--presets", nargs="+", metavar="NAME",
                         help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick)")
-    parser.add_argument("--kernels", action="append", default=[], metavar="OP=IMPL[,OP=IMPL...]",
-                        help="layer and train suites: also run mtjax with these kernel choices (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
+                        help="layer and train suites: also run mtjax with these kernel choices (OP=IMPL) and XLA "
+                             "options (xla_...=VALUE); repeatable, one extra pair of rows each")
     parser.add_argument("--profile", metavar="DIR",
                         help="train suite: write a per-op GPU-time profile of each train step into DIR")
 
@@ -51,12 +52,12 @@ def _available(name: str) -> bool:
         return False
 
 
-def _run_suite(name: str, args: argparse.Namespace, kernel_sets: list[dict[str, str]]) -> list[dict]:
+def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Setting]) -> list[dict]:
     module = importlib.import_module(SUITES[name])
     if name == "train":
-        return module.run(args.quick, presets=args.presets, profile_dir=args.profile, kernel_sets=kernel_sets)
+        return module.run(args.quick, presets=args.presets, profile_dir=args.profile, settings=settings)
     if name == "layer":
-        return module.run(args.quick, kernel_sets=kernel_sets)
+        return module.run(args.quick, settings=settings)
     return module.run(args.quick)
 
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mtjax bench: suite(s) {missing} are not installed in this version of mtjax", file=sys.stderr)
         return 2
     try:
-        kernel_sets = [variants.parse_kernels(spec) for spec in args.kernels]
+        settings = [variants.parse(spec) for spec in args.variant]
     except ValueError as err:
         print(f"mtjax bench: {err}", file=sys.stderr)
         return 2
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     rows, ceiling_values = ceilings.run(args.quick)
     for name in suites:
         print(f"mtjax bench: running {name}...", file=sys.stderr, flush=True)
-        suite_rows = _run_suite(name, args, kernel_sets)
+        suite_rows = _run_suite(name, args, settings)
         # Each suite's rows as soon as it ends, so a run cut short still reports what it measured.
         print(report.table(report.complete(suite_rows, ceiling_values, args.peak_tflops)), file=sys.stderr, flush=True)
         rows += suite_rows
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "ceilings": ceiling_values,
         "suites": suites,
         "suites_not_run": skipped,
-        "kernel_sets": kernel_sets,
+        "variants": [s.label() for s in settings],
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(f"{meta['date']}  {meta['device']}  jax {meta['jax']}  MFU of {args.peak_tflops:g} TFLOP/s")

@@ -4,7 +4,7 @@ The block of the ``gpt-1.3b`` preset (hidden 2048, 16 heads, MLP 8192, LayerNorm
 causal self-attention) on ``[8, 2048, 2048]`` bf16 activations; ``--quick`` shrinks it to a toy.
 Timed: the gradient of ``sum(block(x) * dy)`` with respect to the variables and ``x``, which for
 FP8 variants includes the next scaling state. Variants as in the train suite: ``mtjax``,
-``mtjax fp8`` (under ``fp8_autocast``), ``mtjax [op=impl,...]`` for each ``--kernels`` set, ``flax``
+``mtjax fp8`` (under ``fp8_autocast``), ``mtjax [op=impl,...]`` for each ``--variant`` setting, ``flax``
 and ``flax fp8`` (`mtjax.bench.peers`).
 FLOPs: 6 per parameter per token plus causal attention (6·seq·hidden per token), as for MFU.
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.bench import peers, timing
-from mtjax.bench.variants import label, mtjax_context, mtjax_variants
+from mtjax.bench.variants import Setting, label, mtjax_context, mtjax_variants
 
 FULL = dict(batch=8, seq=2048, hidden=2048, heads=16, mlp=8192)
 QUICK = dict(batch=2, seq=32, hidden=64, heads=4, mlp=256)
@@ -45,26 +45,27 @@ def _grad_fn(apply):
     return jax.jit(jax.grad(objective, argnums=(0, 1)))
 
 
-def _variants(shape: dict, kernel_sets: Sequence[dict[str, str]]) -> list[tuple[str, str | None, str, nn.Module, Any, Any]]:
-    """``(implementation, peer, ceiling, module, apply, context)`` per variant, in the train suite's order."""
+def _variants(shape: dict, settings: Sequence[Setting]) -> list[tuple[str, str | None, str, nn.Module, Any, Any, dict]]:
+    """``(implementation, peer, ceiling, module, apply, context, xla_options)`` per variant, ordered as in
+    the train suite."""
     mtjax_rows = []
-    for fp8, kernels in mtjax_variants(list(kernel_sets)):
+    for fp8, setting in mtjax_variants(list(settings)):
         layer = _mtjax_layer(shape)
-        mtjax_rows.append((label(fp8, kernels), "flax fp8" if fp8 else "flax",
+        mtjax_rows.append((label(fp8, setting), "flax fp8" if fp8 else "flax",
                            "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
                            lambda v, x, layer=layer: layer.apply(v, x, deterministic=True),
-                           lambda fp8=fp8, kernels=kernels: mtjax_context(fp8, kernels)))
+                           lambda fp8=fp8, setting=setting: mtjax_context(fp8, setting), dict(setting.xla_options)))
     flax_rows = []
     for fp8 in (False, True):
         layer = peers.FlaxTransformerLayer(shape["hidden"], shape["heads"], shape["mlp"], fp8=fp8)
         flax_rows.append(("flax fp8" if fp8 else "flax", "flax" if fp8 else None,
                           "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
-                          lambda v, x, layer=layer: layer.apply(v, x)[0], contextlib.nullcontext))
+                          lambda v, x, layer=layer: layer.apply(v, x)[0], contextlib.nullcontext, {}))
     return [mtjax_rows[0], flax_rows[0], mtjax_rows[1], flax_rows[1], *mtjax_rows[2:]]
 
 
-def run(quick: bool, kernel_sets: Sequence[dict[str, str]] = ()) -> list[dict]:
-    """Rows of every variant; ``kernel_sets`` add mtjax rows with forced kernels (`mtjax.bench.variants`)."""
+def run(quick: bool, settings: Sequence[Setting] = ()) -> list[dict]:
+    """Rows of every variant; ``settings`` add mtjax rows (`mtjax.bench.variants`)."""
     shape = QUICK if quick else FULL
     b, s, h, f = shape["batch"], shape["seq"], shape["hidden"], shape["mlp"]
     keys = jax.random.split(jax.random.key(3), 16)
@@ -72,14 +73,15 @@ def run(quick: bool, kernel_sets: Sequence[dict[str, str]] = ()) -> list[dict]:
                                         timing.random_array(keys[2 * i + 1], (b, s, h), jnp.bfloat16)), max_sets=8)
     flops = b * s * (6 * (4 * h * h + 2 * h * f) + 6 * s * h)
     name = f"block fwd+bwd b{b} s{s} h{h} ffn{f}"
-    todo, lowered = [], []
-    for implementation, peer, ceiling, layer, apply, context in _variants(shape, kernel_sets):
+    todo, lowered, options = [], [], []
+    for implementation, peer, ceiling, layer, apply, context, xla_options in _variants(shape, settings):
         with context():
             variables = jax.jit(layer.init)(jax.random.key(0), inputs[0][0])
             lowered.append(_grad_fn(apply).lower(variables, *inputs[0]))
         todo.append((implementation, peer, ceiling, variables))
+        options.append(xla_options)
     rows = []
-    for (implementation, peer, ceiling, variables), (fn, compile_s) in zip(todo, timing.compile_all(lowered)):
+    for (implementation, peer, ceiling, variables), (fn, compile_s) in zip(todo, timing.compile_all(lowered, options)):
         t = timing.measure(lambda x, dy, fn=fn, variables=variables: fn(variables, x, dy), inputs,
                            runs=5 if quick else 20)
         rows.append(timing.row("layer", name, implementation, t, flops=flops, peer=peer, ceiling=ceiling,

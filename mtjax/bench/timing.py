@@ -19,7 +19,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -130,20 +130,21 @@ def measure_steps(step: Callable[..., Any], state: Any, batches: Sequence[Any], 
     return Timing(statistics.median(samples), min(samples), max(samples), runs), out
 
 
-def compile_all(lowered: Sequence[Any]) -> list[tuple[Any, float]]:
+def compile_all(lowered: Sequence[Any], options: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[Any, float]]:
     """``(compiled, seconds)`` for each ``jax.stages.Lowered``, compiled concurrently.
 
     XLA compilation (with autotuning, tens of seconds for a large model) releases the GIL, so
     independent variants compile side by side. Trace (``.lower``) in the caller's thread: tracing
-    reads process-wide state such as ``fp8_autocast``.
+    reads process-wide state such as ``fp8_autocast``. ``options``: XLA compiler options per item.
     """
+    options = list(options) if options is not None else [{}] * len(lowered)
 
     def compile_one(item):
         start = time.perf_counter()
-        return item.compile(), time.perf_counter() - start
+        return item[0].compile(compiler_options=dict(item[1]) or None), time.perf_counter() - start
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(lowered))) as pool:
-        return list(pool.map(compile_one, lowered))
+        return list(pool.map(compile_one, zip(lowered, options)))
 
 
 def row(suite: str, name: str, implementation: str, timing: Timing, *, flops: float | None = None,

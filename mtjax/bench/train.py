@@ -6,7 +6,8 @@ variants run side by side in one process:
 - ``mtjax``: `mtjax.models.GPT` trained by `mtjax.train`'s step (``make_train_step``), bf16 compute,
   f32 parameters;
 - ``mtjax fp8``: the same under ``mtjax.fp8.fp8_autocast`` (delayed scaling);
-- ``mtjax [op=impl,...]`` (and its fp8): with kernel choices forced (``--kernels``, `mtjax.bench.variants`);
+- ``mtjax [op=impl,xla_option=value,...]`` (and its fp8): with kernel choices or XLA options changed
+  (``--variant``, `mtjax.bench.variants`);
 - ``flax``: `mtjax.bench.peers.FlaxGPT`, the same model in stock Flax (cuDNN attention);
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from mtjax.bench import peers, profile, timing
-from mtjax.bench.variants import label, mtjax_context, mtjax_variants
+from mtjax.bench.variants import Setting, label, mtjax_context, mtjax_variants
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
@@ -51,6 +52,7 @@ class Variant:
       init: ``init() -> state`` (parameters, FP8 state, optimizer state).
       step: jitted ``step(state, batch) -> (state, metrics)`` donating ``state``; ``metrics["loss"]``.
       context: entered around tracing and init (``fp8_autocast`` for mtjax FP8).
+      xla_options: XLA compiler options of its compilation.
     """
 
     implementation: str
@@ -59,6 +61,7 @@ class Variant:
     init: Callable[[], Any]
     step: Callable[..., Any]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    xla_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
@@ -73,7 +76,7 @@ def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Varia
                    "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", init, peers.train_step(model, opt))
 
 
-def _mtjax_variant(config: Any, fp8: bool, kernels: dict[str, str], batch_shape: tuple[int, int]) -> Variant:
+def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[int, int]) -> Variant:
     from mtjax.models import GPT
     from mtjax.train.state import init_train_state
     from mtjax.train.step import make_train_step
@@ -81,16 +84,17 @@ def _mtjax_variant(config: Any, fp8: bool, kernels: dict[str, str], batch_shape:
     model = GPT(config)
     opt = optimizer()
     return Variant(
-        label(fp8, kernels), "flax fp8" if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
+        label(fp8, setting), "flax fp8" if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
         init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
         step=make_train_step(model, opt),
-        context=lambda: mtjax_context(fp8, kernels),
+        context=lambda: mtjax_context(fp8, setting),
+        xla_options=dict(setting.xla_options),
     )
 
 
-def variants(config: Any, batch_shape: tuple[int, int], kernel_sets: Sequence[dict[str, str]] = ()) -> list[Variant]:
-    """mtjax and Flax, bf16 then FP8, then the kernel-set rows: the headline comparisons come first."""
-    mtjax_rows = [_mtjax_variant(config, fp8, kernels, batch_shape) for fp8, kernels in mtjax_variants(list(kernel_sets))]
+def variants(config: Any, batch_shape: tuple[int, int], settings: Sequence[Setting] = ()) -> list[Variant]:
+    """mtjax and Flax, bf16 then FP8, then the rows of each setting: the headline comparisons come first."""
+    mtjax_rows = [_mtjax_variant(config, fp8, setting, batch_shape) for fp8, setting in mtjax_variants(list(settings))]
     flax_rows = [_flax_variant(config, False, batch_shape), _flax_variant(config, True, batch_shape)]
     return [mtjax_rows[0], flax_rows[0], mtjax_rows[1], flax_rows[1], *mtjax_rows[2:]]
 
@@ -109,7 +113,7 @@ def _compile_all(todo: Sequence[Variant], batch: dict[str, jax.Array]) -> list[t
     for variant in todo:
         with variant.context():
             lowered.append(variant.step.lower(jax.eval_shape(variant.init), batch))
-    return timing.compile_all(lowered)
+    return timing.compile_all(lowered, [variant.xla_options for variant in todo])
 
 
 def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], out_dir: str,
@@ -131,8 +135,8 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,
-        kernel_sets: Sequence[dict[str, str]] = ()) -> list[dict]:
-    """Rows for each preset and variant (see the module docstring); ``kernel_sets``: `mtjax.bench.variants`."""
+        settings: Sequence[Setting] = ()) -> list[dict]:
+    """Rows for each preset and variant (see the module docstring); ``settings``: `mtjax.bench.variants`."""
     from mtjax.models import gpt_config
 
     presets = list(presets or (["tiny"] if quick else ["gpt-1.3b"]))
@@ -144,7 +148,7 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
         batches = _batches(config.vocab_size, batch_size, seq_len)
         tokens_per_step = batch_size * seq_len
         flops = config.flops_per_token(seq_len) * tokens_per_step
-        todo = variants(config, (batch_size, seq_len), kernel_sets)
+        todo = variants(config, (batch_size, seq_len), settings)
         compiled = _compile_all(todo, batches[0])
         name = f"{preset} b{batch_size} s{seq_len}"
         times = {}

@@ -1,52 +1,96 @@
-"""What distinguishes the mtjax rows of the layer and train suites: FP8 on or off, and kernel choices.
+"""What distinguishes the mtjax rows of the layer and train suites: FP8 on or off, and settings.
 
-``--kernels layernorm=xla,activation=xla`` adds mtjax rows (bf16 and FP8) traced with those
-implementations forced through `mtjax.config.override`, labelled ``"mtjax [layernorm=xla,...]"``,
-so a kernel's effect on a whole layer or train step is measured beside the default choice.
+``--variant layernorm=xla,activation=xla`` adds mtjax rows (bf16 and FP8) traced with those kernel
+choices forced through `mtjax.config.override`; ``--variant xla_gpu_enable_triton_gemm=false``
+adds rows compiled with that XLA option (``Lowered.compile(compiler_options=...)``, so one process
+compares several). Rows are labelled ``"mtjax [activation=xla,layernorm=xla]"``; the peers always
+run with defaults, so each such row shows what the setting does to a whole layer or train step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from mtjax import backend
 from mtjax.config import override
 
 
-def parse_kernels(spec: str) -> dict[str, str]:
-    """``"op=implementation,..."`` -> ``{op: implementation}``, checked against the kernel registry."""
-    kernels = {}
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Changes of one extra mtjax row.
+
+    Attributes:
+      kernels: ``{op: implementation}`` forced while tracing.
+      xla_options: XLA compiler options (``{"xla_gpu_...": value}``) for this row's compilation.
+    """
+
+    kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def label(self) -> str:
+        items = {**self.kernels, **self.xla_options}
+        return ",".join(f"{k}={_text(v)}" for k, v in sorted(items.items()))
+
+
+DEFAULT = Setting()
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse(spec: str) -> Setting:
+    """``"op=implementation,xla_option=value,..."`` -> `Setting`; ops are checked against the registry
+    (XLA option names are checked by XLA when the row compiles)."""
+    kernels, options = {}, {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        op, sep, name = (x.strip() for x in item.partition("="))
-        if not sep or op not in backend.ops():
-            raise ValueError(f"--kernels {spec!r}: {item!r} is not op=implementation with op one of {backend.ops()}")
-        if name not in backend.implementations(op):
-            raise ValueError(f"--kernels {spec!r}: op {op!r} has no implementation {name!r}; "
-                             f"registered: {backend.implementations(op)}")
-        kernels[op] = name
-    if not kernels:
-        raise ValueError(f"--kernels {spec!r}: expected op=implementation[,op=implementation...]")
-    return kernels
+        key, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not value:
+            raise ValueError(f"--variant {spec!r}: {item!r} is not key=value")
+        if key.startswith("xla_"):
+            options[key] = _value(value)
+        elif key in backend.ops():
+            if value not in backend.implementations(key):
+                raise ValueError(f"--variant {spec!r}: op {key!r} has no implementation {value!r}; "
+                                 f"registered: {backend.implementations(key)}")
+            kernels[key] = value
+        else:
+            raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()} nor an xla_* option")
+    if not kernels and not options:
+        raise ValueError(f"--variant {spec!r}: expected op=implementation or xla_option=value, comma-separated")
+    return Setting(kernels, options)
 
 
-def label(fp8: bool, kernels: Mapping[str, str]) -> str:
+def label(fp8: bool, setting: Setting) -> str:
     """``"mtjax"``, ``"mtjax fp8"``, ``"mtjax [layernorm=xla]"``, ..."""
     name = "mtjax fp8" if fp8 else "mtjax"
-    if kernels:
-        name += " [" + ",".join(f"{op}={impl}" for op, impl in sorted(kernels.items())) + "]"
-    return name
+    return f"{name} [{setting.label()}]" if setting != DEFAULT else name
 
 
 @contextlib.contextmanager
-def mtjax_context(fp8: bool, kernels: Mapping[str, str]) -> Iterator[None]:
-    """Enter around tracing (and init) of an mtjax variant: ``fp8_autocast`` and the kernel choices."""
+def mtjax_context(fp8: bool, setting: Setting) -> Iterator[None]:
+    """Enter around tracing (and init) of an mtjax row: ``fp8_autocast`` and the kernel choices."""
     from mtjax.fp8 import fp8_autocast
 
-    with fp8_autocast(enabled=fp8), override(implementations=dict(kernels)):
+    with fp8_autocast(enabled=fp8), override(implementations=dict(setting.kernels)):
         yield
 
 
-def mtjax_variants(kernel_sets: list[Mapping[str, str]]) -> list[tuple[bool, dict[str, str]]]:
-    """``(fp8, kernels)`` of every mtjax row: the default choice, then each kernel set, bf16 and FP8."""
-    return [(fp8, dict(kernels)) for kernels in [{}, *kernel_sets] for fp8 in (False, True)]
+def mtjax_variants(settings: list[Setting]) -> list[tuple[bool, Setting]]:
+    """``(fp8, setting)`` of every mtjax row: the defaults, then each setting, bf16 and FP8."""
+    return [(fp8, setting) for setting in [DEFAULT, *settings] for fp8 in (False, True)]

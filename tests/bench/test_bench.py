@@ -128,10 +128,13 @@ def test_flax_fp8_peer_updates_its_scaling_state():
     assert jnp.isfinite(metrics["loss"])
 
 
-def test_kernel_sets_are_checked_and_labelled():
-    assert variants.parse_kernels("layernorm=xla, activation=xla") == {"layernorm": "xla", "activation": "xla"}
-    assert variants.label(True, {"layernorm": "xla", "activation": "xla"}) == "mtjax fp8 [activation=xla,layernorm=xla]"
-    assert variants.mtjax_variants([{"layernorm": "xla"}])[2:] == [(False, {"layernorm": "xla"}), (True, {"layernorm": "xla"})]
-    for bad in ("layernorm=nope", "nope=xla", "layernorm", ""):
-        with pytest.raises(ValueError, match="--kernels"):
-            variants.parse_kernels(bad)
+def test_variant_settings_are_checked_and_labelled():
+    setting = variants.parse("layernorm=xla, activation=xla,xla_gpu_enable_triton_gemm=false")
+    assert setting.kernels == {"layernorm": "xla", "activation": "xla"}
+    assert setting.xla_options == {"xla_gpu_enable_triton_gemm": False}
+    assert variants.label(True, setting) == "mtjax fp8 [activation=xla,layernorm=xla,xla_gpu_enable_triton_gemm=false]"
+    assert variants.label(False, variants.DEFAULT) == "mtjax"
+    assert variants.mtjax_variants([setting])[2:] == [(False, setting), (True, setting)]
+    for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", ""):
+        with pytest.raises(ValueError, match="--variant"):
+            variants.parse(bad)
