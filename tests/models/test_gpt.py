@@ -1,6 +1,7 @@
 """mtjax.models: GPT (configs, scan/remat, training on CPU, packing, KV-cache decoding) and BERT."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ def tokens(seed, shape, vocab=TINY.vocab_size):
 @pytest.fixture(scope="module")
 def tiny():
     model = GPT(TINY)
-    params = meta.unbox(model.init(jax.random.key(0), tokens(0, (2, 8)))["params"])
+    params = meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens(0, (2, 8)))["params"])
     return model, params
 
 
@@ -117,16 +118,17 @@ def test_packed_sequences_equal_separate_ones(tiny):
     packed = jnp.concatenate([a, b], axis=1)
     seg = jnp.array([[1] * 5 + [2] * 3])
     pos = jnp.array([list(range(5)) + list(range(3))])
-    out = model.apply({"params": params}, packed, positions=pos, segment_ids=seg)
-    np.testing.assert_allclose(out[:, :5], model.apply({"params": params}, a), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], model.apply({"params": params}, b), rtol=1e-5, atol=1e-5)
+    apply = jax.jit(model.apply)
+    out = apply({"params": params}, packed, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(out[:, :5], apply({"params": params}, a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[:, 5:], apply({"params": params}, b), rtol=1e-5, atol=1e-5)
 
 
 def test_kv_cache_decoding_matches_full_forward(tiny):
     model, params = tiny
     toks = tokens(5, (2, 6))
     full = model.apply({"params": params}, toks)
-    cache = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32), decode=True)["cache"]
+    cache = jax.jit(functools.partial(model.init, decode=True))(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
     step = jax.jit(lambda c, t: model.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
     logits, mutated = step(cache, toks[:, :2])  # a 2-token prompt, then one token at a time
     outs = [logits]
@@ -140,11 +142,12 @@ def test_dropout_is_stochastic_only_when_not_deterministic():
     cfg = dataclasses.replace(TINY, dropout_rate=0.3, attention_dropout=0.3, num_layers=1)
     model = GPT(cfg)
     toks = tokens(6, (1, 8))
-    v = model.init(jax.random.key(0), toks)
-    det = model.apply(v, toks)
-    a = model.apply(v, toks, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    v = jax.jit(model.init)(jax.random.key(0), toks)
+    apply = jax.jit(model.apply, static_argnames="deterministic")
+    det = apply(v, toks)
+    a = apply(v, toks, deterministic=False, rngs={"dropout": jax.random.key(1)})
     assert not np.allclose(det, a)
-    np.testing.assert_allclose(det, model.apply(v, toks))
+    np.testing.assert_allclose(det, apply(v, toks))
 
 
 def test_bert_padding_does_not_leak():
@@ -152,10 +155,11 @@ def test_bert_padding_does_not_leak():
     model = BertEncoder(cfg)
     toks = tokens(7, (2, 8), vocab=50)
     seg = jnp.array([[1] * 8, [1] * 5 + [0] * 3])
-    v = model.init(jax.random.key(0), toks, segment_ids=seg)
+    v = jax.jit(model.init)(jax.random.key(0), toks, segment_ids=seg)
     assert {"token_embed", "position_embed", "type_embed", "embed_norm", "layers"} <= set(v["params"])
-    out = model.apply(v, toks, segment_ids=seg)
-    out2 = model.apply(v, toks.at[1, 5:].set(3), segment_ids=seg, token_type_ids=jnp.zeros_like(toks))
+    apply = jax.jit(model.apply)
+    out = apply(v, toks, segment_ids=seg)
+    out2 = apply(v, toks.at[1, 5:].set(3), segment_ids=seg, token_type_ids=jnp.zeros_like(toks))
     np.testing.assert_allclose(out[1, :5], out2[1, :5], rtol=1e-5, atol=1e-5)
     assert out.shape == (2, 8, 32)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -178,10 +182,10 @@ def test_fp8_under_scan_and_remat_close_to_bf16():
 
 
 def _check_fp8(model, cfg, toks):
-    params = model.init(jax.random.key(0), toks)["params"]
-    bf16 = model.apply({"params": params}, toks)
+    params = jax.jit(model.init)(jax.random.key(0), toks)["params"]
+    bf16 = jax.jit(model.apply)({"params": params}, toks)
     with fp8.fp8_autocast():
-        fp8_meta = model.init(jax.random.key(0), toks)[fp8.FP8_COLLECTION]
+        fp8_meta = jax.jit(model.init)(jax.random.key(0), toks)[fp8.FP8_COLLECTION]
         assert fp8_meta["layers"]["mlp"]["wi_dot_general"]["input_scale"].shape == (cfg.num_layers,)
         assert "attend_dot_general" in fp8_meta["token_embed"]
         variables = {"params": params, fp8.FP8_COLLECTION: fp8_meta}
