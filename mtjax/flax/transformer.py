@@ -176,6 +176,8 @@ class TransformerLayer(nn.Module):
 
         bias = None
         if self.enable_relative_embedding:
+            if decode:
+                raise ValueError("TransformerLayer: decode=True does not support enable_relative_embedding")
             relpos = self.relative_embedding or RelativePositionBiases(
                 num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
                 dtype=self.dtype, param_dtype=self.param_dtype, name="relpos_bias")
