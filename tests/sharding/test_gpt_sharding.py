@@ -47,7 +47,6 @@ def sharded_value_and_grad(mesh_config, boxed):
 
 
 @pytest.mark.parametrize("mesh_config", [
-    MeshConfig(dp=2, fsdp=4),
     MeshConfig(dp=4, tp=2),
     MeshConfig(dp=2, fsdp=2, tp=2, sp=True),
 ], ids=lambda c: f"dp{c.dp}-fsdp{c.fsdp}-tp{c.tp}{'-sp' if c.sp else ''}")
@@ -61,13 +60,16 @@ def test_loss_and_grads_equal_single_device(boxed, reference, mesh_config):
     assert jax.tree.map(lambda g: g.sharding.spec, grads) == jax.tree.map(lambda s: s.spec, shardings)
 
 
-def test_fp8_meta_equal_on_every_device(boxed):
+def test_fp8_fsdp_equals_single_device_and_meta_equal_on_every_device(boxed):
     with fp8.fp8_autocast():
         meta = MODEL.init(jax.random.key(0), TOKENS[:, :-1])[fp8.FP8_COLLECTION]
         variables = {"params": boxed["params"], fp8.FP8_COLLECTION: meta}
         want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(nn.meta.unbox(variables), TOKENS)
-        (loss, grads), _ = sharded_value_and_grad(MeshConfig(dp=2, fsdp=2, tp=2, sp=True), variables)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+        (loss, grads), _ = sharded_value_and_grad(MeshConfig(dp=2, fsdp=4), variables)
+    # Same scales (delayed scaling), so the same FP8 values: only the order of f32 sums differs.
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, expected in zip(jax.tree.leaves(grads["params"]), jax.tree.leaves(want["params"])):
+        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6)
     new_meta, want_meta = grads[fp8.FP8_COLLECTION], want[fp8.FP8_COLLECTION]
     assert float(new_meta["layers"]["mlp"]["wi_dot_general"]["input_amax_history"].max()) > 0
     for got, expected in zip(jax.tree.leaves(new_meta), jax.tree.leaves(want_meta)):
