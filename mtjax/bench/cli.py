@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"mtjax bench: suite(s) {missing} are not installed in this version of mtjax", file=sys.stderr)
         return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("mtjax bench: --plot needs matplotlib (pip install 'mtjax[plot]')", file=sys.stderr)
+        return 2
     try:
         settings = [variants.parse(spec) for spec in args.variant]
     except ValueError as err:
