@@ -248,12 +248,12 @@ def _setup(args: argparse.Namespace) -> _Setup:
                          "that run, or --workdir for a new one")
     if latest is not None:
         saved = RunConfig(**checkpointer.restore_meta(latest)["run"])
-        if (saved.model, saved.model_overrides, saved.tokenizer) != (config.model, config.model_overrides,
-                                                                      config.tokenizer):
+        kept = ("model", "model_overrides", "tokenizer", "fp8")  # what the saved state's structure depends on
+        if any(getattr(saved, name) != getattr(config, name) for name in kept):
             checkpointer.close()
-            raise ValueError(f"the checkpoint in {workdir} is of model {saved.model} {saved.model_overrides} with "
-                             f"tokenizer {saved.tokenizer!r}; this run asks for {config.model} "
-                             f"{config.model_overrides} with {config.tokenizer!r}")
+            raise ValueError(f"the checkpoint in {workdir} was written with "
+                             f"{ {name: getattr(saved, name) for name in kept} }; this run asks for "
+                             f"{ {name: getattr(config, name) for name in kept} }")
     if args.resume and latest is None:
         print(f"mtjax train: no checkpoint in {workdir} yet; starting from scratch", file=sys.stderr)
     return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, latest)
@@ -358,7 +358,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                 eval_loss = evaluate()
                 log.write({"step": step, "eval_loss": eval_loss})
                 progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
-                timer_start = None  # evaluation time is not training time
+                timer_start, timer_step = time.perf_counter(), step  # evaluation time is not training time
             progress.update(1)
             stopped = watcher.should_stop(step)
             checkpointer.save(step, state, meta(), force=stopped or step == run_config.steps)

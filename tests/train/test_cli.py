@@ -1,17 +1,15 @@
-"""``mtjax train`` / ``mtjax generate`` end to end on a small corpus, bad flags, and SIGTERM."""
+"""``mtjax train`` / ``mtjax generate`` end to end on a small corpus: SIGTERM, resume, generate, bad flags."""
 
 import json
 import os
 import signal
-import subprocess
-import sys
+import threading
 import time
 
 import pytest
 
 from mtjax.cli import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--seq-len", "32", "--batch-size", "8", "--eval-batches", "1", "--no-progress"]
 
 
@@ -29,23 +27,48 @@ def _records(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_train_resume_on_another_mesh_and_generate(tmp_path, corpus, capsys):
+def _sigterm_once_logged(workdir, train_records):
+    """A thread sending this process SIGTERM once ``train_records`` steps are in metrics.jsonl."""
+    def watch():
+        path = os.path.join(workdir, "metrics.jsonl")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if os.path.exists(path) and sum('"loss"' in line for line in open(path)) >= train_records:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, capsys):
     workdir = str(tmp_path / "run")
-    args = ["train", "--data", corpus, "--workdir", workdir, *SMALL, "--log-every", "1", "--save-every", "2",
-            "--eval-every", "2"]
-    assert main([*args, "--steps", "4", "--tp", "2", "--grad-accum", "2"]) == 0
+    args = ["train", "--data", corpus, "--workdir", workdir, *SMALL, "--log-every", "1", "--eval-every", "2", "--fp8"]
+    # An endless run on dp=4 x tp=2 with 2 micro-batches, stopped by SIGTERM: it saves and returns 0.
+    watcher = _sigterm_once_logged(workdir, 3)
+    assert main([*args, "--steps", "100000", "--save-every", "100000", "--tp", "2", "--grad-accum", "2"]) == 0
+    watcher.join()
+    out = capsys.readouterr().out
+    stopped_at = int(out.split("SIGTERM: saved step ")[1].split()[0])
+    assert stopped_at >= 3 and os.listdir(os.path.join(workdir, "checkpoints")) == [str(stopped_at)]
     records = _records(workdir)
     train = [r for r in records if "loss" in r]
-    assert [r["step"] for r in train] == [1, 2, 3, 4]
-    assert "tokens_per_s" not in train[0] and train[-1]["tokens_per_s"] > 0 and train[-1]["model_tflops"] > 0
-    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
-    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
-    assert os.path.getsize(os.path.join(workdir, "loss.png")) > 0
+    assert [r["step"] for r in train] == list(range(1, stopped_at + 1))
+    assert {"grad_norm", "learning_rate"} <= set(train[0]) and "tokens_per_s" not in train[0]
+    assert all(r["tokens_per_s"] > 0 and r["model_tflops"] > 0 for r in train[1:])
+    assert [r["step"] for r in records if "eval_loss" in r][0] == 2
 
-    assert main([*args, "--steps", "6"]) == 2  # existing checkpoints and no --resume
+    assert main([*args, "--steps", str(stopped_at + 2)]) == 2  # checkpoints exist but no --resume
     assert "--resume" in capsys.readouterr().err
-    assert main([*args, "--steps", "6", "--resume"]) == 0  # restored from dp=4 x tp=2 onto dp=8
-    assert [r["step"] for r in _records(workdir) if "loss" in r][-2:] == [5, 6]
+    assert main([*args[:-1], "--steps", str(stopped_at + 2), "--resume"]) == 2  # FP8 state, run without --fp8
+    assert "'fp8': True" in capsys.readouterr().err
+    # Resume on dp=8: the checkpoint is laid out onto the new mesh.
+    assert main([*args, "--steps", str(stopped_at + 2), "--resume", "--eval-batches", "0"]) == 0
+    assert [r["step"] for r in _records(workdir) if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
+    assert str(stopped_at + 2) in os.listdir(os.path.join(workdir, "checkpoints"))
+    assert os.path.getsize(os.path.join(workdir, "loss.png")) > 0
     capsys.readouterr()
 
     assert main(["generate", "--checkpoint", workdir, "--prompt", "def f", "--max-new-tokens", "12"]) == 0
@@ -75,24 +98,3 @@ def test_bad_flags_get_a_clear_message(flags, message, corpus, tmp_path, capsys)
         status = exit_.code
     assert status == 2
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
-    workdir = tmp_path / "run"
-    child = subprocess.Popen(
-        [sys.executable, "-m", "mtjax.cli", "train", "--data", corpus, "--workdir", str(workdir), *SMALL,
-         "--steps", "100000", "--log-every", "1", "--eval-batches", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        assert child.poll() is None, child.communicate()
-        time.sleep(0.2)
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=60)
-    assert child.returncode == 0, err
-    assert "SIGTERM: saved step" in out
-    step = int(out.split("SIGTERM: saved step ")[1].split()[0])
-    assert os.listdir(workdir / "checkpoints") == [str(step)] and step >= 2

@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+from mtjax.fp8 import DelayedScaling, fp8_autocast
 from mtjax.sharding import MeshConfig, logical_axis_rules
 from mtjax.train.data import PackedDataset
 from mtjax.train.state import abstract_train_state, init_train_state
@@ -46,23 +47,48 @@ def test_loss_falls_and_metrics_are_reported(batches):
     assert int(state.step) == 6 and state.fp8_meta == {}
 
 
-def test_gradient_accumulation_matches_the_full_batch(batches):
-    model, optimizer = TinyLM(dropout_rate=0.0), optax.adam(1e-2)
-    full_state, full = _run(model, optimizer, batches, 3)
-    acc_state, acc = _run(model, optimizer, batches, 3, grad_accum_steps=4)
-    np.testing.assert_allclose([m["loss"] for m in acc], [m["loss"] for m in full], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), acc_state.params, full_state.params)
+@pytest.fixture(scope="module")
+def reference(batches):
+    """Three steps without dropout on one device, without accumulation: what the variants must match."""
+    return _run(TinyLM(dropout_rate=0.0), optax.adam(1e-2), batches, 3)
 
 
-def test_sharded_step_matches_one_device(batches):
-    model, optimizer = TinyLM(dropout_rate=0.0), optax.adam(1e-2)
+def _assert_matches(run, reference):
+    (state, metrics), (ref_state, ref_metrics) = run, reference
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in ref_metrics], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, ref_state.params)
+
+
+def test_gradient_accumulation_matches_the_full_batch(batches, reference):
+    _assert_matches(_run(TinyLM(dropout_rate=0.0), optax.adam(1e-2), batches, 3, grad_accum_steps=4), reference)
+
+
+def test_sharded_step_matches_one_device(batches, reference):
     config = MeshConfig(dp=4, tp=2)
-    mesh, rules = config.make_mesh(), logical_axis_rules(config)
-    one_state, one = _run(model, optimizer, batches, 3)
-    state, sharded = _run(model, optimizer, batches, 3, mesh=mesh, rules=rules, grad_accum_steps=2)
-    assert state.params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
-    np.testing.assert_allclose([m["loss"] for m in sharded], [m["loss"] for m in one], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), state.params, one_state.params)
+    run = _run(TinyLM(dropout_rate=0.0), optax.adam(1e-2), batches, 3, mesh=config.make_mesh(),
+               rules=logical_axis_rules(config), grad_accum_steps=2)
+    assert run[0].params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
+    _assert_matches(run, reference)
+
+
+def test_fp8_meta_is_updated_and_accumulated_by_max(batches):
+    model, optimizer = TinyLM(dropout_rate=0.0), optax.adam(1e-2)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        initial = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+        assert initial.fp8_meta, "fp8_autocast should create the DotGeneral's meta"
+        results = [make_train_step(model, optimizer, grad_accum_steps=n, donate=False)(initial, batches[0])
+                   for n in (1, 4)]
+    (full, full_metrics), (accumulated, accumulated_metrics) = results
+    history = lambda s: s.fp8_meta["DotGeneral_0"]["input_amax_history"]  # noqa: E731
+    assert float(history(full)[0]) > 0 and not np.array_equal(history(full), history(initial))
+    # Forward amaxes: the amax of the whole batch is the max over its micro-batches, so combining
+    # by max gives the full batch's meta exactly. Gradient amaxes are 4x the full batch's: each
+    # micro-batch's loss is a mean over a quarter of the rows, so its output gradients are 4x larger.
+    meta, full_meta = accumulated.fp8_meta["DotGeneral_0"], full.fp8_meta["DotGeneral_0"]
+    for name in ("input_amax_history", "input_scale", "kernel_amax_history", "kernel_scale"):
+        np.testing.assert_array_equal(meta[name], full_meta[name])
+    np.testing.assert_allclose(meta["output_grad_amax_history"], 4 * full_meta["output_grad_amax_history"], rtol=1e-6)
+    np.testing.assert_allclose(accumulated_metrics["loss"], full_metrics["loss"], rtol=1e-5)
 
 
 def test_eval_step_is_deterministic_and_leaves_state(batches):

@@ -1,13 +1,15 @@
 """A tiny causal language model standing in for `mtjax.models.GPT` in the training tests.
 
 It has the same call signature (``model(tokens, *, positions=None, segment_ids=None,
-deterministic=True) -> logits``), annotates its parameters with logical axes, and carries an
-``fp8_meta``-style extra collection only when asked, so the tests exercise sharding and the
-variable plumbing while compiling in well under a second.
+deterministic=True) -> logits``), annotates its parameters with logical axes and runs one GEMM
+through `mtjax.fp8.DotGeneral` (so under ``fp8_autocast`` it carries FP8 meta), so the tests
+exercise sharding and the FP8 variable plumbing while compiling in about a second.
 """
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from mtjax.fp8 import DotGeneral
 
 RULES = (
     ("activation_batch", ("dp", "fsdp")),
@@ -45,7 +47,9 @@ class TinyLM(nn.Module):
                         (self.hidden, 4 * self.hidden))
         w2 = self.param("w2", nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed")),
                         (4 * self.hidden, self.hidden))
-        x = x + nn.gelu(x @ w1.astype(self.dtype)) @ w2.astype(self.dtype)
+        # Through mtjax.fp8.DotGeneral, as every mtjax GEMM: FP8 with its meta under fp8_autocast.
+        hidden = DotGeneral()(x, w1.astype(self.dtype), (((2,), (0,)), ((), ())))
+        x = x + nn.gelu(hidden) @ w2.astype(self.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
         scale = self.param("norm_scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
                            (self.hidden,))
