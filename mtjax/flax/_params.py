@@ -22,11 +22,6 @@ def canonical_tuple(value: int | Sequence[int]) -> tuple[int, ...]:
     return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
-def check_choice(owner: str, name: str, value: Any, accepted: Sequence[Any]) -> None:
-    if value not in tuple(accepted):
-        raise ValueError(f"{owner}: {name}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")
-
-
 def param_with_axes(module: nn.Module, name: str, init: Initializer, shape: Sequence[int], dtype: Dtype,
                     axes: AxisNames) -> jax.Array:
     """``module.param`` carrying logical axis names (none when ``axes`` is empty)."""

@@ -11,7 +11,6 @@ query may attend (the opposite of TransformerEngine's convention, the same as fl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -19,8 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax import ops
-from mtjax.flax._params import BATCH_LENGTH_EMBED, AxisNames, Dtype, Initializer, check_choice, param_with_axes
+from mtjax.flax._params import BATCH_LENGTH_EMBED, AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
+from mtjax.ops._checks import check_choice
 
 ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")

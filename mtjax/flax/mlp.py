@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import fp8, ops
-from mtjax.flax._params import AxisNames, Dtype, Initializer, flat_kernel_init, param_with_axes, contract
+from mtjax.flax._params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
 from mtjax.flax.normalization import normalize
 
 MLP_HIDDEN_AXES: AxisNames = ("activation_batch", "activation_length", "activation_mlp")

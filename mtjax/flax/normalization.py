@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import ops
-from mtjax.flax._params import AxisNames, Dtype, Initializer, check_choice, param_with_axes
+from mtjax.flax._params import AxisNames, Dtype, Initializer, param_with_axes
+from mtjax.ops._checks import check_choice
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
