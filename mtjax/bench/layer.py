@@ -51,17 +51,17 @@ def _variants(shape: dict, settings: Sequence[Setting]) -> list[tuple[str, str |
     mtjax_rows = []
     for fp8, setting in mtjax_variants(list(settings)):
         layer = _mtjax_layer(shape)
-        mtjax_rows.append((label(fp8, setting), "flax fp8" if fp8 else "flax",
+        mtjax_rows.append((label(fp8, setting), peers.FP8_PEER if fp8 else "flax",
                            "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
                            lambda v, x, layer=layer: layer.apply(v, x, deterministic=True),
                            lambda fp8=fp8, setting=setting: mtjax_context(fp8, setting), dict(setting.xla_options)))
     flax_rows = []
-    for fp8 in (False, True):
+    for fp8 in (False, True) if peers.HAS_FLAX_FP8 else (False,):
         layer = peers.FlaxTransformerLayer(shape["hidden"], shape["heads"], shape["mlp"], fp8=fp8)
         flax_rows.append(("flax fp8" if fp8 else "flax", "flax" if fp8 else None,
                           "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
                           lambda v, x, layer=layer: layer.apply(v, x)[0], contextlib.nullcontext, {}))
-    return [mtjax_rows[0], flax_rows[0], mtjax_rows[1], flax_rows[1], *mtjax_rows[2:]]
+    return [mtjax_rows[0], flax_rows[0], mtjax_rows[1], *flax_rows[1:], *mtjax_rows[2:]]
 
 
 def run(quick: bool, settings: Sequence[Setting] = ()) -> list[dict]:

@@ -22,6 +22,10 @@ import optax
 from flax.linen import fp8_ops
 
 FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
+# Flax's FP8 op for Dense; older Flax releases lack it and then the suites run no "flax fp8" rows.
+HAS_FLAX_FP8 = hasattr(fp8_ops, "Fp8DirectDotGeneralOp")
+# The peer of mtjax's FP8 rows.
+FP8_PEER = "flax fp8" if HAS_FLAX_FP8 else "flax"
 
 
 def _attention_implementation(dtype: Any) -> str:
@@ -68,6 +72,8 @@ class FlaxTransformerLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
         _check_activations("FlaxTransformerLayer", self.activations)
+        if self.fp8 and not HAS_FLAX_FP8:
+            raise ValueError("FlaxTransformerLayer(fp8=True): this Flax has no fp8_ops.Fp8DirectDotGeneralOp")
         if self.layernorm_type not in ("layernorm", "rmsnorm"):
             raise ValueError(f"FlaxTransformerLayer: layernorm_type={self.layernorm_type!r}; accepted: layernorm, rmsnorm")
         dense = functools.partial(

@@ -84,7 +84,7 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
     model = GPT(config)
     opt = optimizer()
     return Variant(
-        label(fp8, setting), "flax fp8" if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
+        label(fp8, setting), peers.FP8_PEER if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
         init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
         step=make_train_step(model, opt),
         context=lambda: mtjax_context(fp8, setting),
@@ -95,8 +95,8 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
 def variants(config: Any, batch_shape: tuple[int, int], settings: Sequence[Setting] = ()) -> list[Variant]:
     """mtjax and Flax, bf16 then FP8, then the rows of each setting: the headline comparisons come first."""
     mtjax_rows = [_mtjax_variant(config, fp8, setting, batch_shape) for fp8, setting in mtjax_variants(list(settings))]
-    flax_rows = [_flax_variant(config, False, batch_shape), _flax_variant(config, True, batch_shape)]
-    return [mtjax_rows[0], flax_rows[0], mtjax_rows[1], flax_rows[1], *mtjax_rows[2:]]
+    flax_fp8 = [_flax_variant(config, True, batch_shape)] if peers.HAS_FLAX_FP8 else []
+    return [mtjax_rows[0], _flax_variant(config, False, batch_shape), mtjax_rows[1], *flax_fp8, *mtjax_rows[2:]]
 
 
 def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict[str, jax.Array]]:
