@@ -1,5 +1,7 @@
 """mtjax.flax modules against stock Flax (same parameters -> same outputs and gradients) and the ops."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,11 +33,11 @@ def close(a, b, rtol=RTOL, atol=ATOL):
 def check_parity(f_ours, our_params, f_theirs, their_params, grads_to_theirs, x):
     """``f(params, x)`` of both sides: same outputs, and the same gradients w.r.t. the input and the
     parameters (ours mapped by ``grads_to_theirs`` onto the other side's names)."""
-    y = f_theirs(their_params, x)
+    y = jax.jit(f_theirs)(their_params, x)
     w = rand(99, y.shape)
-    close(f_ours(our_params, x), y)
-    g_ours = jax.grad(lambda p, x: jnp.sum(f_ours(p, x) * w), argnums=(0, 1))(our_params, x)
-    g_theirs = jax.grad(lambda p, x: jnp.sum(f_theirs(p, x) * w), argnums=(0, 1))(their_params, x)
+    close(jax.jit(f_ours)(our_params, x), y)
+    g_ours = jax.jit(jax.grad(lambda p, x: jnp.sum(f_ours(p, x) * w), argnums=(0, 1)))(our_params, x)
+    g_theirs = jax.jit(jax.grad(lambda p, x: jnp.sum(f_theirs(p, x) * w), argnums=(0, 1)))(their_params, x)
     close(grads_to_theirs(g_ours[0]), g_theirs[0])
     close(g_ours[1], g_theirs[1])
 
@@ -210,8 +212,8 @@ def test_mha_cross_attention_uses_query_and_kv():
 def test_scaled_query_init():
     x = jnp.ones((1, 2, 64))
     base = MultiHeadAttention(head_dim=16, num_attention_heads=4)
-    k0 = init_params(base, x, deterministic=True)["qkv"]["kernel"]
-    k1 = init_params(base.clone(scaled_query_init=True), x, deterministic=True)["qkv"]["kernel"]
+    k0, k1 = (jax.jit(lambda m=m: init_params(m, x, deterministic=True))()["qkv"]["kernel"]
+              for m in (base, base.clone(scaled_query_init=True)))
     close(k1[:, 0], k0[:, 0] / 4.0)
     close(k1[:, 1:], k0[:, 1:])
 
@@ -299,13 +301,12 @@ def test_decoder_layer_cross_attention():
                              layer_type=TransformerLayerType.DECODER, enable_relative_embedding=True,
                              layernorm_type="rmsnorm", mlp_activations=("silu", "linear"))
     enc_mask = jnp.ones((2, 1, 4, 6), bool).at[1, :, :, 4:].set(False)
-    v = layer.init(jax.random.key(0), x, enc, None, enc_mask, deterministic=True)
+    v = jax.jit(functools.partial(layer.init, deterministic=True))(jax.random.key(0), x, enc, None, enc_mask)
     assert {"self_attention", "encoder_decoder_attention", "mlp", "relpos_bias"} <= set(v["params"])
-    out = layer.apply(v, x, enc, None, enc_mask, deterministic=True)
-    # masked encoder positions do not matter
-    out2 = layer.apply(v, x, enc.at[1, 4:].set(7.0), None, enc_mask, deterministic=True)
-    close(out, out2)
-    assert not np.allclose(out, layer.apply(v, x, enc * 2.0, None, enc_mask, deterministic=True))
+    apply = jax.jit(functools.partial(layer.apply, deterministic=True))
+    out = apply(v, x, enc, None, enc_mask)
+    close(out, apply(v, x, enc.at[1, 4:].set(7.0), None, enc_mask))  # masked encoder positions do not matter
+    assert not np.allclose(out, apply(v, x, enc * 2.0, None, enc_mask))
     with pytest.raises(ValueError, match="encoded"):
         layer.apply(v, x, deterministic=True)
 
@@ -326,7 +327,7 @@ def test_every_parameter_has_logical_axes():
     layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, use_bias=True,
                              layer_type=TransformerLayerType.DECODER, enable_relative_embedding=True)
     x = jnp.ones((1, 3, 16))
-    params = layer.init(jax.random.key(0), x, x, deterministic=True)["params"]
+    params = jax.eval_shape(lambda: layer.init(jax.random.key(0), x, x, deterministic=True))["params"]
     leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, meta.AxisMetadata))
     assert leaves and all(isinstance(a, nn.LogicallyPartitioned) for a in leaves)
     specs = nn.get_partition_spec(params)
