@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from mtjax.bench import peers, profile, timing
-from mtjax.bench.variants import Setting, label, mtjax_context, mtjax_variants
+from mtjax.bench.variants import DEFAULT, Setting, label, mtjax_context, mtjax_variants
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
@@ -53,6 +53,7 @@ class Variant:
       step: jitted ``step(state, batch) -> (state, metrics)`` donating ``state``; ``metrics["loss"]``.
       context: entered around tracing and init (``fp8_autocast`` for mtjax FP8).
       xla_options: XLA compiler options of its compilation.
+      profiled: profiled under ``--profile`` (the headline rows; not the ``--variant`` ones).
     """
 
     implementation: str
@@ -62,6 +63,7 @@ class Variant:
     step: Callable[..., Any]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     xla_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    profiled: bool = True
 
 
 def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
@@ -89,6 +91,7 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
         step=make_train_step(model, opt),
         context=lambda: mtjax_context(fp8, setting),
         xla_options=dict(setting.xla_options),
+        profiled=setting == DEFAULT,
     )
 
 
@@ -166,7 +169,7 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
             print(f"mtjax bench: train {name} {variant.implementation}: {t.median * 1e3:.1f} ms/step, "
                   f"{extra['tokens_per_s']:.0f} tokens/s, loss {extra['loss']:.3f}, compiled in {compile_s:.0f} s",
                   file=sys.stderr, flush=True)
-            if profile_dir is not None:
+            if profile_dir is not None and variant.profiled:
                 state, profiled = _profile(step, state, batches[0], profile_dir,
                                            f"{preset}_{variant.implementation.replace(' ', '_')}")
                 extra.update(profiled)
