@@ -1,0 +1,28 @@
+"""mtjax.train: train state, sharded train step, orbax checkpoints, text data, multi-host, ``mtjax train``.
+
+Typical use (what ``mtjax train`` does, see `mtjax.train.cli`)::
+
+    config = MeshConfig(dp=4, tp=2); mesh, rules = config.make_mesh(), logical_axis_rules(config)
+    optimizer, schedule = make_optimizer(3e-4, total_steps=1000, warmup_steps=100)
+    abstract = abstract_train_state(model, optimizer, (batch, seq), mesh=mesh, rules=rules)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (batch, seq), mesh=mesh, rules=rules)
+    step = make_train_step(model, optimizer, mesh=mesh, rules=rules,
+                           state_sharding=jax.tree.map(lambda a: a.sharding, abstract), learning_rate=schedule)
+    state, metrics = step(state, {"inputs": tokens, "targets": next_tokens})
+"""
+
+from mtjax.train.checkpoint import Checkpointer, PreemptionWatcher
+from mtjax.train.data import DataIterator, PackedDataset, default_corpus
+from mtjax.train.distributed import global_batch, initialize, process_rows
+from mtjax.train.state import TrainState, abstract_train_state, batch_sharding, init_train_state
+from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, next_token_loss, throughput
+from mtjax.train.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "Checkpointer", "PreemptionWatcher",
+    "DataIterator", "PackedDataset", "default_corpus",
+    "global_batch", "initialize", "process_rows",
+    "TrainState", "abstract_train_state", "batch_sharding", "init_train_state",
+    "make_eval_step", "make_optimizer", "make_train_step", "next_token_loss", "throughput",
+    "ByteTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
+]

@@ -11,7 +11,6 @@ object per logged step) and ``loss.png`` (with matplotlib). SIGTERM saves a chec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math

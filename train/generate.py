@@ -40,9 +40,11 @@ def sample(model, params, prompt: np.ndarray, *, max_new_tokens: int, temperatur
     import jax.numpy as jnp
 
     max_length = model.config.max_seq_len
-    if len(prompt) < 1 or len(prompt) + max_new_tokens > max_length:
-        raise ValueError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {max_new_tokens} must fit the "
-                         f"model's max_seq_len={max_length} and the prompt must not be empty")
+    if len(prompt) < 1:
+        raise ValueError("--prompt: expected some text to continue")
+    if len(prompt) + max_new_tokens > max_length:
+        raise ValueError(f"the prompt ({len(prompt)} tokens) plus --max-new-tokens {max_new_tokens} exceed the "
+                         f"model's max_seq_len={max_length}: ask for at most {max(max_length - len(prompt), 0)}")
     if temperature < 0:
         raise ValueError(f"--temperature {temperature}: expected >= 0")
     abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, max_length), jnp.int32),
