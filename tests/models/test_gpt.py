@@ -203,3 +203,27 @@ def _check_fp8(model, cfg, toks):
     assert float(new_meta["layers"]["mlp"]["wo_dot_general"]["input_scale"][0]) != 1.0
     rel = float(jnp.linalg.norm(out - bf16) / jnp.linalg.norm(bf16))
     assert rel < 0.1, rel
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_training_gradient_lowers_for_cuda(use_fp8):
+    """On a CPU-only host the model's gradient lowers for an H200 with the GPU kernels inside.
+
+    float32, because bfloat16 attention also stages jax's cuDNN attention, which refuses to trace
+    where no CUDA libraries are installed.
+    """
+    from mtjax import backend
+
+    cfg = dataclasses.replace(TINY, hidden_size=128, num_heads=2, num_kv_heads=1)
+    model = GPT(cfg)
+    toks = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    with fp8.fp8_autocast(enabled=use_fp8):
+        variables = jax.eval_shape(model.init, jax.random.key(0), toks)
+
+        def loss(v, t):
+            return jnp.mean(model.apply(v, t))
+
+        with backend.abstract_gpu():
+            text = jax.jit(jax.grad(loss)).trace(variables, toks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
+    assert ("f8E4M3FN" in text) == use_fp8
