@@ -105,3 +105,27 @@ def test_split_and_bad_arguments():
         _dataset().split(0)
     with pytest.raises(ValueError, match="batch_size"):
         DataIterator(_dataset(), 0)
+
+
+class _WordTokenizer:
+    """A user's own tokenizer: whitespace-separated words from a fixed list (id 0: unknown, 1: EOS)."""
+
+    def __init__(self, words):
+        self.words = ["<unk>", "<eos>", *words]
+        self.vocab_size, self.eos_id, self.spec = len(self.words), 1, "words"
+
+    def encode(self, text):
+        return np.asarray([self.words.index(w) if w in self.words else 0 for w in text.split()], np.int32)
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids if i > 1)
+
+
+def test_a_user_tokenizer_plugs_into_the_dataset(tmp_path):
+    (tmp_path / "a.txt").write_text("the cat sat on the mat " * 10)
+    tok = _WordTokenizer(["the", "cat", "sat", "on", "mat"])
+    assert isinstance(tok, Tokenizer)
+    data = PackedDataset.from_paths([str(tmp_path)], tok, seq_len=6)
+    assert data.num_sequences == (60 + 1 - 1) // 6
+    batch = data.batch(0, 2)
+    assert tok.decode(batch["inputs"][0]).split()[0] in {"the", "cat", "sat", "on", "mat"}
