@@ -3,8 +3,9 @@
 Each case is one Dense GEMM ``y = x @ w`` (x ``[tokens, in]``, w ``[in, out]``, bf16) with its
 backward (dgrad and wgrad), timed as one jitted ``jax.vjp`` call: three GEMMs, ``6 * M * K * N``
 FLOPs. Rows: ``xla bf16`` (the peer: ``lax.dot_general`` in bf16), ``mtjax fp8`` (`mtjax.fp8.
-fp8_dot_general` with delayed scaling, quantization, amaxes and the meta update included) and,
-at the square shape, ``mtjax fp8 current`` (current scaling: one more pass over each operand).
+fp8_dot_general` with delayed scaling, quantization, amaxes and the meta update included). Each
+row's ``extra`` counts the GEMM custom calls in the compiled program (``fp8_gemms`` should be 3 on
+a GPU: forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM).
 
 Shapes: 8192^3, and the four GEMMs of a 1.3B GPT layer (hidden 2048, ffn 8192) at 8192 tokens.
 ``python -m mtjax.bench.gemm [--quick]`` prints the rows as a table.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +48,9 @@ def _fp8_fwd_bwd(recipe, x, w, dy, meta):
     return (y, *vjp(dy))
 
 
-VARIANTS = {  # implementation -> (jitted fwd+bwd, recipe or None)
-    "xla bf16": (jax.jit(_bf16_fwd_bwd), None),
-    "mtjax fp8": (jax.jit(functools.partial(_fp8_fwd_bwd, fp8.DelayedScaling())), fp8.DelayedScaling()),
-    "mtjax fp8 current": (jax.jit(functools.partial(_fp8_fwd_bwd, fp8.CurrentScaling())), fp8.CurrentScaling()),
+VARIANTS = {  # implementation -> jitted fwd+bwd (x, w, dy, meta) -> (y, dx, dw, next meta)
+    "xla bf16": jax.jit(_bf16_fwd_bwd),
+    "mtjax fp8": jax.jit(functools.partial(_fp8_fwd_bwd, fp8.DelayedScaling())),
 }
 
 
@@ -72,23 +73,31 @@ def _calibrated_meta(fn, inputs: tuple) -> dict:
     return meta
 
 
+def _gemm_calls(compiled) -> dict[str, int]:
+    """How many cuBLAS(Lt) GEMMs the compiled program runs, FP8 and other."""
+    targets = re.findall(r'custom_call_target="(__cublas[^"]*)"', compiled.as_text())
+    fp8_calls = sum(t.endswith("$f8") for t in targets)
+    return {"fp8_gemms": fp8_calls, "other_gemms": len(targets) - fp8_calls}
+
+
 def run(quick: bool) -> list[dict]:
     """Rows (`timing.row`, suite ``"gemm"``) for every shape and variant; peer: ``xla bf16``."""
     rows = []
     for index, (label, m, k, n) in enumerate(QUICK_SHAPES if quick else SHAPES):
         inputs = _inputs(m, k, n, seed=index)
         name = f"dense fwd+bwd {label} ({m}x{k}x{n})"
-        for implementation, (fn, recipe) in VARIANTS.items():
-            if implementation == "mtjax fp8 current" and index > 0:
-                continue  # current scaling only at the square shape: it differs by amax passes only
-            meta = _calibrated_meta(fn, inputs[0]) if isinstance(recipe, fp8.DelayedScaling) else None
-            t = timing.measure(fn, [xs + (meta,) for xs in inputs], runs=3 if quick else 20)
-            is_fp8 = recipe is not None
+        for implementation, fn in VARIANTS.items():
+            is_fp8 = implementation != "xla bf16"
+            meta = _calibrated_meta(fn, inputs[0]) if is_fp8 else None
+            input_sets = [xs + (meta,) for xs in inputs]
+            compiled = fn.lower(*input_sets[0]).compile()  # timed as compiled, so its HLO is what ran
+            t = timing.measure(compiled, input_sets, runs=3 if quick else 20)
             rows.append(timing.row(
                 "gemm", name, implementation, t, flops=6 * m * k * n,
                 peer="xla bf16" if is_fp8 else None,
                 ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
-                shape=[m, k, n], dtype="fp8 (e4m3 fwd, e5m2 grads)" if is_fp8 else "bf16"))
+                shape=[m, k, n], dtype="fp8 (e4m3 fwd, e5m2 grads)" if is_fp8 else "bf16",
+                **_gemm_calls(compiled)))
     return rows
 
 
@@ -97,10 +106,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     rows = run(parser.parse_args().quick)
     times = {(r["name"], r["implementation"]): r["time_ms"] for r in rows}
-    print(f"{'case':<48} {'implementation':<18} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8}")
+    print(f"{'case':<48} {'implementation':<12} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} {'fp8 GEMMs':>9}")
     for r in rows:
         ratio = times[(r["name"], r["peer"])] / r["time_ms"] if r["peer"] else 1.0
-        print(f"{r['name']:<48} {r['implementation']:<18} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio:7.2f}x")
+        print(f"{r['name']:<48} {r['implementation']:<12} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio:7.2f}x "
+              f"{r['extra']['fp8_gemms']:9d}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,12 @@
+"""`mtjax.bench.gemm` runs (tiny shapes on the CPU) and gives full rows; speed is never asserted."""
+
+from mtjax.bench import gemm, timing
+
+
+def test_quick_rows():
+    rows = gemm.run(quick=True)
+    assert [r["implementation"] for r in rows] == ["xla bf16", "mtjax fp8"]
+    for r in rows:
+        assert set(r) == set(timing.ROW_FIELDS) and r["time_ms"] > 0
+        assert set(r["extra"]) == {"shape", "dtype", "fp8_gemms", "other_gemms"}
+    assert rows[1]["peer"] == "xla bf16" and rows[1]["ceiling"] == "fp8_gemm_tflops"
