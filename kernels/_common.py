@@ -28,6 +28,20 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# Arrays of at most this many elements run as fast through XLA's fusions (launch-bound): on the H200
+# LayerNorm fwd+bwd at 2048x2048 took 0.096 ms in the kernels against 0.068 ms in XLA, at 2048x1024
+# both 0.07 ms, while from 2048x4096 up the kernels won (1.4x-2.1x). Automatic selection uses XLA there.
+SMALL_ELEMENTS = 2**22
+
+
+def too_small(shape) -> str | None:
+    """Why automatic selection should leave an array of ``shape`` to XLA (``None``: use the kernel)."""
+    size = int(np.prod(shape))
+    if size <= SMALL_ELEMENTS:
+        return f"{size} elements <= {SMALL_ELEMENTS}: XLA measured as fast on arrays this small"
+    return None
+
+
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

@@ -48,22 +48,20 @@ def _inputs(shape, hidden, dtype, *, count_arrays: int, seed: int = 0) -> list[t
     return timing.rotating(make)
 
 
-def _nbytes(*arrays) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(arrays))
-
-
 def _auto(op: str, *args, **static) -> str:
     """The implementation automatic selection picks for ``op`` on these (abstract) arguments here."""
     return backend.select(op, args=args, static=static)[0].name
 
 
-def _case(rows, name: str, fns: dict[str, Callable], inputs, out_bytes: int, quick: bool, auto: str) -> None:
-    """Time each ``{implementation: jitted fn}`` of one case and append its rows (peer: xla)."""
-    in_bytes = _nbytes(inputs[0])
+def _case(rows, name: str, fns: dict[str, Callable], inputs, nbytes: int, quick: bool, auto: str) -> None:
+    """Time each ``{implementation: jitted fn}`` of one case and append its rows (peer: xla).
+
+    ``nbytes``: the activation-sized arrays the function reads and writes (``[hidden]`` vectors left out).
+    """
     with _on_gpu_or_interpret():
         for implementation, fn in fns.items():
             t = timing.measure(fn, inputs, runs=3 if quick else 20)
-            rows.append(timing.row("norm", name, implementation, t, bytes=in_bytes + out_bytes,
+            rows.append(timing.row("norm", name, implementation, t, bytes=nbytes,
                                    peer=None if implementation == "xla" else "xla", ceiling="copy_gbps", auto=auto))
 
 
@@ -109,9 +107,9 @@ def _norm_cases(rows, quick: bool) -> None:
             _auto(kind, x, g, epsilon=1e-6, zero_centered_gamma=False)
         size = tokens * hidden * 2
         for backward in (False, True):
-            # forward writes y; forward+backward writes y, dx (and the [hidden] dgamma/dbeta)
+            # forward reads x, writes y; forward+backward also reads dy and writes dx
             name = f"{kind} {'fwd+bwd' if backward else 'fwd'} {tokens}x{hidden} bf16"
-            _case(rows, name, _norm_fns(kind, backward), inputs, size * (2 if backward else 1), quick, auto)
+            _case(rows, name, _norm_fns(kind, backward), inputs, size * (4 if backward else 2), quick, auto)
 
 
 def _fp8_case(rows, quick: bool) -> None:
@@ -125,7 +123,7 @@ def _fp8_case(rows, quick: bool) -> None:
     x, g, b = inputs[0]
     auto = _auto("layernorm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
                  zero_centered_gamma=False, out_dtype=jnp.dtype(jnp.float8_e4m3fn))
-    _case(rows, f"layernorm+fp8 cast fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, tokens * hidden, quick, auto)
+    _case(rows, f"layernorm+fp8 cast fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, 3 * tokens * hidden, quick, auto)
 
 
 def _residual_case(rows, quick: bool) -> None:
@@ -143,9 +141,9 @@ def _residual_case(rows, quick: bool) -> None:
     x, r, _, _, g, b = inputs[0]
     auto = _auto("residual_norm", x, r, g, b, jnp.uint32(0), layernorm_type="layernorm", epsilon=1e-6,
                  zero_centered_gamma=False, dropout_rate=0.1)
-    # outputs: new residual, normalized, dx, dresidual (dgamma/dbeta are [hidden])
+    # reads x, residual and both cotangents; writes new residual, normalized, dx, dresidual
     _case(rows, f"residual+dropout+layernorm fwd+bwd {tokens}x{hidden} bf16", fns, inputs,
-          4 * tokens * hidden * 2, quick, auto)
+          8 * tokens * hidden * 2, quick, auto)
 
 
 def _activation_cases(rows, quick: bool) -> None:
@@ -164,8 +162,8 @@ def _activation_cases(rows, quick: bool) -> None:
 
         fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
         x, _, bias = inputs[0]
-        # outputs: y [tokens, hidden], dx [tokens, width]
-        _case(rows, f"bias+{act} fwd+bwd {tokens}x{width} bf16", fns, inputs, (tokens * hidden + tokens * width) * 2,
+        # reads x, dy; writes y [tokens, hidden], dx [tokens, width]
+        _case(rows, f"bias+{act} fwd+bwd {tokens}x{width} bf16", fns, inputs, 4 * (tokens * hidden + tokens * width),
               quick, _auto("activation", x, bias, activation_type=act))
 
 
@@ -182,7 +180,7 @@ def _softmax_case(rows, quick: bool) -> None:
     fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
     auto = _auto("softmax", inputs[0][0], None, scale=0.125, causal=True)
     _case(rows, f"causal softmax fwd+bwd {'x'.join(map(str, shape))} bf16", fns, inputs,
-          2 * math.prod(shape) * 2, quick, auto)
+          4 * math.prod(shape) * 2, quick, auto)
 
 
 CASES = (_norm_cases, _fp8_case, _residual_case, _activation_cases, _softmax_case)
@@ -202,9 +200,9 @@ def sweep(hidden_sizes=(1024, 8192, 12288), tokens: int = 16384) -> list[dict]:
     for hidden in hidden_sizes:
         (x, dy, g, b), *_ = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
         n_pad = norm_kernels.next_power_of_2(hidden)
-        options = [("fwd", max(1, e // n_pad), w, None) for e in (4096, 8192, 16384) for w in (4, 8, 16)]
-        options += [("bwd", max(1, e // n_pad), w, p) for e in (2048, 4096, 8192) for w in (8, 16) for p in (264, 528)]
-        for label, block_m, warps, programs in options:
+        options = {("fwd", max(1, e // n_pad), w, None) for e in (4096, 8192, 16384) for w in (4, 8, 16)}
+        options |= {("bwd", max(1, e // n_pad), w, p) for e in (2048, 4096, 8192) for w in (8, 16, 32) for p in (264, 528)}
+        for label, block_m, warps, programs in sorted(options, key=str):
             if label == "fwd":
                 fn = jax.jit(lambda x, g, b, tile=(block_m, warps): norm_kernels.forward(
                     x, g, b, rms=False, epsilon=1e-6, zero_centered_gamma=False, tile=tile))

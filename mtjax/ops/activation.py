@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from mtjax import backend
 from mtjax.kernels import activation as activation_kernels
-from mtjax.kernels._common import FP8_DTYPES, saturate_cast
+from mtjax.kernels._common import FP8_DTYPES, saturate_cast, too_small
 from mtjax.ops._checks import check_choice, check_float, check_shape
 
 
@@ -151,12 +151,18 @@ def activation_fp8(
                             activation_type=name, out_dtype=jnp.dtype(out_dtype))
 
 
-# Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact).
+# Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact)
+# and automatic selection leaves small arrays to XLA. H200, fwd+bwd at 16384x8192 bf16: bias+GELU
+# 0.52 ms against XLA's 0.74 ms, bias+SwiGLU (16384x16384 in) 0.84 against 1.35 ms.
 def _kernel_supports(x, *_, activation_type: str, **__) -> str | None:
     return activation_kernels.supported(jnp.shape(x), jnp.result_type(x), activation_type)
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, priority=10)
+def _kernel_preferred(x, *_, **__) -> str | None:
+    return too_small(jnp.shape(x))
+
+
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=_kernel_preferred, priority=10)
 
 
 @backend.register("activation", "pallas_triton", **_KERNEL)
