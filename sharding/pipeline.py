@@ -12,7 +12,10 @@ and one B, then neighbours exchange activations and gradients with ``ppermute``)
 every action and the buffer slots holding activations in flight; it also yields the schedule's
 bubble fraction and peak live activations. The executor (`pipeline_loss`) replays that table
 inside ``shard_map`` (manual over ``pp`` only; ``dp``/``fsdp``/``tp`` stay automatic, so the
-layers can be data-, FSDP- and tensor-parallel inside a stage).
+layers can be data-, FSDP- and tensor-parallel inside a stage). In a tick where any device runs an
+F (a B, a loss), every device runs one, idle ones on a placeholder whose result is dropped: the
+collectives XLA puts inside a stage must be reached by all devices (the tick's length, set by its
+busiest device, is unchanged).
 
 Backward is explicit for every schedule: a B action recomputes its stage from the stashed input
 and applies ``jax.vjp`` there (the stash holds one activation per micro-batch in flight, never a
@@ -456,12 +459,20 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         def stage_input(act, src, mb):
             return jnp.where(src >= 0, act[jnp.maximum(src, 0)], xs[jnp.maximum(mb, 0)])
 
+        def masked(keep, tree):
+            return jax.tree.map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), tree)
+
         def tick(carry, row):
+            # The branches below are taken by every device or by none (the predicate looks at all
+            # stages' actions): XLA inserts collectives over the automatic axes inside the stages,
+            # and a collective in a branch that only some devices take never completes. A device
+            # without the action computes on a placeholder and its result is discarded.
+            any_f, any_loss, any_b = jnp.any(row["f_mb"] >= 0), jnp.any(row["f_loss"]), jnp.any(row["b_mb"] >= 0)
             row = {k: v[me] for k, v in row.items()}
             carry = dict(carry)
             # Forward: the stage on its stashed input (the pipeline input on virtual stage 0).
             x_f = stage_input(carry["act"], row["f_src"], row["f_mb"])
-            y = lax.cond(row["f_mb"] >= 0, lambda: stage_fn(chunk_of(staged, row["f_chunk"]), x_f).astype(dtype),
+            y = lax.cond(any_f, lambda: stage_fn(chunk_of(staged, row["f_chunk"]), x_f).astype(dtype),
                          lambda: mb_zeros)
             # On the last virtual stage: the micro-batch's loss and, with backward, its gradients.
             target = chunk_of(ts, row["f_mb"])
@@ -472,12 +483,12 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                     value, (g_lp, dy) = jax.value_and_grad(mean_part, argnums=(0, 1))(loss_params, y, target)
                     return value, g_lp, dy.astype(dtype)
 
-                value, g_lp, dy = lax.cond(row["f_loss"], with_loss, lambda: (zero, loss_grad_zeros, mb_zeros))
-                carry["loss_grads"] = accumulate_gradients(carry["loss_grads"], g_lp)
+                value, g_lp, dy = lax.cond(any_loss, with_loss, lambda: (zero, loss_grad_zeros, mb_zeros))
+                carry["loss_grads"] = accumulate_gradients(carry["loss_grads"], masked(row["f_loss"], g_lp))
                 carry["dy"] = carry["dy"].at[jnp.where(row["f_loss"], row["f_dy"], dump_dy)].set(dy)
             else:
-                value = lax.cond(row["f_loss"], lambda: mean_part(loss_params, y, target), lambda: zero)
-            carry["loss"] = carry["loss"] + value
+                value = lax.cond(any_loss, lambda: mean_part(loss_params, y, target), lambda: zero)
+            carry["loss"] = carry["loss"] + jnp.where(row["f_loss"], value, 0.0)
             # Hand-off to the next device (what it does not expect goes to its dump slot).
             recv_f = lax.ppermute(y, PP, [(i, (i + 1) % p) for i in range(p)])
             if backward:
@@ -489,9 +500,9 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                     g_params, g_x = vjp(dy_b)
                     return g_params, g_x.astype(dtype)
 
-                g_params, g_x = lax.cond(row["b_mb"] >= 0, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
+                g_params, g_x = lax.cond(any_b, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
                 chunk = jnp.maximum(row["b_chunk"], 0)
-                acc = accumulate_gradients(chunk_of(carry["grads"], chunk), g_params)
+                acc = accumulate_gradients(chunk_of(carry["grads"], chunk), masked(row["b_mb"] >= 0, g_params))
                 carry["grads"] = jax.tree.map(lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0),
                                               carry["grads"], acc)
                 carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
@@ -510,9 +521,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
     stage_spec = jax.tree.map(lambda _: P(None, PP), staged)
     out_specs = (P(), None if not backward else (stage_spec, P(), jax.tree.map(lambda _: P(), loss_params)))
     # check_vma=False: the ops' dispatch traces their Pallas kernels too, whose outputs do not declare
-    # how they vary over manual axes. Nothing here relies on implicit psums: each device computes
-    # its own gradients (inside device-dependent branches, where a collective over pp would hang)
-    # and they are psummed over pp once, after the loop.
+    # how they vary over manual axes. Nothing here relies on implicit psums: each device accumulates
+    # its own gradients and they are psummed over pp once, after the loop.
     loss, grads = jax.shard_map(
         per_device, mesh=mesh, axis_names={PP}, check_vma=False,
         in_specs=(stage_spec, P(), jax.tree.map(lambda _: P(), loss_params), jax.tree.map(lambda _: P(), ts),

@@ -1,5 +1,5 @@
 """The pipeline with real layers: a stack of scanned `mtjax.flax.TransformerLayer`s (causal, RoPE,
-GQA) under `fp8_autocast`, pipelined over pp=2 with tensor and data parallelism inside the stages
+GQA) under `fp8_autocast`, pipelined over pp=2 with FSDP and tensor parallelism inside the stages
 (the layers' logical constraints resolve against the rules inside ``shard_map``).
 
 One test, FP8 on purpose: it covers the f32 path (the non-GEMM ops and the parameter gradients) and
@@ -49,12 +49,12 @@ def stacked(variables):
     return {collection: tree["layers"] for collection, tree in variables.items()}
 
 
-def test_fp8_transformer_stack_pipelined_with_dp_tp_equals_unpipelined():
+def test_fp8_transformer_stack_pipelined_with_fsdp_tp_equals_unpipelined():
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (BATCH, SEQ, LAYER["hidden_size"]))
     target = jax.random.normal(k[1], (BATCH, SEQ, 4))
     head = jax.random.normal(k[2], (LAYER["hidden_size"], 4)) / 8
-    config = MeshConfig(pp=2, dp=2, tp=2)
+    config = MeshConfig(pp=2, fsdp=2, tp=2)
     mesh, rules = config.make_mesh(), logical_axis_rules(config)
     with fp8.fp8_autocast():
         boxed = Stack().init(jax.random.key(1), x)
