@@ -120,11 +120,11 @@ class _Slots:
 
     def take(self) -> int:
         if self.free:
-            self.free.sort()
-            slot = self.free.pop(0)
-        else:
-            slot, self.size = self.size, self.size + 1
-        return slot
+            slot = min(self.free)
+            self.free.remove(slot)
+            return slot
+        self.size += 1
+        return self.size - 1
 
     def give(self, slot: int) -> None:
         self.free.append(slot)
