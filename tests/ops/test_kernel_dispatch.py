@@ -22,8 +22,9 @@ def _choice(op, *args, **static):
 
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm", "layernorm_fp8", "residual_norm", "activation",
                                 "activation_fp8", "softmax"])
-def test_every_fused_op_has_a_pallas_triton_kernel_first(op):
-    assert backend.implementations(op) == ("pallas_triton", "xla")
+def test_every_fused_op_has_a_pallas_triton_kernel_ahead_of_the_reference(op):
+    names = backend.implementations(op)
+    assert names.index("pallas_triton") < names.index("xla")
 
 
 def test_cuda_picks_the_kernel_where_it_is_faster_and_cpu_the_reference():
