@@ -49,20 +49,21 @@ class Case:
 
 
 HEADLINE = Case(4, 4096, 32, 32, 128, True)
+# Most telling first: a run cut short still has the headline.
 CASES = (
     HEADLINE,
     Case(4, 4096, 32, 32, 128, False),
+    Case(4, 4096, 32, 4, 128, True),
+    Case(4, 4096, 32, 32, 64, True),
+    Case(4, 4096, 32, 32, 64, False),
     Case(16, 1024, 32, 32, 128, True),
     Case(16, 1024, 32, 32, 128, False),
     Case(1, 16384, 32, 32, 128, True),
     Case(1, 16384, 32, 32, 128, False),
-    Case(4, 4096, 32, 32, 64, True),
-    Case(4, 4096, 32, 32, 64, False),
-    Case(4, 4096, 32, 4, 128, True),
 )
 QUICK_CASES = (Case(1, 128, 2, 1, 64, True),)
-# XLA materialises the logits: timed only where that stays small.
-XLA_MAX_SEQ = 4096
+# XLA materialises the logits (and is 10x slower): timed on the headline and the short cases only.
+XLA_CASES = (HEADLINE, Case(16, 1024, 32, 32, 128, True), Case(16, 1024, 32, 32, 128, False)) + QUICK_CASES
 
 
 def _function(case: Case, implementation: str | None, backward: bool, block_sizes: fa.BlockSizes | None = None):
@@ -90,33 +91,35 @@ def _runnable(implementation: str) -> bool:
     return backend._get("attention", implementation).runs_on(backend.platform()) is None
 
 
-def run(quick: bool) -> list[dict]:
+def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
+    """The rows of one case: each runnable implementation, forward and forward+backward."""
     rows = []
-    for case in QUICK_CASES if quick else CASES:
-        inputs = rotating(case.inputs)
-        chosen = _chosen(case)
-        implementations = [i for i in ("pallas_triton", "cudnn", "xla") if _runnable(i)]
-        if case.seq > XLA_MAX_SEQ and "xla" in implementations and chosen != "xla":
-            implementations.remove("xla")
-        for backward in (False, True):
-            direction = "fwd+bwd" if backward else "fwd"
-            name = f"attention {direction} {case.label}"
-            flops = case.flops(backward)
-            extra = dict(shape=[case.batch, case.seq, case.heads, case.kv_heads, case.head_dim], causal=case.causal,
-                         direction=direction)
-            timings = {}
-            for implementation in implementations:
-                timings[implementation] = measure(_function(case, implementation, backward), inputs,
-                                                  runs=5 if quick else 10)
-                peer = None if implementation == "cudnn" or "cudnn" not in implementations else "cudnn"
-                label = "cudnn" if implementation == "cudnn" else "xla" if implementation == "xla" else f"mtjax {implementation}"
-                rows.append(row("attention", name, label, timings[implementation], flops=flops, peer=peer,
-                                ceiling="bf16_gemm_tflops", **extra))
-            if chosen in timings:
-                rows.append(row("attention", name, "mtjax", timings[chosen], flops=flops,
-                                peer="cudnn" if "cudnn" in timings else None, ceiling="bf16_gemm_tflops",
-                                chosen=chosen, **extra))
+    inputs = rotating(case.inputs)
+    chosen = _chosen(case)
+    implementations = [i for i in ("pallas_triton", "cudnn", "xla") if _runnable(i)]
+    if case not in XLA_CASES and chosen != "xla":
+        implementations.remove("xla")
+    for backward in (False, True):
+        direction = "fwd+bwd" if backward else "fwd"
+        name = f"attention {direction} {case.label}"
+        flops = case.flops(backward)
+        extra = dict(shape=[case.batch, case.seq, case.heads, case.kv_heads, case.head_dim], causal=case.causal,
+                     direction=direction)
+        peer = "cudnn" if "cudnn" in implementations else None
+        timings = {}
+        for implementation in implementations:
+            timings[implementation] = measure(_function(case, implementation, backward), inputs, runs=runs)
+            label = implementation if implementation in ("cudnn", "xla") else f"mtjax {implementation}"
+            rows.append(row("attention", name, label, timings[implementation], flops=flops,
+                            peer=None if implementation == "cudnn" else peer, ceiling="bf16_gemm_tflops", **extra))
+        if chosen in timings:
+            rows.append(row("attention", name, "mtjax", timings[chosen], flops=flops, peer=peer,
+                            ceiling="bf16_gemm_tflops", chosen=chosen, **extra))
     return rows
+
+
+def run(quick: bool) -> list[dict]:
+    return [r for case in (QUICK_CASES if quick else CASES) for r in case_rows(case, runs=5 if quick else 10)]
 
 
 def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
@@ -149,16 +152,24 @@ def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time block-size candidates on the headline case")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
+    parser.add_argument("--json", metavar="PATH", help="write the rows here, rewritten after every case")
     args = parser.parse_args()
     if args.sweep:
         sweep()
         return
     from mtjax.bench import report
 
-    for r in report.complete(run(args.quick), {}, report.H200_BF16_PEAK_TFLOPS):
-        print(f"{r['name']:<60} {r['implementation']:<22} {r['time_ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s"
-              + (f"  {r['speedup_vs_peer']:.2f}x vs {r['peer']}" if r["speedup_vs_peer"] else ""), flush=True)
+    rows = []
+    for case in QUICK_CASES if args.quick else CASES:
+        new = report.complete(case_rows(case, runs=5 if args.quick else 10), {}, report.H200_BF16_PEAK_TFLOPS)
+        rows += new
+        for r in new:
+            versus = f"  {r['speedup_vs_peer']:.2f}x vs {r['peer']}" if r["speedup_vs_peer"] else ""
+            print(f"{r['name']:<58} {r['implementation']:<20} {r['time_ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s{versus}",
+                  flush=True)
+        if args.json:
+            report.write_json(args.json, rows, {"suite": "attention", "device": jax.devices()[0].device_kind})
 
 
 if __name__ == "__main__":
