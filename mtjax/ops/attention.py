@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
+from mtjax.config import config
 from mtjax.kernels import flash_attention
 from mtjax.kernels._common import dropout_keep
 from mtjax.kernels._common import interpret as kernel_interpret
@@ -223,14 +224,22 @@ def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_se
     )
 
 
+def _cudnn_max_head_dim() -> int:
+    """cuDNN's flash attention takes head_dim up to 256 from Hopper on, 128 before. The device is the
+    local GPU, or ``config.cuda_compute_capability`` when lowering for cuda without one."""
+    capability = getattr(jax.devices()[0], "compute_capability", None) or config.cuda_compute_capability
+    return 256 if int(str(capability).split(".")[0]) >= 9 else 128
+
+
 def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                        mask_type, scale, dropout_rate, window_size, logits_soft_cap) -> str | None:
     dtype = jnp.result_type(query)
     if dtype not in (jnp.bfloat16, jnp.float16) or not dtype == jnp.result_type(key) == jnp.result_type(value):
         return f"dtype {dtype} (cuDNN flash attention takes bfloat16 or float16 q, k, v)"
     head_dim = jnp.shape(query)[-1]
-    if head_dim % 8 or head_dim > 256:
-        return f"head_dim {head_dim} (cuDNN: a multiple of 8, at most 256)"
+    max_head_dim = _cudnn_max_head_dim()
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"head_dim {head_dim} (cuDNN here: a multiple of 8, at most {max_head_dim})"
     if _is_causal(mask_type) and jnp.shape(query)[1] != jnp.shape(key)[1]:
         return "causal with q_len != kv_len (cuDNN aligns causal top-left, mtjax bottom-right)"
     for name, present in (("bias", bias is not None), ("explicit mask", mask is not None),

@@ -159,6 +159,7 @@ def _static(**changes):
     return {**static, **changes}
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
 def test_selection_on_cuda():
     def chosen(args, **changes):
         return backend.select("attention", platform_name="cuda", args=args, static=_static(**changes))[0].name
@@ -171,6 +172,9 @@ def test_selection_on_cuda():
     assert chosen(_abstract(dtype=jnp.float32)) == "pallas_triton"
     assert chosen(_abstract(head_dim=48)) == "cudnn"
     assert chosen(_abstract(head_dim=48, dtype=jnp.float32)) == "xla"
+    assert chosen(_abstract(head_dim=256)) == "cudnn"
+    with override(cuda_compute_capability="8.0"):  # cuDNN takes head_dim <= 128 before Hopper
+        assert chosen(_abstract(head_dim=256)) == "pallas_triton"
     assert chosen(_abstract(), dropout_rate=0.1) == "pallas_triton"
 
 
