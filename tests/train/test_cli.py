@@ -43,6 +43,7 @@ def _sigterm_once_logged(workdir, train_records):
     return thread
 
 
+@pytest.mark.slow
 def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, capsys):
     workdir = str(tmp_path / "run")
     args = ["train", "--data", corpus, "--workdir", workdir, *SMALL, "--log-every", "1", "--eval-every", "2", "--fp8"]
