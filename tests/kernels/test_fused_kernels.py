@@ -300,3 +300,15 @@ def test_softmax_kernel_on_gpu(dtype):
     mask = jax.random.bernoulli(jax.random.key(1), 0.8, (2, 1, 1, 1000))
     check_kernel(lambda l, implementation: ops.softmax(l, mask, scale=0.3, causal=True, implementation=implementation),
                  (logits,), (0,), dtype, interpret=False)
+
+
+def test_bench_norm_rows_fit_the_report():
+    """`mtjax bench norm` rows (one tiny case, kernels in interpret mode) have the report's fields."""
+    from mtjax.bench import norm as norm_bench
+    from mtjax.bench import report
+
+    rows: list[dict] = []
+    norm_bench._softmax_case(rows, quick=True)
+    rows = report.complete(rows, {"copy_gbps": 1.0}, 989.0)
+    assert [r["implementation"] for r in rows] == ["mtjax", "xla"]
+    assert rows[0]["speedup_vs_peer"] > 0 and rows[0]["extra"]["auto"]
