@@ -251,7 +251,9 @@ def _optional_refs(refs, st: _Static):
 
 def _dropout_rows(batch_index, head, num_heads: int, rows, st: _Static):
     """The dropout hash's row counters of query positions ``rows``: ``(b * heads + h) * q_len + i``
-    (`mtjax.ops.attention.dropout_rows`), in uint32."""
+    (`mtjax.ops.attention.dropout_rows`), in uint32; ``None`` without dropout."""
+    if st.dropout_rate == 0.0:
+        return None
     base = (batch_index * num_heads + head).astype(jnp.uint32) * jnp.uint32(st.mask.q_len)
     return base + rows.astype(jnp.uint32)
 
