@@ -113,15 +113,16 @@ def test_loss_falls_on_a_tiny_batch(tiny):
 
 
 def test_packed_sequences_equal_separate_ones(tiny):
+    """Row 0 packs two sequences (segment ids 1, 2; positions restart); rows 1 and 2 hold each alone,
+    padded (segment id 0). One batch, so one compilation."""
     model, params = tiny
-    a, b = tokens(3, (1, 5)), tokens(4, (1, 3))
-    packed = jnp.concatenate([a, b], axis=1)
-    seg = jnp.array([[1] * 5 + [2] * 3])
-    pos = jnp.array([list(range(5)) + list(range(3))])
-    apply = jax.jit(model.apply)
-    out = apply({"params": params}, packed, positions=pos, segment_ids=seg)
-    np.testing.assert_allclose(out[:, :5], apply({"params": params}, a), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out[:, 5:], apply({"params": params}, b), rtol=1e-5, atol=1e-5)
+    a, b = tokens(3, (5,)), tokens(4, (3,))
+    toks = jnp.stack([jnp.concatenate([a, b]), jnp.pad(a, (0, 3)), jnp.pad(b, (0, 5))])
+    seg = jnp.array([[1] * 5 + [2] * 3, [1] * 5 + [0] * 3, [1] * 3 + [0] * 5])
+    pos = jnp.array([list(range(5)) + list(range(3)), list(range(8)), list(range(8))])
+    out = jax.jit(model.apply)({"params": params}, toks, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(out[0, :5], out[1, :5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[0, 5:], out[2, :3], rtol=1e-5, atol=1e-5)
 
 
 def test_kv_cache_decoding_matches_full_forward(tiny):
