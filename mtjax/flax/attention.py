@@ -276,7 +276,7 @@ class MultiHeadAttention(nn.Module):
         key = nn.with_logical_constraint(key, KV_AXES)
         value = nn.with_logical_constraint(value, KV_AXES)
 
-        mask_type = self.attn_mask_type
+        mask_type, window_size = self.attn_mask_type, self.window_size
         cache_index = None
         if decode:
             if q_segment_ids is not None or mask is not None or bias is not None or not self_attention:
@@ -294,7 +294,7 @@ class MultiHeadAttention(nn.Module):
             key = apply_rotary_pos_emb(key, kv_positions, **rope)
         if cache_index is not None:
             key, value, mask = self._update_cache(cache_index, key, value)
-            mask_type = "no_mask"
+            mask_type, window_size = "no_mask", None  # the cache mask holds causality and the window
         if self_attention and kv_segment_ids is None:
             kv_segment_ids = q_segment_ids
 
@@ -302,7 +302,7 @@ class MultiHeadAttention(nn.Module):
             head_dim=self.head_dim, num_attention_heads=heads, num_gqa_groups=groups,
             attention_dropout=self.attention_dropout, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
             dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
-            scale_factor=self.head_dim ** -0.5 if self.scale_attn_logits else 1.0, window_size=self.window_size,
+            scale_factor=self.head_dim ** -0.5 if self.scale_attn_logits else 1.0, window_size=window_size,
             logits_soft_cap=self.logits_soft_cap, dtype=self.dtype, name="core_attention",
         )(query, key, value, mask, bias, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
           deterministic=deterministic)
@@ -323,7 +323,8 @@ class MultiHeadAttention(nn.Module):
         return index if initialized else None
 
     def _update_cache(self, index: nn.Variable, key: jax.Array, value: jax.Array):
-        """Writes ``key``/``value`` at the cache index; returns the whole cache and the causal keep-mask."""
+        """Writes ``key``/``value`` at the cache index; returns the whole cache and the keep-mask
+        ``[1, 1, step, max_length]`` (causal, and the left edge of ``window_size``)."""
         cached_key = self.get_variable(CACHE_COLLECTION, "cached_key")
         cached_value = self.get_variable(CACHE_COLLECTION, "cached_value")
         step, max_length = key.shape[1], cached_key.shape[1]
@@ -333,8 +334,11 @@ class MultiHeadAttention(nn.Module):
         self.put_variable(CACHE_COLLECTION, "cached_key", cached_key)
         self.put_variable(CACHE_COLLECTION, "cached_value", cached_value)
         index.value = start + step
-        # Query i sits at position start + i and sees every cached key up to it.
-        keep = jnp.arange(max_length)[None, :] <= start + jnp.arange(step)[:, None]
+        # Query i sits at position start + i and sees the cached keys up to it (within the window).
+        q_pos, k_pos = start + jnp.arange(step)[:, None], jnp.arange(max_length)[None, :]
+        keep = k_pos <= q_pos
+        if self.window_size is not None and self.window_size[0] >= 0:
+            keep &= k_pos >= q_pos - self.window_size[0]
         return cached_key, cached_value, keep[None, None]
 
 
