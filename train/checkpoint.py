@@ -26,16 +26,18 @@ class Checkpointer:
 
     Attributes:
       directory: the folder holding one sub-folder per saved step.
-      save_every: `save` writes only on steps that are multiples of this (unless ``force``).
+      save_every: `save` writes only on steps that are multiples of this (unless ``force``); None:
+        only forced saves.
       keep: the number of most recent checkpoints kept; older ones are deleted.
       async_save: write in a background thread; `save` returns once the arrays are copied off
         the devices, and the next `save` (or `wait`/`close`) waits for the previous write.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, save_every: int = 1000, keep: int = 3,
+    def __init__(self, directory: str | os.PathLike, *, save_every: int | None = 1000, keep: int = 3,
                  async_save: bool = True):
-        if save_every < 1 or keep < 1:
-            raise ValueError(f"Checkpointer(save_every={save_every}, keep={keep}): expected positive ints")
+        if (save_every is not None and save_every < 1) or keep < 1:
+            raise ValueError(f"Checkpointer(save_every={save_every}, keep={keep}): expected positive ints "
+                             "(save_every=None: forced saves only)")
         self.directory = os.path.abspath(os.fspath(directory))
         self.save_every, self.keep, self.async_save = save_every, keep, async_save
         options = ocp.CheckpointManagerOptions(
@@ -48,7 +50,7 @@ class Checkpointer:
 
         ``step`` is the host's copy of ``state.step`` (reading the device scalar would wait for the step).
         """
-        if step % self.save_every and not force:
+        if not force and (self.save_every is None or step % self.save_every):
             return False
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         return self._manager.save(step, args=args, force=force)

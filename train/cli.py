@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--workdir", help="checkpoints, metrics.jsonl and loss.png (default: runs/<preset>)")
     out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
-    out.add_argument("--save-every", type=_positive_int, help="checkpoint interval in steps")
+    out.add_argument("--save-every", type=_non_negative_int,
+                     help="checkpoint interval in steps; 0: none, not even at the end (SIGTERM still saves)")
     out.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
     out.add_argument("--eval-every", type=_positive_int, help="evaluation interval in steps")
     out.add_argument("--log-every", type=_positive_int, help="metrics interval in steps")
@@ -238,8 +239,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
                              f"hold {eval_sequences} out for evaluation (use --eval-batches 0 or more data)")
         train_data, eval_data = dataset.split(eval_sequences)
     workdir = os.path.abspath(args.workdir or os.path.join("runs", args.preset))
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=args.save_every or preset.save_every,
-                                keep=args.keep)
+    save_every = preset.save_every if args.save_every is None else args.save_every or None
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=save_every, keep=args.keep)
     latest = checkpointer.latest_step()
     if latest is not None and not args.resume:
         checkpointer.close()
@@ -360,7 +361,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                 timer_start, timer_step = time.perf_counter(), step  # evaluation time is not training time
             progress.update(1)
             stopped = watcher.should_stop(step)
-            checkpointer.save(step, state, meta(), force=stopped or step == run_config.steps)
+            final = step == run_config.steps and checkpointer.save_every is not None
+            checkpointer.save(step, state, meta(), force=stopped or final)
     finally:
         progress.close()
         watcher.close()

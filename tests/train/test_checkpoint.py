@@ -106,6 +106,8 @@ def test_saves_every_n_and_keeps_the_last_k(tmp_path, setup):
             checkpointer.restore_meta(3)
     with pytest.raises(ValueError, match="save_every"):
         Checkpointer(tmp_path, save_every=0)
+    with Checkpointer(tmp_path / "forced", save_every=None) as checkpointer:
+        assert not checkpointer.save(100, state, {}) and checkpointer.save(3, state, {}, force=True)
 
 
 @pytest.mark.slow
