@@ -9,7 +9,10 @@ between steps, which the jitted step cannot see.
 FP8: the step traces whatever `mtjax.fp8.fp8_autocast` is in force when it is first called. The
 next FP8 meta rides on the gradient (see `mtjax.fp8`): `split_gradients` separates it from the
 parameter gradients, and micro-batches are combined with `accumulate_gradients`, which sums
-parameter gradients but combines amaxes by max (summing them would be wrong).
+parameter gradients but combines amaxes by max (summing them would be wrong). Forward amaxes then
+equal those of one un-split batch; gradient amaxes are ``grad_accum_steps`` times larger, because
+each micro-batch's loss is a mean over its own rows: they are the amaxes of the gradients that the
+micro-batches' backward passes actually quantize.
 """
 
 from __future__ import annotations
