@@ -1,0 +1,17 @@
+"""`mtjax bench attention --quick` on the CPU: rows in the shared format, the default's choice named."""
+
+from mtjax.bench import attention, report
+
+
+def test_quick_rows_are_complete_and_name_the_default():
+    rows = report.complete(attention.run(quick=True), {}, report.H200_BF16_PEAK_TFLOPS)
+    assert {r["extra"]["direction"] for r in rows} == {"fwd", "fwd+bwd"}
+    defaults = [r for r in rows if r["implementation"] == "mtjax"]
+    assert len(defaults) == 2 and all(r["extra"]["chosen"] == "xla" for r in defaults)
+    assert all(r["tflops"] > 0 and r["time_ms"] > 0 for r in rows)
+
+
+def test_flops_follow_the_anchors_convention():
+    case = attention.Case(batch=2, seq=8, heads=3, kv_heads=1, head_dim=4, causal=True)
+    assert case.flops(backward=False) == 4 * 2 * 3 * 8 * 8 * 4 / 2
+    assert case.flops(backward=True) == 3.5 * case.flops(backward=False)
