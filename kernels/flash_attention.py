@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mtjax.kernels._common import dropout_keep
+from mtjax.kernels._common import MAX_ELEMENTS, dropout_keep
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -507,6 +507,8 @@ def unsupported(q_shape, kv_shape, dtype) -> str | None:
         return f"head_dim {q_shape[-1]} (supported: {HEAD_DIMS})"
     if q_shape[1] == 0 or kv_shape[1] == 0:
         return "empty sequence"
+    if max(math.prod(q_shape), math.prod(kv_shape)) > MAX_ELEMENTS:
+        return f"arrays of more than {MAX_ELEMENTS} elements (the kernels index with int32)"
     return None
 
 

@@ -192,6 +192,12 @@ def test_rejects_unsupported_explicit_choice():
         ops.attention(q, q, q, implementation="pallas_triton")
 
 
+def test_declines_int32_overflowing_arrays():
+    huge = (64, 8192, 32, 128)  # 2**31 elements
+    assert "int32" in fa.unsupported(huge, huge, jnp.bfloat16)
+    assert fa.unsupported((64, 8192, 32, 64), (64, 8192, 32, 64), jnp.bfloat16) is None
+
+
 def test_kernel_argument_errors():
     q = jnp.ones((1, 8, 2, 16))
     with pytest.raises(ValueError, match="head_dim"):
