@@ -99,24 +99,34 @@ class MaskSpec:
     def kv_blocks(self, q0, block_q: int, block_k: int):
         """For queries ``[q0, q0 + block_q)``: key blocks ``lo <= full_lo <= full_hi <= hi``;
         ``[lo, hi)`` may hold visible keys and ``[full_lo, full_hi)`` is visible to every row."""
-        off = self.offset
-        lo = 0 if self.lo is None else lax.div(jnp.maximum(q0 + off + self.lo, 0), block_k)
-        end = self.kv_len if self.hi is None else jnp.clip(q0 + block_q + off + self.hi, 0, self.kv_len)
+        first_q, last_q = q0 + self.offset, q0 + block_q - 1 + self.offset  # as key positions
+        # Some row sees key j when first_q + lo <= j <= last_q + hi.
+        lo = 0 if self.lo is None else lax.div(jnp.maximum(first_q + self.lo, 0), block_k)
+        end = self.kv_len if self.hi is None else jnp.clip(last_q + self.hi + 1, 0, self.kv_len)
         hi = jnp.maximum(_cdiv(end, block_k), lo)
-        full_lo = lo if self.lo is None else jnp.clip(_cdiv(jnp.maximum(q0 + block_q - 1 + off + self.lo, 0), block_k), lo, hi)
-        full_end = self.kv_len if self.hi is None else jnp.clip(q0 + off + self.hi + 1, 0, self.kv_len)
+        # Every row sees the block [k0, k0 + block_k) when last_q + lo <= k0 and k0 + block_k - 1 <= first_q + hi.
+        full_lo = lo
+        if self.lo is not None:
+            full_lo = jnp.clip(_cdiv(jnp.maximum(last_q + self.lo, 0), block_k), lo, hi)
+        full_end = self.kv_len if self.hi is None else jnp.clip(first_q + self.hi + 1, 0, self.kv_len)
         full_hi = jnp.clip(lax.div(full_end, block_k), full_lo, hi)
         return _int32(lo, full_lo, full_hi, hi)
 
     def q_blocks(self, k0, block_k: int, block_q: int):
         """For keys ``[k0, k0 + block_k)``: query blocks ``lo <= full_lo <= full_hi <= hi`` (as
         `kv_blocks`). Padded query rows need no mask: their output gradient is zero."""
-        off = self.offset
-        lo = 0 if self.hi is None else lax.div(jnp.maximum(k0 - off - self.hi, 0), block_q)
-        end = self.q_len if self.lo is None else jnp.clip(k0 + block_k - off - self.lo, 0, self.q_len)
+        first_k, last_k = k0 - self.offset, k0 + block_k - 1 - self.offset  # as query positions
+        # Some key is seen by row i when first_k - hi <= i <= last_k - lo.
+        lo = 0 if self.hi is None else lax.div(jnp.maximum(first_k - self.hi, 0), block_q)
+        end = self.q_len if self.lo is None else jnp.clip(last_k - self.lo + 1, 0, self.q_len)
         hi = jnp.maximum(_cdiv(end, block_q), lo)
-        full_lo = lo if self.hi is None else jnp.clip(_cdiv(jnp.maximum(k0 + block_k - 1 - off - self.hi, 0), block_q), lo, hi)
-        full_hi = hi if self.lo is None else jnp.clip(lax.div(jnp.maximum(k0 - off - self.lo + 1, 0), block_q), full_lo, hi)
+        # Row block [q0, q0 + block_q) sees every key when last_k - hi <= q0 and q0 + block_q - 1 <= first_k - lo.
+        full_lo = lo
+        if self.hi is not None:
+            full_lo = jnp.clip(_cdiv(jnp.maximum(last_k - self.hi, 0), block_q), lo, hi)
+        full_hi = hi
+        if self.lo is not None:
+            full_hi = jnp.clip(lax.div(jnp.maximum(first_k - self.lo + 1, 0), block_q), full_lo, hi)
         lo, full_lo, full_hi, hi = _int32(lo, full_lo, full_hi, hi)
         # A key block reaching into the padded key tail is masked throughout.
         full_hi = jnp.where(k0 + block_k > self.kv_len, full_lo, full_hi)

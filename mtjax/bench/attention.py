@@ -166,8 +166,8 @@ def main() -> None:
         rows += new
         for r in new:
             versus = f"  {r['speedup_vs_peer']:.2f}x vs {r['peer']}" if r["speedup_vs_peer"] else ""
-            print(f"{r['name']:<58} {r['implementation']:<20} {r['time_ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s{versus}",
-                  flush=True)
+            print(f"{r['name']:<58} {r['implementation']:<20} {r['time_ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s"
+                  + versus, flush=True)
         if args.json:
             report.write_json(args.json, rows, {"suite": "attention", "device": jax.devices()[0].device_kind})
 
