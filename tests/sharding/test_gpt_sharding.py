@@ -27,7 +27,7 @@ def loss_fn(variables, tokens):
 
 @pytest.fixture(scope="module")
 def boxed():
-    return MODEL.init(jax.random.key(0), TOKENS[:, :-1])
+    return jax.jit(MODEL.init)(jax.random.key(0), TOKENS[:, :-1])
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_loss_and_grads_equal_single_device(boxed, reference, mesh_config):
 
 def test_fp8_fsdp_equals_single_device_and_meta_equal_on_every_device(boxed):
     with fp8.fp8_autocast():
-        meta = MODEL.init(jax.random.key(0), TOKENS[:, :-1])[fp8.FP8_COLLECTION]
+        meta = jax.jit(MODEL.init)(jax.random.key(0), TOKENS[:, :-1])[fp8.FP8_COLLECTION]
         variables = {"params": boxed["params"], fp8.FP8_COLLECTION: meta}
         want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(nn.meta.unbox(variables), TOKENS)
         (loss, grads), _ = sharded_value_and_grad(MeshConfig(dp=2, fsdp=4), variables)

@@ -93,6 +93,9 @@ def test_pipeline_loss_rejects_bad_arguments(problem):
         pipeline_loss(layer, params, x, head_loss, head, labels, mesh=mesh, schedule=GPipe(3))
     with pytest.raises(TypeError, match="expected a Schedule"):
         pipeline_loss(layer, params, x, head_loss, head, labels, mesh=mesh, schedule="1f1b")
+    no_pp = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    with pytest.raises(ValueError, match="the mesh has no 'pp' axis"):
+        pipeline_loss(layer, params, x, head_loss, head, labels, mesh=no_pp, schedule=GPipe(4))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_fp8_transformer_stack_pipelined_with_fsdp_tp_equals_unpipelined():
     config = MeshConfig(pp=2, fsdp=2, tp=2)
     mesh, rules = config.make_mesh(), logical_axis_rules(config)
     with fp8.fp8_autocast():
-        boxed = Stack().init(jax.random.key(1), x)
+        boxed = jax.jit(Stack().init)(jax.random.key(1), x)
 
         def reference(variables, x, head):
             return head_loss(head, Stack().apply(variables, x), target)
