@@ -452,15 +452,44 @@ def dispatch(op: str, *args: Any, implementation: str | None = None, **static: A
     if len({impl.name for impl in chosen.values()}) == 1:
         return next(iter(chosen.values())).fn(*args, **static)
     # One callable per implementation, so platform_dependent joins platforms that share it.
-    callables = {impl.name: _bind(impl.fn, static) for impl in chosen.values()}
+    reference = _registry[op][REFERENCE]
+    callables = {
+        impl.name: _bind(impl.fn, static) if impl is chosen[current] or impl is reference
+        else _traced_or_reference(impl, reference, static)
+        for impl in chosen.values()
+    }
     for platform_name, impl in chosen.items():
         branches[platform_name] = callables[impl.name]
-    default = _bind(_registry[op][REFERENCE].fn, static)
-    return jax.lax.platform_dependent(*args, default=default, **branches)
+    return jax.lax.platform_dependent(*args, default=_bind(reference.fn, static), **branches)
 
 
 def _bind(fn: Callable[..., Any], static: Mapping[str, Any]) -> Callable[..., Any]:
     return lambda *args: fn(*args, **static)
+
+
+def _traced_or_reference(impl: Implementation, reference: Implementation,
+                         static: Mapping[str, Any]) -> Callable[..., Any]:
+    """The branch of a platform this process is not running on.
+
+    Every branch of `jax.lax.platform_dependent` is traced here, and some kernels cannot even be
+    traced without their platform's libraries (jax's cuDNN attention checks for cuDNN while
+    tracing). Such a branch is replaced by the reference, with a warning, instead of failing the
+    computation that runs here.
+    """
+
+    def branch(*args):
+        try:
+            return impl.fn(*args, **static)
+        except Exception as err:  # noqa: BLE001 - any trace-time failure of a foreign platform's kernel
+            key = (impl.op, "trace", impl.name, type(err).__name__)
+            if key not in _logged_fallbacks:
+                _logged_fallbacks.add(key)
+                logger.warning("%s: %r cannot be traced on this machine (%s: %s); its platforms get the %r "
+                               "reference in this computation", impl.op, impl.name, type(err).__name__, err,
+                               REFERENCE)
+            return reference.fn(*args, **static)
+
+    return branch
 
 
 def _log_fallback_once(op: str, platform_name: str, impl: Implementation, why: str) -> None:

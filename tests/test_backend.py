@@ -218,3 +218,23 @@ def test_ops_use_the_reference_on_cpu():
     assert backend.select("layernorm", args=[x, jnp.ones(4), None],
                           static={"epsilon": 1e-6, "zero_centered_gamma": False})[0].name in backend.implementations("layernorm")
     np.testing.assert_allclose(ops.layernorm(x, jnp.ones(4)), 0.0, atol=1e-6)
+
+
+@backend.register("_test_untraceable", "needs_vendor_library", requires=[backend.PALLAS_TRITON], priority=10)
+def _untraceable(x):
+    raise RuntimeError("vendor library is not detected")
+
+
+@backend.register("_test_untraceable", backend.REFERENCE)
+def _untraceable_reference(x):
+    return x * 3
+
+
+def test_a_foreign_platform_kernel_that_cannot_trace_here_gets_the_reference(caplog):
+    x = jnp.ones((2, 2))
+    with caplog.at_level("WARNING", logger="mtjax"):
+        y = jax.jit(lambda x: backend.dispatch("_test_untraceable", x))(x)
+    np.testing.assert_array_equal(y, 3.0)
+    assert "cannot be traced on this machine" in caplog.text
+    with pytest.raises(RuntimeError, match="not detected"), override(pallas_interpret=True):
+        backend.dispatch("_test_untraceable", x)  # on the platform it runs on, the error surfaces
