@@ -310,7 +310,8 @@ class OneFOneB(Schedule):
     """One-forward-one-backward: after a warm-up, each device alternates a backward and a forward,
     so the activations it stashes stay bounded by the warm-up (about ``2 * num_stages`` in lockstep,
     plus ``(num_chunks - 1) * num_stages`` when interleaved) however many micro-batches there are.
-    Same bubble as `GPipe` / `Circular` with the same chunks."""
+    Same bubble as `GPipe` / `Circular` with the same chunks. Interleaved (``num_chunks > 1``), the
+    micro-batches must be a multiple of the stages (as in Megatron)."""
 
     def warmup(self, device: int, num_stages: int) -> int:
         """Forwards ``device`` runs before its first backward: enough that it never waits for one."""
@@ -318,6 +319,12 @@ class OneFOneB(Schedule):
         return min(self.num_microbatches * self.num_chunks, 2 * (p - 1 - device) + 1 + (self.num_chunks - 1) * p)
 
     def order(self, num_stages: int) -> list[list[Action]]:
+        if self.num_chunks > 1 and self.num_microbatches % num_stages:
+            # The interleaved warm-up assumes whole groups of num_stages micro-batches per chunk.
+            raise ValueError(
+                f"OneFOneB(num_microbatches={self.num_microbatches}, num_chunks={self.num_chunks}): interleaved "
+                f"1F1B needs micro-batches in multiples of the {num_stages} stages"
+            )
         orders = []
         for d in range(num_stages):
             forward, backward = self._forward_order(d, num_stages), self._backward_order(d, num_stages)

@@ -78,6 +78,21 @@ def test_schedule_order_is_checked():
         Deadlock(1).timeline(2)
 
 
+def test_every_schedule_runs_to_the_end():
+    """No order deadlocks; 1F1B keeps the bubble of the GPipe order with the same chunks."""
+    for p in (1, 2, 3, 4, 8):
+        for m in range(1, 17):
+            for c in (1, 2, 3):
+                circular = Circular(m, c).timeline(p)
+                if c == 1:
+                    assert GPipe(m).timeline(p).bubble_fraction == pytest.approx(circular.bubble_fraction)
+                if c == 1 or m % p == 0:
+                    assert OneFOneB(m, c).timeline(p).bubble_fraction == pytest.approx(circular.bubble_fraction)
+                else:
+                    with pytest.raises(ValueError, match="multiples of the"):
+                        OneFOneB(m, c).timeline(p)
+
+
 @pytest.mark.parametrize("make", [lambda: GPipe(0), lambda: OneFOneB(4, num_chunks=0), lambda: GPipe(4, num_chunks=2)])
 def test_schedule_rejects_bad_arguments(make):
     with pytest.raises(ValueError, match="num_microbatches|num_chunks"):
