@@ -357,7 +357,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
             if setup.eval_data is not None and (step % eval_every == 0 or step == run_config.steps):
                 eval_loss = evaluate()
                 log.write({"step": step, "eval_loss": eval_loss})
-                progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
+                if is_main:
+                    progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
                 timer_start, timer_step = time.perf_counter(), step  # evaluation time is not training time
             progress.update(1)
             stopped = watcher.should_stop(step)
