@@ -380,7 +380,9 @@ def pipeline_loss(
       inputs: ``[batch, ...]`` float activations entering the first layer; ``batch`` divides by
         ``schedule.num_microbatches``. Micro-batch ``i`` is rows ``i, i + M, i + 2M, ...``.
       loss_fn: ``loss_fn(loss_params, y, targets_mb) -> scalar`` taken on the last stage (e.g. the
-        final norm, the LM head and the cross-entropy).
+        final norm, the LM head and the cross-entropy). With the vocabulary split over ``tp``, pick
+        the targets' log-probabilities with a one-hot product: a gather along a ``tp``-split
+        dimension inside this ``shard_map`` crashes XLA's SPMD partitioner (jax 0.11.2).
       loss_params: parameters of ``loss_fn`` (may carry an FP8 meta too).
       targets: pytree of ``[batch, ...]`` arrays split like ``inputs`` (not differentiated).
       mesh: a mesh with a ``"pp"`` axis; its other axes stay automatic inside the stages.
