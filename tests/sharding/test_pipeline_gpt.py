@@ -1,5 +1,6 @@
 """The pipeline on the GPT model itself: its scanned layers pipelined over pp=2 with FSDP and tensor
-parallelism inside the stages, under `fp8_autocast`, give GPT's loss, gradients and new FP8 meta.
+parallelism inside the stages, under `fp8_autocast`, give GPT's loss, gradients and new FP8 meta,
+and that meta is the same on every device.
 
 The model is cut into its embedding, its scanned ``TransformerLayer`` and its head (final norm and
 tied output layer) by recording those sub-modules while GPT initialises; each runs on GPT's own
@@ -87,5 +88,15 @@ def test_fp8_gpt_pipelined_with_fsdp_tp_equals_gpt():
     assert jax.tree.structure(grads) == jax.tree.structure(want)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
         np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6)
-    # The new meta (compared above) holds the amaxes of all micro-batches, combined by max.
-    assert float(grads[fp8.FP8_COLLECTION]["layers"]["mlp"]["wi_dot_general"]["input_amax_history"][:, 0].min()) > 0
+    # The new meta (compared above) holds the amaxes of all micro-batches, combined by max, and every
+    # device holding a piece of it (the layers' meta is split over pp) holds the same values.
+    new_meta = grads[fp8.FP8_COLLECTION]
+    assert float(new_meta["layers"]["mlp"]["wi_dot_general"]["input_amax_history"][:, 0].min()) > 0
+    for leaf in jax.tree.leaves(new_meta):
+        pieces = {}
+        for shard in leaf.addressable_shards:
+            pieces.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+        assert sum(map(len, pieces.values())) == 8
+        for copies in pieces.values():
+            for copy in copies:
+                np.testing.assert_array_equal(copy, copies[0])
