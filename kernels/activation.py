@@ -1,8 +1,11 @@
 """Bias + activation as Pallas Triton kernels: forward (optionally FP8 output + amax) and backward.
 
 ``y = act(x + bias)`` for ``gelu`` (tanh form), ``silu``, ``relu``, ``quick_gelu``, and the gated
-``swiglu``/``geglu``/``reglu`` where ``x = [a | gate]`` (``[..., 2 * hidden]``) and
-``y = act(a + bias_a) * (gate + bias_gate)``. The erf GELU is not here (Triton lowering has no erf).
+``swiglu``/``geglu``/``reglu`` where ``x [..., 2, hidden]`` holds ``a = x[..., 0, :]`` and
+``gate = x[..., 1, :]`` (bias ``[2, hidden]``) and ``y = act(a + bias_a) * (gate + bias_gate)``.
+The launchers take 2-D ``[rows, k]``: a contiguous ``[..., 2, hidden]`` is viewed as rows
+``[a | gate]`` of ``k = 2 * hidden`` (a free reshape on one device). The erf GELU is not here
+(Triton lowering has no erf).
 Each program handles a ``[block_m, block_n]`` tile of the output (both halves of the input for the
 gated forms). The backward kernel recomputes ``act`` from the saved input and writes ``dx``;
 ``dbias`` is the column sum of ``dx``.
@@ -189,34 +192,50 @@ def supported(x_shape, x_dtype, activation: str) -> str | None:
     return unsupported(x_shape, x_dtype, max_row=None)
 
 
+def _rows(x: jax.Array, activation: str) -> jax.Array:
+    """The 2-D view the launchers take: ``[rows, 2 * hidden]`` for gated ``[..., 2, hidden]``, else ``[rows, hidden]``."""
+    k = x.shape[-1] * (2 if ACTIVATIONS[activation][1] else 1)
+    return x.reshape(-1, k)
+
+
+def _out_shape(x_shape: tuple[int, ...], activation: str) -> tuple[int, ...]:
+    """``[..., hidden]``: a gated input loses its pair axis."""
+    return x_shape[:-2] + x_shape[-1:] if ACTIVATIONS[activation][1] else x_shape
+
+
+def _flat_bias(bias):
+    return None if bias is None else bias.reshape(-1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _activation(x, bias, activation):
     return _activation_fwd(x, bias, activation)[0]
 
 
 def _activation_fwd(x, bias, activation):
-    (y,) = forward(x.reshape(-1, x.shape[-1]), bias, activation=activation)
-    return y.reshape(x.shape[:-1] + y.shape[-1:]), (x, bias)
+    (y,) = forward(_rows(x, activation), _flat_bias(bias), activation=activation)
+    return y.reshape(_out_shape(x.shape, activation)), (x, bias)
 
 
 def _activation_bwd(activation, saved, dy):
     x, bias = saved
-    dx, dbias = backward(x.reshape(-1, x.shape[-1]), bias, dy.reshape(-1, dy.shape[-1]), activation=activation)
-    return dx.reshape(x.shape), dbias
+    dx, dbias = backward(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]), activation=activation)
+    return dx.reshape(x.shape), None if bias is None else dbias.reshape(bias.shape)
 
 
 _activation.defvjp(_activation_fwd, _activation_bwd)
 
 
 def activation(x: jax.Array, bias: jax.Array | None, *, activation: str) -> jax.Array:
-    """``act(x + bias)`` over ``x [..., k]`` (``k = 2 * hidden`` when gated); returns ``[..., hidden]`` in x.dtype."""
+    """``act(x + bias)`` over ``x [..., hidden]`` (``[..., 2, hidden]`` and bias ``[2, hidden]`` when gated);
+    returns ``[..., hidden]`` in x.dtype."""
     return _activation(x, bias, activation)
 
 
 def activation_fp8(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation: str,
                    out_dtype) -> tuple[jax.Array, jax.Array]:
-    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)``; forward only."""
+    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as `activation`); forward only."""
     if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
         raise ValueError(f"activation_fp8: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
-    y, amax = forward(x.reshape(-1, x.shape[-1]), bias, scale, activation=activation, out_dtype=out_dtype)
-    return y.reshape(x.shape[:-1] + y.shape[-1:]), amax
+    y, amax = forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation, out_dtype=out_dtype)
+    return y.reshape(_out_shape(x.shape, activation)), amax

@@ -148,12 +148,13 @@ def _residual_case(rows, quick: bool) -> None:
 
 def _activation_cases(rows, quick: bool) -> None:
     tokens, hidden = (64, 130) if quick else MAIN_SHAPE
-    for act, width in (("gelu", hidden), ("swiglu", 2 * hidden)):
+    for act, shape in (("gelu", (hidden,)), ("swiglu", (2, hidden))):  # gated input [tokens, 2, hidden]
+        width = math.prod(shape)
         keys = jax.random.split(jax.random.key(3), 3)
-        inputs = timing.rotating(lambda i, width=width: (
-            timing.random_array(jax.random.fold_in(keys[0], i), (tokens, width), jnp.bfloat16),
+        inputs = timing.rotating(lambda i, shape=shape: (
+            timing.random_array(jax.random.fold_in(keys[0], i), (tokens, *shape), jnp.bfloat16),
             timing.random_array(jax.random.fold_in(keys[1], i), (tokens, hidden), jnp.bfloat16),
-            timing.random_array(jax.random.fold_in(keys[2], i), (width,), jnp.bfloat16),
+            timing.random_array(jax.random.fold_in(keys[2], i), shape, jnp.bfloat16),
         ))
 
         def fwd_bwd(impl, x, dy, bias, act=act):

@@ -13,13 +13,19 @@ from mtjax.flax._params import AxisNames, Dtype, Initializer, contract, flat_ker
 from mtjax.flax.normalization import normalize
 
 MLP_HIDDEN_AXES: AxisNames = ("activation_batch", "activation_length", "activation_mlp")
+# fc1's output [batch, length, num_activations, mlp]: the pair axis of a gated activation stays whole
+# on every device, so with "mlp" split over "tp" each device holds both halves of its own columns.
+FC1_OUTPUT_AXES: AxisNames = ("activation_batch", "activation_length", None, "activation_mlp")
 
 
 class LayerNormMLP(nn.Module):
     """Norm + ``fc1`` + activation + dropout + ``fc2``, on the last axis.
 
     Gated activations (``("silu", "linear")`` = SwiGLU, ``("gelu", "linear")`` = GeGLU, ...) use a
-    ``wi_kernel [hidden, 2, intermediate_dim]``: slot 0 goes through the activation, slot 1 is the gate.
+    ``wi_kernel [hidden, 2, intermediate_dim]``: slot 0 goes through the activation, slot 1 is the gate
+    (TransformerEngine's layout; fc1's ``[..., 2, intermediate_dim]`` output goes to
+    `mtjax.ops.activation` as is, so tensor parallelism on ``intermediate_dim`` needs no reshuffle).
+    Other activations use ``wi_kernel [hidden, 1, intermediate_dim]``.
     Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``.
 
     Attributes:
@@ -83,14 +89,15 @@ class LayerNormMLP(nn.Module):
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
                              (hidden, num_activations, self.intermediate_dim), self.param_dtype, self.kernel_axes_1)
         h = contract(fp8.DotGeneral(name="wi_dot_general"), x, wi.astype(self.dtype), (x.ndim - 1,))
-        # [..., num_activations, mlp] -> [..., num_activations * mlp]: the layout ops.activation takes
-        # (activated half first, then the gate); the bias rides into the fused activation.
-        h = h.reshape(*h.shape[:-2], num_activations * self.intermediate_dim)
+        if h.ndim == 4:
+            h = nn.with_logical_constraint(h, FC1_OUTPUT_AXES)
         wi_bias = None
         if self.use_bias:
             wi_bias = param_with_axes(self, "wi_bias", self.bias_init, (num_activations, self.intermediate_dim),
-                                      self.param_dtype, self.bias_axes_1)
-            wi_bias = wi_bias.reshape(-1).astype(self.dtype)
+                                      self.param_dtype, self.bias_axes_1).astype(self.dtype)
+        if num_activations == 1:  # drop the unit axis: ops.activation takes [..., mlp] for plain activations
+            h, wi_bias = h[..., 0, :], None if wi_bias is None else wi_bias[0]
+        # The bias rides into the fused activation ([..., 2, mlp] and [2, mlp] when gated).
         h = ops.activation(h, activation, wi_bias)
         if h.ndim == 3:
             h = nn.with_logical_constraint(h, MLP_HIDDEN_AXES)

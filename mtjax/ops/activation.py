@@ -1,7 +1,10 @@
 """Elementwise and gated activations, with an optional bias added first.
 
-Gated activations (``swiglu``, ``geglu``, ``reglu``) take ``[..., 2 * hidden]``: the first half
-goes through the activation, the second half is the linear gate, and the result is ``[..., hidden]``.
+Gated activations (``swiglu``, ``geglu``, ``reglu``) take ``[..., 2, hidden]`` (TransformerEngine's
+layout): ``x[..., 0, :]`` goes through the activation, ``x[..., 1, :]`` is the linear gate, and the
+result is ``[..., hidden]``. Keeping the pair on its own axis means a ``hidden`` split over devices
+(tensor parallelism) leaves both halves of every column on the same device: the op is local, where a
+``[..., 2 * hidden]`` layout would make XLA reshuffle the sharded axis to split it in halves.
 TransformerEngine-style tuples name the same functions: ``("gelu",)``, ``("silu", "linear")``...
 """
 
@@ -79,8 +82,8 @@ def activation_reference(x, bias, *, activation_type: str):
     if bias is not None:
         xf = xf + bias.astype(jnp.float32)
     if gated:
-        act, linear = jnp.split(xf, 2, axis=-1)
-        y = fn(act) * linear
+        # Index the pair axis; never reshape `hidden`, which tensor parallelism may split.
+        y = fn(xf[..., 0, :]) * xf[..., 1, :]
     else:
         y = fn(xf)
     return y.astype(x.dtype)
@@ -96,10 +99,11 @@ def activation(
     """``act(x + bias)``, computed in float32 (forward and backward fused in the Pallas kernel).
 
     Args:
-      x: ``[..., hidden]``, or ``[..., 2 * hidden]`` for a gated activation.
+      x: ``[..., hidden]``, or ``[..., 2, hidden]`` for a gated activation (index 0 activated,
+        index 1 the linear gate).
       activation_type: one of `ACTIVATIONS` or a TE-style tuple; ``"gelu"`` is the tanh
         approximation (``jax.nn.gelu``'s default), ``"gelu_exact"`` the erf form.
-      bias: ``[x.shape[-1]]`` or ``None``.
+      bias: ``[hidden]`` (``[2, hidden]`` for a gated activation) or ``None``.
     Returns:
       ``[..., hidden]`` in ``x.dtype``.
     """
@@ -110,13 +114,15 @@ def activation(
 def _check(op: str, x, activation_type, bias) -> str:
     name = canonical_activation(activation_type)
     check_float(op, "x", x)
+    gated = ACTIVATIONS[name][1]
     if jnp.ndim(x) < 1:
         raise ValueError(f"{op}: x must have at least one axis; got shape {jnp.shape(x)}")
-    if ACTIVATIONS[name][1] and jnp.shape(x)[-1] % 2:
-        raise ValueError(f"{op}: gated {name!r} needs an even last axis (2 * hidden); x has shape {jnp.shape(x)}")
+    if gated and (jnp.ndim(x) < 2 or jnp.shape(x)[-2] != 2):
+        raise ValueError(f"{op}: gated {name!r} takes x of shape [..., 2, hidden] (activated input, then "
+                         f"the linear gate); x has shape {jnp.shape(x)}")
     if bias is not None:
         check_float(op, "bias", bias)
-        check_shape(op, "bias", bias, (jnp.shape(x)[-1],))
+        check_shape(op, "bias", bias, jnp.shape(x)[-2:] if gated else jnp.shape(x)[-1:])
     return name
 
 

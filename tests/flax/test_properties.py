@@ -103,7 +103,10 @@ def test_layernorm_mlp_against_composition(activation, hidden, dim, use_bias, se
     p = jax.tree.map(lambda a: a + rand(a.size + seed, a.shape, 0.3), p)
     y, _ = mlp.apply({"params": p}, x, deterministic=True)
     h = ops.layernorm(x, p["scale"], p["ln_bias"], implementation="xla")
-    pre = jnp.einsum("bsh,hkm->bskm", h, p["wi_kernel"]).reshape(2, 3, -1)
-    a = ops.activation(pre, activation, p["wi_bias"].reshape(-1) if use_bias else None, implementation="xla")
+    pre = jnp.einsum("bsh,hkm->bskm", h, p["wi_kernel"])  # [..., 2, dim] gated, [..., 1, dim] otherwise
+    bias = p["wi_bias"] if use_bias else None
+    if not ops.is_gated(activation):
+        pre, bias = pre[..., 0, :], None if bias is None else bias[0]
+    a = ops.activation(pre, activation, bias, implementation="xla")
     expected = a @ p["wo_kernel"] + (p["wo_bias"] if use_bias else 0.0)
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)

@@ -143,9 +143,9 @@ def test_residual_norm_matches_reference(kind, x_dtype, residual_dtype, dropout_
        activation=st.sampled_from(["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"]),
        seed=st.integers(0, 2**16))
 def test_activation_kernel_matches_reference(rows, hidden, dtype, with_bias, activation, seed):
-    width = 2 * hidden if ops.is_gated(activation) else hidden
-    x = _random(seed, rows + (width,), dtype, 2.0)
-    bias = _random(seed + 1, (width,), dtype)
+    shape = (2, hidden) if ops.is_gated(activation) else (hidden,)
+    x = _random(seed, rows + shape, dtype, 2.0)
+    bias = _random(seed + 1, shape, dtype)
 
     def fn(x, bias, implementation):
         return ops.activation(x, activation, bias if with_bias else None, implementation=implementation)
@@ -155,8 +155,9 @@ def test_activation_kernel_matches_reference(rows, hidden, dtype, with_bias, act
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_activation_fp8_matches_reference(activation):
-    x = _random(0, (2, 7, 200), jnp.bfloat16, 2.0)
-    bias = _random(1, (200,), jnp.bfloat16)
+    shape = (2, 100) if ops.is_gated(activation) else (200,)
+    x = _random(0, (2, 7) + shape, jnp.bfloat16, 2.0)
+    bias = _random(1, shape, jnp.bfloat16)
 
     def fn(implementation):
         return ops.activation_fp8(x, activation, bias, scale=jnp.float32(100.0), implementation=implementation)
@@ -237,8 +238,10 @@ def test_every_kernel_lowers_for_cuda():
     def activations(x, bias, scale):
         out = []
         for act in ("gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"):
-            y, vjp = jax.vjp(lambda x, b: ops.activation(x, act, b, implementation=impl), x, bias)
-            out += [y, vjp(y), ops.activation_fp8(x, act, bias, scale=scale, implementation=impl)]
+            # gated: [..., 2, hidden / 2], bias [2, hidden / 2]
+            a, b = (x.reshape(*x.shape[:-1], 2, -1), bias.reshape(2, -1)) if ops.is_gated(act) else (x, bias)
+            y, vjp = jax.vjp(lambda a, b: ops.activation(a, act, b, implementation=impl), a, b)
+            out += [y, vjp(y), ops.activation_fp8(a, act, b, scale=scale, implementation=impl)]
         return out
 
     assert _lower_for_cuda(activations, x, jax.ShapeDtypeStruct((4000,), bf16), scale) == 21
@@ -282,9 +285,9 @@ def test_norm_kernels_on_gpu(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"])
 def test_activation_kernels_on_gpu(activation):
-    width = 2 * 1500 if ops.is_gated(activation) else 1500
-    x = _random(0, (777, width), jnp.bfloat16, 2.0)
-    bias = _random(1, (width,), jnp.bfloat16)
+    shape = (2, 1500) if ops.is_gated(activation) else (1500,)
+    x = _random(0, (777,) + shape, jnp.bfloat16, 2.0)
+    bias = _random(1, shape, jnp.bfloat16)
     check_kernel(lambda x, b, implementation: ops.activation(x, activation, b, implementation=implementation),
                  (x, bias), (0, 1), jnp.bfloat16, interpret=False)
     q, amax = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="pallas_triton")

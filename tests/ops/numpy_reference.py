@@ -45,9 +45,8 @@ def activation(x, name, bias):
     x = x.astype(np.float64)
     if bias is not None:
         x = x + bias
-    if name in GATED:
-        a, lin = np.split(x, 2, axis=-1)
-        return ACT[GATED[name]](a) * lin
+    if name in GATED:  # x [..., 2, hidden]: activated input, then the linear gate
+        return ACT[GATED[name]](x[..., 0, :]) * x[..., 1, :]
     return ACT[name](x)
 
 

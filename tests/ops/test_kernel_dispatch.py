@@ -31,7 +31,7 @@ def test_cuda_picks_the_kernel_where_it_is_faster_and_cpu_the_reference():
     x, g = S((16384, 4096), BF16), S((4096,), F32)
     assert _choice("layernorm", x, g, g, **NORM_STATIC)[0].name == "pallas_triton"
     assert _choice("rmsnorm", x, g, **NORM_STATIC)[0].name == "pallas_triton"
-    assert _choice("activation", S((16384, 8192), BF16), None, activation_type="swiglu")[0].name == "pallas_triton"
+    assert _choice("activation", S((16384, 2, 8192), BF16), None, activation_type="swiglu")[0].name == "pallas_triton"
     assert _choice("softmax", S((4, 16, 2048, 2048), BF16), None, scale=1.0, causal=True)[0].name == "pallas_triton"
     assert backend.select("layernorm", platform_name="cpu", args=(x, g, g), static=NORM_STATIC)[0].name == "xla"
 
@@ -112,6 +112,7 @@ def test_residual_norm_and_fp8_ops_run_their_references():
     (lambda x, g: ops.residual_norm(x, x.astype(jnp.int32), g), TypeError, "residual"),
     (lambda x, g: ops.activation_fp8(x, "gelu", scale=jnp.float32(1.0), out_dtype=F32), ValueError, "out_dtype"),
     (lambda x, g: ops.activation_fp8(x, "swish", scale=jnp.float32(1.0)), ValueError, "activation_type"),
+    (lambda x, g: ops.activation_fp8(x[:, None], "swiglu", scale=jnp.float32(1.0)), ValueError, r"x .*\[\.\.\., 2, hidden\]"),
 ])
 def test_bad_arguments_raise_naming_the_argument(call, error, match):
     with pytest.raises(error, match=match):

@@ -75,9 +75,9 @@ def test_rmsnorm_matches_numpy(shape, zero_centered, seed):
 @given(name=st.sampled_from(sorted(ops.ACTIVATIONS)), rows=st.integers(1, 4), half=st.integers(1, 40),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_activation_matches_numpy(name, rows, half, with_bias, seed):
-    width = 2 * half if ops.is_gated(name) else half
-    x = _rand(seed, (rows, width), 2.0)
-    bias = _rand(seed + 1, (width,)) if with_bias else None
+    shape = (2, half) if ops.is_gated(name) else (half,)
+    x = _rand(seed, (rows,) + shape, 2.0)
+    bias = _rand(seed + 1, shape) if with_bias else None
     y = ops.activation(x, name, bias)
     np.testing.assert_allclose(y, npref.activation(x, name, bias), rtol=RTOL, atol=1e-5)
     f = lambda x: ops.activation(x, name, bias)
@@ -87,7 +87,7 @@ def test_activation_matches_numpy(name, rows, half, with_bias, seed):
 
 @pytest.mark.parametrize("te_tuple,name", [(("silu", "linear"), "swiglu"), (("gelu",), "gelu"), (("gelu", "linear"), "geglu")])
 def test_activation_accepts_te_tuples(te_tuple, name):
-    x = _rand(0, (2, 8))
+    x = _rand(0, (2, 2, 8))
     np.testing.assert_array_equal(ops.activation(x, te_tuple), ops.activation(x, name))
 
 
@@ -198,7 +198,9 @@ def test_gqa_does_not_repeat_kv_in_the_jaxpr():
     (lambda: ops.layernorm(jnp.ones((2, 4), jnp.int32), jnp.ones(4)), "x has dtype"),
     (lambda: ops.rmsnorm(jnp.ones((2, 4)), jnp.ones(4), epsilon=0.0), "epsilon"),
     (lambda: ops.activation(jnp.ones((2, 4)), "swish"), "activation_type"),
-    (lambda: ops.activation(jnp.ones((2, 5)), "swiglu"), "even"),
+    (lambda: ops.activation(jnp.ones((3, 4)), "swiglu"), r"\[\.\.\., 2, hidden\]"),
+    (lambda: ops.activation(jnp.ones((2, 4)), "gelu", jnp.ones((2, 4))), "bias"),
+    (lambda: ops.activation(jnp.ones((3, 2, 4)), "geglu", jnp.ones(8)), r"bias.*expected \(2, 4\)"),
     (lambda: ops.softmax(jnp.ones((2, 4)), jnp.ones((2, 4))), "mask"),
     (lambda: ops.attention(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4))), "multiple"),
     (lambda: ops.attention(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), mask_type="full"), "mask_type"),
