@@ -283,26 +283,24 @@ class Schedule(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
-class GPipe(Schedule):
-    """All forwards, then all backwards; stashes every micro-batch (peak live = micro-batches)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_chunks != 1:
-            raise ValueError(f"GPipe(num_chunks={self.num_chunks}): GPipe has one chunk per device; use Circular")
+class Circular(Schedule):
+    """All forwards, then all backwards, with ``num_chunks`` layer chunks per device (a micro-batch
+    circles the ring ``num_chunks`` times): the fill/drain bubble shrinks about ``num_chunks``
+    times, at the price of ``num_chunks`` times more hand-offs and stashed activations."""
 
     def order(self, num_stages: int) -> list[list[Action]]:
         return [self._forward_order(d, num_stages) + self._backward_order(d, num_stages) for d in range(num_stages)]
 
 
 @dataclasses.dataclass(frozen=True)
-class Circular(Schedule):
-    """GPipe order with ``num_chunks`` layer chunks per device (a micro-batch circles the ring
-    ``num_chunks`` times): the fill/drain bubble shrinks about ``num_chunks`` times, at the price
-    of ``num_chunks`` times more hand-offs and stashed activations."""
+class GPipe(Circular):
+    """`Circular` with one chunk per device: all forwards, then all backwards; stashes every
+    micro-batch (peak live = micro-batches)."""
 
-    def order(self, num_stages: int) -> list[list[Action]]:
-        return [self._forward_order(d, num_stages) + self._backward_order(d, num_stages) for d in range(num_stages)]
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_chunks != 1:
+            raise ValueError(f"GPipe(num_chunks={self.num_chunks}): GPipe has one chunk per device; use Circular")
 
 
 @dataclasses.dataclass(frozen=True)
