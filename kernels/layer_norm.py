@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels._common import (
-    FP8_DTYPES, check_size, dropout_keep, interpret, next_power_of_2, saturate_cast, unsupported,
+    FP8_DTYPES, check_size, dropout_keep, interpret, next_power_of_2, saturate_cast,
 )
 
 # Programs of the backward kernel: enough to fill an H100/H200 (132 SMs) a few times over, few

@@ -21,12 +21,6 @@ from mtjax.sharding.mesh import AXES, DP, FSDP, PP, TP, MeshConfig
 MeshAxes = str | tuple[str, ...] | None
 LogicalRules = tuple[tuple[str, MeshAxes], ...]
 
-PARAMETER_AXES = ("embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "relpos_buckets")
-ACTIVATION_AXES = (
-    "activation_batch", "activation_length", "activation_embed", "activation_heads",
-    "activation_kv_heads", "activation_head_dim", "activation_mlp", "activation_vocab",
-)
-
 
 def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | None = None) -> LogicalRules:
     """The default rules for ``config`` (MaxText / TransformerEngine-JAX conventions), with overrides.

@@ -7,8 +7,6 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
-
 
 def check_float(op: str, name: str, x: Any) -> None:
     dtype = jnp.result_type(x)

@@ -9,7 +9,6 @@ import pytest
 
 from mtjax import backend, ops
 from mtjax.kernels._common import dropout_keep
-from mtjax.ops import normalization
 
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
