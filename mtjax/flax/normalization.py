@@ -8,9 +8,8 @@ import jax.numpy as jnp
 
 from mtjax import ops
 from mtjax.flax._params import AxisNames, Dtype, Initializer, param_with_axes
+from mtjax.ops import LAYERNORM_TYPES
 from mtjax.ops._checks import check_choice
-
-LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
 
 def check_layernorm_type(owner: str, layernorm_type: str) -> None:
