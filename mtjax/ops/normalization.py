@@ -65,6 +65,14 @@ def _check(op: str, x, gamma, beta, epsilon) -> None:
         raise ValueError(f"{op}: epsilon={epsilon!r}; expected a positive float")
 
 
+def _check_typed(op: str, layernorm_type: str, x, gamma, beta, epsilon) -> None:
+    """`_check` for the ops taking a ``layernorm_type`` (RMSNorm has no ``beta``)."""
+    check_choice(op, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
+    if layernorm_type == "rmsnorm" and beta is not None:
+        raise ValueError(f"{op}: beta must be None for layernorm_type='rmsnorm'")
+    _check(op, x, gamma, beta, epsilon)
+
+
 def layernorm(
     x: jax.Array,
     gamma: jax.Array,
@@ -107,14 +115,18 @@ def rmsnorm(
     )
 
 
+def _norm_reference(x, gamma, beta, layernorm_type: str, epsilon: float, zero_centered_gamma: bool):
+    """The reference of ``layernorm_type`` (``beta`` is None for RMSNorm)."""
+    if layernorm_type == "rmsnorm":
+        return rmsnorm_reference(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    return layernorm_reference(x, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
 @backend.register("layernorm_fp8", backend.REFERENCE)
 def layernorm_fp8_reference(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float,
                             zero_centered_gamma: bool, out_dtype):
-    xf = x.astype(jnp.float32)  # normalize in float32 and quantize that, not a rounded copy
-    if layernorm_type == "rmsnorm":
-        y = rmsnorm_reference(xf, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
-    else:
-        y = layernorm_reference(xf, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    # normalize in float32 and quantize that, not a rounded copy
+    y = _norm_reference(x.astype(jnp.float32), gamma, beta, layernorm_type, epsilon, zero_centered_gamma)
     amax = jnp.max(jnp.abs(y))
     return saturate_cast(y * scale.astype(jnp.float32), out_dtype), amax
 
@@ -143,10 +155,7 @@ def layernorm_fp8(
       Forward only (not differentiable): the FP8 GEMM that consumes ``y_fp8`` owns the backward.
     """
     op = "layernorm_fp8"
-    check_choice(op, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
-    if layernorm_type == "rmsnorm" and beta is not None:
-        raise ValueError(f"{op}: beta must be None for layernorm_type='rmsnorm'")
-    _check(op, x, gamma, beta, epsilon)
+    _check_typed(op, layernorm_type, x, gamma, beta, epsilon)
     check_float(op, "scale", scale)
     if jnp.size(scale) != 1:
         raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
@@ -167,11 +176,8 @@ def residual_norm_reference(x, residual, gamma, beta, seed, *, layernorm_type: s
         keep = dropout_keep(seed, rows, jnp.arange(h.shape[-1]), dropout_rate)
         h = jnp.where(keep, h / (1.0 - dropout_rate), 0.0)
     new_residual = (h + residual.astype(jnp.float32)).astype(residual.dtype)
-    hf = new_residual.astype(jnp.float32)
-    if layernorm_type == "rmsnorm":
-        normalized = rmsnorm_reference(hf, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
-    else:
-        normalized = layernorm_reference(hf, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    normalized = _norm_reference(new_residual.astype(jnp.float32), gamma, beta, layernorm_type, epsilon,
+                                 zero_centered_gamma)
     return new_residual, normalized.astype(x.dtype)
 
 
@@ -205,10 +211,7 @@ def residual_norm(
       ``(new_residual [residual.dtype], normalized [x.dtype])``.
     """
     op = "residual_norm"
-    check_choice(op, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
-    if layernorm_type == "rmsnorm" and beta is not None:
-        raise ValueError(f"{op}: beta must be None for layernorm_type='rmsnorm'")
-    _check(op, x, gamma, beta, epsilon)
+    _check_typed(op, layernorm_type, x, gamma, beta, epsilon)
     check_float(op, "residual", residual)
     check_shape(op, "residual", residual, jnp.shape(x))
     if not 0.0 <= dropout_rate < 1.0:
