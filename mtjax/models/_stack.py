@@ -3,12 +3,13 @@ leading ``"layers"`` axis) or unrolled, each optionally rematerialised with a na
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 
+from mtjax import ops
 from mtjax.flax import TransformerLayer
 from mtjax.flax.attention import CACHE_COLLECTION
 from mtjax.fp8 import FP8_COLLECTION
@@ -20,6 +21,29 @@ REMAT_POLICIES: dict[str, Any] = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def check_stack_config(config: Any, positive_ints: Sequence[str]) -> None:
+    """The checks `GPTConfig` and `BertConfig` share, from their ``__post_init__``.
+
+    Makes ``config.activations`` a tuple (a name becomes a 1-tuple) and raises ValueError naming the
+    field for: a name of ``positive_ints`` that is not a positive int, an unknown activation or
+    ``remat_policy``, a ``dropout_rate``/``attention_dropout`` outside ``[0, 1)``.
+    """
+    owner = type(config).__name__
+    activations = config.activations
+    object.__setattr__(config, "activations", (activations,) if isinstance(activations, str) else tuple(activations))
+    for name in positive_ints:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}: {name}={value!r}; expected a positive int")
+    ops.canonical_activation(config.activations)
+    if config.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"{owner}: remat_policy={config.remat_policy!r} is not supported; "
+                         f"accepted: {', '.join(REMAT_POLICIES)}")
+    for name in ("dropout_rate", "attention_dropout"):
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(f"{owner}: {name}={getattr(config, name)}; expected 0 <= rate < 1")
 
 
 class _StackedLayer(TransformerLayer):

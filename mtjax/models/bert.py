@@ -13,11 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import ops
 from mtjax.flax import Embed, LayerNorm, TransformerLayerType
 from mtjax.flax._params import BATCH_LENGTH_EMBED
 from mtjax.flax.attention import check_heads
-from mtjax.models._stack import REMAT_POLICIES, apply_layers
+from mtjax.models._stack import apply_layers, check_stack_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,21 +61,11 @@ class BertConfig:
 
     def __post_init__(self):
         owner = type(self).__name__
-        object.__setattr__(self, "activations", (self.activations,) if isinstance(self.activations, str)
-                           else tuple(self.activations))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_seq_len", "type_vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{owner}: {name}={value!r}; expected a positive int")
+        check_stack_config(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_seq_len",
+                                  "type_vocab_size"))
         if self.hidden_size % self.num_heads:
             raise ValueError(f"{owner}: hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}")
         check_heads(owner, self.hidden_size // self.num_heads, self.num_heads, None)
-        ops.canonical_activation(self.activations)
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"{owner}: remat_policy={self.remat_policy!r} is not supported; accepted: {', '.join(REMAT_POLICIES)}")
-        for name in ("dropout_rate", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{owner}: {name}={getattr(self, name)}; expected 0 <= rate < 1")
 
 
 class BertEncoder(nn.Module):

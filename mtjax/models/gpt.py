@@ -18,7 +18,7 @@ from mtjax import ops
 from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
 from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, check_heads
 from mtjax.flax.normalization import LAYERNORM_TYPES
-from mtjax.models._stack import REMAT_POLICIES, apply_layers
+from mtjax.models._stack import apply_layers, check_stack_config
 
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
 LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
@@ -86,25 +86,15 @@ class GPTConfig:
 
     def __post_init__(self):
         owner = type(self).__name__
-        if isinstance(self.activations, str):
-            object.__setattr__(self, "activations", (self.activations,))
-        object.__setattr__(self, "activations", tuple(self.activations))
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{owner}: {name}={value!r}; expected a positive int")
+        check_stack_config(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_seq_len"))
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"{owner}: hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} "
                              f"(or set head_dim)")
         check_heads(owner, self.resolved_head_dim, self.num_heads, self.num_kv_heads)
-        ops.canonical_activation(self.activations)
         for name, accepted in (("layernorm_type", LAYERNORM_TYPES), ("position_embedding", POSITION_EMBEDDINGS),
-                               ("rope_group_method", ROTARY_GROUP_METHODS), ("remat_policy", tuple(REMAT_POLICIES))):
+                               ("rope_group_method", ROTARY_GROUP_METHODS)):
             if getattr(self, name) not in accepted:
                 raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: {', '.join(accepted)}")
-        for name in ("dropout_rate", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{owner}: {name}={getattr(self, name)}; expected 0 <= rate < 1")
 
     @property
     def resolved_head_dim(self) -> int:
