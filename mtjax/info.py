@@ -24,7 +24,7 @@ def collect() -> dict:
     """Everything ``mtjax info`` prints, as a dict."""
     devices = jax.devices()
     return {
-        "versions": {p: _version(p) for p in ("mtjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "jax-triton")},
+        "versions": {p: _version(p) for p in ("mtjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")},
         "platform": backend.platform(),
         "devices": [f"{d.id}: {d.device_kind}" for d in devices],
         "process": f"{jax.process_index()} of {jax.process_count()}",
