@@ -2,7 +2,7 @@
 
 Every fused op (``layernorm``, ``rmsnorm``, ``softmax``, ``activation``, ``attention``, ``fp8_gemm``,
 ...) has named implementations: ``"xla"`` (the plain jax.numpy reference, runs everywhere) and
-kernels such as ``"pallas_triton"``, ``"pallas_mosaic"``, ``"cudnn"`` or ``"triton"``. Each declares
+kernels such as ``"pallas_triton"`` or ``"cudnn"``. Each declares
 the capabilities it needs (and optionally the platforms it is limited to and a predicate on the call's
 static configuration). `dispatch` picks one:
 
