@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from mtjax.kernels._common import FP8_DTYPES
+
 
 def check_float(op: str, name: str, x: Any) -> None:
     dtype = jnp.result_type(x)
@@ -31,3 +33,11 @@ def check_choice(op: str, name: str, value: Any, accepted: Iterable[Any]) -> Non
     accepted = tuple(accepted)
     if value not in accepted:
         raise ValueError(f"{op}: {name}={value!r} is not supported; accepted: {', '.join(map(repr, accepted))}")
+
+
+def check_fp8_output(op: str, scale: Any, out_dtype: Any) -> None:
+    """The quantizing ops' ``scale`` (a float scalar) and ``out_dtype`` (one of the FP8 dtypes)."""
+    check_float(op, "scale", scale)
+    if jnp.size(scale) != 1:
+        raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
+    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])

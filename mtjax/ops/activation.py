@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from mtjax import backend
 from mtjax.kernels import activation as activation_kernels
-from mtjax.kernels._common import FP8_DTYPES, saturate_cast, too_small
-from mtjax.ops._checks import check_choice, check_float, check_shape
+from mtjax.kernels._common import saturate_cast, too_small
+from mtjax.ops._checks import check_float, check_fp8_output, check_shape
 
 
 def _gelu_tanh(x):
@@ -149,10 +149,7 @@ def activation_fp8(
     """
     op = "activation_fp8"
     name = _check(op, x, activation_type, bias)
-    check_float(op, "scale", scale)
-    if jnp.size(scale) != 1:
-        raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
-    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])
+    check_fp8_output(op, scale, out_dtype)
     return backend.dispatch(op, x, bias, jnp.reshape(scale, ()), implementation=implementation,
                             activation_type=name, out_dtype=jnp.dtype(out_dtype))
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from mtjax import backend
 from mtjax.kernels import layer_norm as norm_kernels
 from mtjax.kernels import residual_norm as residual_norm_kernels
-from mtjax.kernels._common import FP8_DTYPES, dropout_keep, saturate_cast, too_small, unsupported
-from mtjax.ops._checks import check_choice, check_float, check_shape
+from mtjax.kernels._common import dropout_keep, saturate_cast, too_small, unsupported
+from mtjax.ops._checks import check_choice, check_float, check_fp8_output, check_shape
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -156,10 +156,7 @@ def layernorm_fp8(
     """
     op = "layernorm_fp8"
     _check_typed(op, layernorm_type, x, gamma, beta, epsilon)
-    check_float(op, "scale", scale)
-    if jnp.size(scale) != 1:
-        raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
-    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])
+    check_fp8_output(op, scale, out_dtype)
     return backend.dispatch(
         op, x, gamma, beta, jnp.reshape(scale, ()), implementation=implementation,
         layernorm_type=layernorm_type, epsilon=float(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
