@@ -7,7 +7,7 @@ Typical use (what ``mtjax train`` does, see `mtjax.train.cli`)::
     abstract = abstract_train_state(model, optimizer, (batch, seq), mesh=mesh, rules=rules)
     state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (batch, seq), mesh=mesh, rules=rules)
     step = make_train_step(model, optimizer, mesh=mesh, rules=rules,
-                           state_sharding=jax.tree.map(lambda a: a.sharding, abstract), learning_rate=schedule)
+                           state_sharding=tree_shardings(abstract), learning_rate=schedule)
     state, metrics = step(state, {"inputs": tokens, "targets": next_tokens})
 """
 

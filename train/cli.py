@@ -279,6 +279,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     from tqdm import tqdm
 
     from mtjax.models import GPT
+    from mtjax.sharding import tree_shardings
     from mtjax.train.checkpoint import PreemptionWatcher
     from mtjax.train.data import DataIterator
     from mtjax.train.distributed import global_batch, process_rows
@@ -300,7 +301,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
         state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
                                  mesh=mesh, rules=rules)
         position = 0
-    state_sharding = jax.tree.map(lambda a: a.sharding, abstract)
+    state_sharding = tree_shardings(abstract)
     train_step = make_train_step(model, optimizer, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                  grad_accum_steps=run_config.grad_accum, learning_rate=schedule)
     eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding)

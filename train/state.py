@@ -18,7 +18,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from mtjax.fp8 import FP8_COLLECTION
-from mtjax.sharding import LogicalRules, logical_shardings, named_sharding, use_mesh
+from mtjax.sharding import LogicalRules, logical_shardings, named_sharding, tree_shardings, use_mesh
 
 
 @struct.dataclass
@@ -102,6 +102,6 @@ def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, 
     if mesh is None:
         return jax.jit(lambda r: nn.meta.unbox(init(r)))(rng)
     abstract = abstract_train_state(model, optimizer, batch_shape, mesh=mesh, rules=rules)
-    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    shardings = tree_shardings(abstract)
     with use_mesh(mesh, rules):
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)

@@ -75,7 +75,7 @@ def make_train_step(
       optimizer: the optax transformation (clipping and schedules included, e.g. from `make_optimizer`).
       loss_fn: ``loss_fn(logits, batch) -> scalar``; default `next_token_loss`.
       mesh, rules: run sharded on ``mesh`` with the logical-axis ``rules``; then ``state_sharding``
-        (the shardings of the state, ``jax.tree.map(lambda a: a.sharding, abstract_state)``) is required.
+        (the shardings of the state, ``mtjax.sharding.tree_shardings(abstract_state)``) is required.
       grad_accum_steps: split each batch into this many micro-batches, run one after the other.
       learning_rate: the optimizer's learning rate or schedule, reported as ``metrics["learning_rate"]``.
       donate: donate the input state's buffers (the caller must not reuse the old state).
