@@ -55,6 +55,12 @@ def _micro_batches(batch: Batch, count: int) -> Batch:
     return jax.tree.map(split, dict(batch))
 
 
+def _check_sharding_args(owner: str, mesh: Mesh | None, rules: LogicalRules | None,
+                         state_sharding: TrainState | None) -> None:
+    if (mesh is None) != (rules is None) or (mesh is not None and state_sharding is None):
+        raise ValueError(f"{owner}: pass mesh, rules and state_sharding together (or none of them)")
+
+
 def make_train_step(
     model: nn.Module,
     optimizer: optax.GradientTransformation,
@@ -82,8 +88,7 @@ def make_train_step(
     """
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
-    if (mesh is None) != (rules is None) or (mesh is not None and state_sharding is None):
-        raise ValueError("make_train_step: pass mesh, rules and state_sharding together (or none of them)")
+    _check_sharding_args("make_train_step", mesh, rules, state_sharding)
 
     def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any]:
         def loss_of(variables: dict[str, Any]) -> jax.Array:
@@ -145,8 +150,7 @@ def make_eval_step(
     state_sharding: TrainState | None = None,
 ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
     """A jitted ``eval_step(state, batch) -> {"loss": scalar}`` (no dropout, state untouched)."""
-    if (mesh is None) != (rules is None) or (mesh is not None and state_sharding is None):
-        raise ValueError("make_eval_step: pass mesh, rules and state_sharding together (or none of them)")
+    _check_sharding_args("make_eval_step", mesh, rules, state_sharding)
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
         logits = model.apply(state.variables(), batch["inputs"], deterministic=True)
