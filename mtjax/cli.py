@@ -1,36 +1,28 @@
 """The ``mtjax`` command: ``mtjax info`` | ``mtjax train`` | ``mtjax generate`` | ``mtjax bench``.
 
-Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-they are imported only when chosen, so ``mtjax info`` stays fast.
+Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("mtjax.info", "versions, platform, devices, capabilities, plugins and the kernel each op uses"),
+    "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
+    "generate": ("mtjax.train.generate", "continue a prompt from a checkpoint"),
+    "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
 }
-
-
-def _optional_subcommands() -> dict[str, tuple[str, str]]:
-    extra = {
-        "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
-        "generate": ("mtjax.train.generate", "continue a prompt from a checkpoint"),
-        "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
-    }
-    return {name: spec for name, spec in extra.items() if importlib.util.find_spec(spec[0]) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in {**SUBCOMMANDS, **_optional_subcommands()}.items():
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(module_name)
         module.add_arguments(sub_parser)
