@@ -359,29 +359,32 @@ def ops() -> tuple[str, ...]:
     return tuple(sorted(_registry))
 
 
-def implementations(op: str) -> tuple[str, ...]:
-    """The implementation names registered for ``op``, highest priority first."""
+def _implementations_of(op: str) -> dict[str, Implementation]:
     _import_kernels()
     if op not in _registry:
         raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
-    return tuple(impl.name for impl in sorted(_registry[op].values(), key=lambda i: -i.priority))
+    return _registry[op]
+
+
+def implementations(op: str) -> tuple[str, ...]:
+    """The implementation names registered for ``op``, highest priority first."""
+    return tuple(impl.name for impl in sorted(_implementations_of(op).values(), key=lambda i: -i.priority))
 
 
 def _get(op: str, name: str) -> Implementation:
-    _import_kernels()
-    if op not in _registry:
-        raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
-    if name not in _registry[op]:
+    registered = _implementations_of(op)
+    if name not in registered:
         raise ValueError(f"{op}(implementation={name!r}): unknown implementation; registered: {implementations(op)}")
-    return _registry[op][name]
+    return registered[name]
 
 
 def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[str, Any]) -> tuple[Implementation, str]:
     """The implementation automatic selection uses for ``op`` on ``platform_name``, and why."""
+    registered = _implementations_of(op)
     preferred = _registered_platforms.get(platform_name)
-    candidates = sorted(_registry[op].values(), key=lambda i: -i.priority)
+    candidates = sorted(registered.values(), key=lambda i: -i.priority)
     if preferred is not None and op in preferred.kernels:
-        chosen = _registry[op][preferred.kernels[op]]
+        chosen = registered[preferred.kernels[op]]
         candidates = [chosen] + [c for c in candidates if c is not chosen]
     skipped = []
     for impl in candidates:
@@ -416,8 +419,6 @@ def select(op: str, implementation: str | None = None, *, platform_name: str | N
                 f"Available on {platform_name!r}: {available}"
             )
         return impl, f"chosen by {source}"
-    if op not in _registry:
-        raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
     return _best_for(op, platform_name, args, static)
 
 
