@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from mtjax import backend
 from mtjax.kernels import activation as activation_kernels
@@ -72,11 +73,13 @@ def canonical_activation(activation_type: str | Sequence[str]) -> str:
 
 
 def is_gated(activation_type: str | Sequence[str]) -> bool:
+    """Whether the activation takes ``[..., 2, hidden]`` (activated input and linear gate)."""
     return ACTIVATIONS[canonical_activation(activation_type)][1]
 
 
 @backend.register("activation", backend.REFERENCE)
-def activation_reference(x, bias, *, activation_type: str):
+def activation_reference(x: jax.Array, bias: jax.Array | None, *, activation_type: str) -> jax.Array:
+    """The ``"xla"`` implementation of `activation` (``activation_type`` a canonical name)."""
     fn, gated = ACTIVATIONS[activation_type]
     xf = x.astype(jnp.float32)
     if bias is not None:
@@ -127,7 +130,9 @@ def _check(op: str, x, activation_type, bias) -> str:
 
 
 @backend.register("activation_fp8", backend.REFERENCE)
-def activation_fp8_reference(x, bias, scale, *, activation_type: str, out_dtype):
+def activation_fp8_reference(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation_type: str,
+                             out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+    """The ``"xla"`` implementation of `activation_fp8` (``scale`` a float32 scalar of shape ``()``)."""
     y = activation_reference(x.astype(jnp.float32), bias, activation_type=activation_type)
     return saturate_cast(y * scale.astype(jnp.float32), out_dtype), jnp.max(jnp.abs(y))
 
@@ -138,7 +143,7 @@ def activation_fp8(
     bias: jax.Array | None = None,
     *,
     scale: jax.Array,
-    out_dtype=jnp.float8_e4m3fn,
+    out_dtype: DTypeLike = jnp.float8_e4m3fn,
     implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``y = act(x + bias)`` quantized for an FP8 GEMM: ``(saturate_cast(y * scale, out_dtype), max |y|)``.

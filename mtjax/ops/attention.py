@@ -72,9 +72,12 @@ def dropout_rows(batch: int, heads: int, q_len: int) -> jax.Array:
 
 
 @backend.register("attention", backend.REFERENCE)
-def attention_reference(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
-                        mask_type: str, scale: float, dropout_rate: float,
-                        window_size: tuple[int, int] | None, logits_soft_cap: float | None):
+def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+                        mask: jax.Array | None, q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
+                        dropout_seed: jax.Array | None, *, mask_type: str, scale: float, dropout_rate: float,
+                        window_size: tuple[int, int] | None, logits_soft_cap: float | None) -> jax.Array:
+    """The ``"xla"`` implementation of `attention` (BTNH arrays; seqlens already turned into segment
+    ids, ``dropout_seed`` the uint32 scalar drawn from ``dropout_rng``)."""
     batch, q_len, heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     groups = heads // kv_heads

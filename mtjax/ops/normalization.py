@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from mtjax import backend
 from mtjax.kernels import layer_norm as norm_kernels
@@ -33,7 +34,9 @@ def _scale(gamma: jax.Array, zero_centered_gamma: bool) -> jax.Array:
 
 
 @backend.register("layernorm", backend.REFERENCE)
-def layernorm_reference(x, gamma, beta, *, epsilon: float, zero_centered_gamma: bool):
+def layernorm_reference(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, *, epsilon: float,
+                        zero_centered_gamma: bool) -> jax.Array:
+    """The ``"xla"`` implementation of `layernorm` (same arguments and result)."""
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
@@ -44,7 +47,8 @@ def layernorm_reference(x, gamma, beta, *, epsilon: float, zero_centered_gamma: 
 
 
 @backend.register("rmsnorm", backend.REFERENCE)
-def rmsnorm_reference(x, gamma, *, epsilon: float, zero_centered_gamma: bool):
+def rmsnorm_reference(x: jax.Array, gamma: jax.Array, *, epsilon: float, zero_centered_gamma: bool) -> jax.Array:
+    """The ``"xla"`` implementation of `rmsnorm` (same arguments and result)."""
     xf = x.astype(jnp.float32)
     ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(ms + epsilon) * _scale(gamma, zero_centered_gamma)
@@ -123,8 +127,10 @@ def _norm_reference(x, gamma, beta, layernorm_type: str, epsilon: float, zero_ce
 
 
 @backend.register("layernorm_fp8", backend.REFERENCE)
-def layernorm_fp8_reference(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float,
-                            zero_centered_gamma: bool, out_dtype):
+def layernorm_fp8_reference(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, scale: jax.Array, *,
+                            layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
+                            out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+    """The ``"xla"`` implementation of `layernorm_fp8` (``scale`` a float32 scalar of shape ``()``)."""
     # normalize in float32 and quantize that, not a rounded copy
     y = _norm_reference(x.astype(jnp.float32), gamma, beta, layernorm_type, epsilon, zero_centered_gamma)
     amax = jnp.max(jnp.abs(y))
@@ -140,7 +146,7 @@ def layernorm_fp8(
     layernorm_type: str = "layernorm",
     epsilon: float = 1e-6,
     zero_centered_gamma: bool = False,
-    out_dtype=jnp.float8_e4m3fn,
+    out_dtype: DTypeLike = jnp.float8_e4m3fn,
     implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Norm with an FP8 output: ``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = norm(x)``.
@@ -165,8 +171,11 @@ def layernorm_fp8(
 
 
 @backend.register("residual_norm", backend.REFERENCE)
-def residual_norm_reference(x, residual, gamma, beta, seed, *, layernorm_type: str, epsilon: float,
-                            zero_centered_gamma: bool, dropout_rate: float):
+def residual_norm_reference(x: jax.Array, residual: jax.Array, gamma: jax.Array, beta: jax.Array | None,
+                            seed: jax.Array | None, *, layernorm_type: str, epsilon: float,
+                            zero_centered_gamma: bool, dropout_rate: float) -> tuple[jax.Array, jax.Array]:
+    """The ``"xla"`` implementation of `residual_norm`; ``seed`` is the uint32 scalar drawn from
+    ``dropout_rng`` (None without dropout)."""
     h = x.astype(jnp.float32)
     if dropout_rate > 0.0:
         rows = jnp.arange(h.size // h.shape[-1]).reshape(h.shape[:-1] + (1,))

@@ -38,7 +38,8 @@ def masked_softmax(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 @backend.register("softmax", backend.REFERENCE)
-def softmax_reference(logits, mask, *, scale: float, causal: bool):
+def softmax_reference(logits: jax.Array, mask: jax.Array | None, *, scale: float, causal: bool) -> jax.Array:
+    """The ``"xla"`` implementation of `softmax` (same arguments and result)."""
     dtype = logits.dtype
     logits = logits.astype(jnp.float32) * scale
     if causal:
