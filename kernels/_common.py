@@ -34,9 +34,11 @@ def next_power_of_2(n: int) -> int:
 SMALL_ELEMENTS = 2**22
 
 
-def too_small(shape) -> str | None:
-    """Why automatic selection should leave an array of ``shape`` to XLA (``None``: use the kernel)."""
-    size = int(np.prod(shape))
+def too_small(x, *_, **__) -> str | None:
+    """Why automatic selection should leave the op to XLA, judged by the size of its first array ``x``
+    (``None``: use the kernel). Takes an op's arguments, so it serves as the kernels' ``prefer``
+    predicate in `mtjax.backend.register`."""
+    size = int(np.prod(jnp.shape(x)))
     if size <= SMALL_ELEMENTS:
         return f"{size} elements <= {SMALL_ELEMENTS}: XLA measured as fast on arrays this small"
     return None

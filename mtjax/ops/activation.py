@@ -166,11 +166,7 @@ def _kernel_supports(x, *_, activation_type: str, **__) -> str | None:
     return activation_kernels.supported(jnp.shape(x), jnp.result_type(x), activation_type)
 
 
-def _kernel_preferred(x, *_, **__) -> str | None:
-    return too_small(jnp.shape(x))
-
-
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=_kernel_preferred, priority=10)
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10)
 
 
 @backend.register("activation", "pallas_triton", **_KERNEL)

@@ -249,18 +249,14 @@ def _kernel_supports(x, *_, **__) -> str | None:
     return unsupported(jnp.shape(x), jnp.result_type(x))
 
 
-def _kernel_preferred(x, *_, **__) -> str | None:
-    return too_small(jnp.shape(x))
-
-
 def _rms_kernel_preferred(x, *_, **__) -> str | None:
     hidden = jnp.shape(x)[-1]
     if hidden > RMSNORM_MAX_KERNEL_HIDDEN:
         return f"hidden size {hidden} > {RMSNORM_MAX_KERNEL_HIDDEN}: XLA measured faster for RMSNorm"
-    return too_small(jnp.shape(x))
+    return too_small(x)
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=_kernel_preferred, priority=10)
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10)
 
 
 @backend.register("layernorm", "pallas_triton", **_KERNEL)

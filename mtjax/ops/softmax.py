@@ -89,11 +89,7 @@ def _kernel_supports(logits, mask, **_) -> str | None:
                                      None if mask is None else jnp.shape(mask))
 
 
-def _kernel_preferred(logits, *_, **__) -> str | None:
-    return too_small(jnp.shape(logits))
-
-
 @backend.register("softmax", "pallas_triton", requires=(backend.PALLAS_TRITON,), supports=_kernel_supports,
-                  prefer=_kernel_preferred, priority=10)
+                  prefer=too_small, priority=10)
 def _softmax_pallas(logits, mask, *, scale: float, causal: bool):
     return softmax_kernels.softmax(logits, mask, scale=scale, causal=causal)
