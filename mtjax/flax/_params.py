@@ -47,8 +47,7 @@ def flat_kernel_init(init: Initializer, num_in_axes: int) -> Initializer:
     return kernel_init
 
 
-def contract(dot_general: nn.Module, x: jax.Array, kernel: jax.Array, axes: Sequence[int],
-             preferred_element_type: Dtype | None = None) -> jax.Array:
+def contract(dot_general: nn.Module, x: jax.Array, kernel: jax.Array, axes: Sequence[int]) -> jax.Array:
     """``x`` contracted over ``axes`` with the leading axes of ``kernel``: ``[*x free, *kernel free]``."""
     dims = ((tuple(axes), tuple(range(len(axes)))), ((), ()))
-    return dot_general(x, kernel, dims, preferred_element_type=preferred_element_type)
+    return dot_general(x, kernel, dims)
