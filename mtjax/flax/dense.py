@@ -22,20 +22,20 @@ def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, 
 
 
 def project(module: nn.Module, x: jax.Array, *, features: int | Sequence[int], axis: int | Sequence[int],
-            kernel_name: str, kernel_init: Initializer, kernel_axes: AxisNames, use_bias: bool, bias_name: str,
-            bias_init: Initializer, bias_axes: AxisNames, dot_general: nn.Module, dtype: Dtype,
-            param_dtype: Dtype) -> jax.Array:
-    """Creates the kernel ``[*x.shape[axis], *features]`` (and bias ``[*features]``) in ``module`` and
-    returns ``x`` contracted over ``axis``: ``[*other axes of x, *features]`` in ``dtype``."""
+            kernel_init: Initializer, kernel_axes: AxisNames, use_bias: bool, bias_init: Initializer,
+            bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype) -> jax.Array:
+    """Creates ``kernel [*x.shape[axis], *features]`` (and ``bias [*features]``) and the ``dot_general``
+    submodule in ``module`` and returns ``x`` contracted over ``axis``: ``[*other axes of x, *features]``
+    in ``dtype``. Called from the compact ``__call__`` of `DenseGeneral` and `LayerNormDenseGeneral`."""
     owner = type(module).__name__
     features = canonical_tuple(features)
     axes = _input_axes(owner, axis, x.ndim)
     in_shape = tuple(x.shape[a] for a in axes)
-    kernel = param_with_axes(module, kernel_name, flat_kernel_init(kernel_init, len(in_shape)),
+    kernel = param_with_axes(module, "kernel", flat_kernel_init(kernel_init, len(in_shape)),
                              in_shape + features, param_dtype, kernel_axes)
-    y = contract(dot_general, x.astype(dtype), kernel.astype(dtype), axes)
+    y = contract(fp8.DotGeneral(name="dot_general"), x.astype(dtype), kernel.astype(dtype), axes)
     if use_bias:
-        bias = param_with_axes(module, bias_name, bias_init, features, param_dtype, bias_axes)
+        bias = param_with_axes(module, "bias", bias_init, features, param_dtype, bias_axes)
         y = y + bias.astype(dtype)
     return y
 
@@ -68,10 +68,9 @@ class DenseGeneral(nn.Module):
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
         return project(
-            self, inputs, features=self.features, axis=self.axis, kernel_name="kernel", kernel_init=self.kernel_init,
-            kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_name="bias", bias_init=self.bias_init,
-            bias_axes=self.bias_axes, dot_general=fp8.DotGeneral(name="dot_general"), dtype=self.dtype,
-            param_dtype=self.param_dtype,
+            self, inputs, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
+            kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,
+            dtype=self.dtype, param_dtype=self.param_dtype,
         )
 
 
@@ -122,9 +121,8 @@ class LayerNormDenseGeneral(nn.Module):
                 param_dtype=self.param_dtype,
             )
         y = project(
-            self, x, features=self.features, axis=self.axis, kernel_name="kernel", kernel_init=self.kernel_init,
-            kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_name="bias", bias_init=self.bias_init,
-            bias_axes=self.bias_axes, dot_general=fp8.DotGeneral(name="dot_general"), dtype=self.dtype,
-            param_dtype=self.param_dtype,
+            self, x, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
+            kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,
+            dtype=self.dtype, param_dtype=self.param_dtype,
         )
         return y, (x if self.return_layernorm_output else None)
