@@ -76,8 +76,12 @@ def _local_devices_of(platform_name: str) -> list[Any]:
     return jax.devices() if platform() == platform_name else []
 
 
-def _cuda_capability_tuple(text: str) -> tuple[int, int]:
-    major, _, minor = str(text).partition(".")
+def cuda_compute_capability() -> tuple[int, int]:
+    """``(major, minor)`` of the local CUDA devices; without one (lowering for ``cuda`` on a CPU-only
+    or ROCm host) ``config.cuda_compute_capability``."""
+    devices = _local_devices_of("cuda")
+    text = getattr(devices[0], "compute_capability", None) if devices else None
+    major, _, minor = str(text or config.cuda_compute_capability).partition(".")
     return int(major), int(minor or 0)
 
 
@@ -102,9 +106,7 @@ def capabilities(platform_name: str | None = None) -> frozenset[str]:
     if name in _registered_platforms:
         caps |= _registered_platforms[name].capabilities
     elif name == "cuda":
-        devices = _local_devices_of("cuda")
-        cc_text = getattr(devices[0], "compute_capability", None) if devices else None
-        cc = _cuda_capability_tuple(cc_text or config.cuda_compute_capability)
+        cc = cuda_compute_capability()
         if cc >= (8, 0):
             caps.add(PALLAS_TRITON)
             if _jax_gpu_backend_reachable():

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
-from mtjax.config import config
 from mtjax.kernels import flash_attention
 from mtjax.kernels._common import dropout_keep
 from mtjax.kernels._common import interpret as kernel_interpret
@@ -228,10 +227,8 @@ def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_se
 
 
 def _cudnn_max_head_dim() -> int:
-    """cuDNN's flash attention takes head_dim up to 256 from Hopper on, 128 before. The device is the
-    local GPU, or ``config.cuda_compute_capability`` when lowering for cuda without one."""
-    capability = getattr(jax.devices()[0], "compute_capability", None) or config.cuda_compute_capability
-    return 256 if int(str(capability).split(".")[0]) >= 9 else 128
+    """cuDNN's flash attention takes head_dim up to 256 from Hopper on, 128 before."""
+    return 256 if backend.cuda_compute_capability() >= (9, 0) else 128
 
 
 def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
