@@ -97,6 +97,22 @@ def test_capabilities_by_compute_capability():
     assert backend.capabilities("rocm") == {"pallas_triton"}
 
 
+def test_cuda_compute_capability_off_cuda_comes_from_config(monkeypatch):
+    """On a ROCm host the devices report "gfx942"; staging the cuda branch must not parse that."""
+    class RocmDevice:
+        compute_capability = "gfx942"
+
+    monkeypatch.setattr(backend, "platform", lambda: "rocm")
+    monkeypatch.setattr(jax, "devices", lambda *a: [RocmDevice()])
+    with override(cuda_compute_capability="8.0"):
+        assert backend.cuda_compute_capability() == (8, 0)
+        assert backend.capabilities("cuda") == {"pallas_triton", "cudnn_attention"}
+        q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+        static = dict(mask_type="causal", scale=1.0, dropout_rate=0.0, window_size=None, logits_soft_cap=None)
+        impl, _ = backend.select("attention", platform_name="cuda", args=(q, q, q) + (None,) * 5, static=static)
+        assert impl.name == "cudnn"
+
+
 def _custom_calls(exported) -> str:
     return exported.mlir_module()
 
