@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # jax and the models are imported when a command runs
+    from mtjax.models import GPT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def sample(model, params, prompt: np.ndarray, *, max_new_tokens: int, temperature: float = 0.8,
+def sample(model: GPT, params: Any, prompt: np.ndarray, *, max_new_tokens: int, temperature: float = 0.8,
            top_k: int = 40, seed: int = 0) -> np.ndarray:
     """``max_new_tokens`` token ids continuing the 1-D ``prompt`` (a `mtjax.models.GPT` and its params).
 
