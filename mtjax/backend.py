@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -292,6 +293,10 @@ class Implementation:
         implementation should be picked, else why not (e.g. "measured slower than xla here"). An
         explicit choice ignores it, so tests and benchmarks can still run the kernel there.
       priority: higher wins in automatic selection.
+      single_device: the implementation is a custom call XLA cannot partition (a Pallas kernel).
+        Automatic selection skips it when tracing under a mesh of several devices in automatic or
+        explicit axes (XLA would gather its operands onto every device); inside ``shard_map``,
+        where arrays are per-device, it is used.
     """
 
     op: str
@@ -302,6 +307,7 @@ class Implementation:
     supports: Callable[..., str | None] | None = None
     prefer: Callable[..., str | None] | None = None
     priority: int = 0
+    single_device: bool = False
 
     def runs_on(self, platform_name: str) -> str | None:
         """``None`` if this implementation can run on ``platform_name``, else the reason it cannot."""
@@ -316,7 +322,20 @@ class Implementation:
         return None if self.supports is None else self.supports(*args, **static)
 
     def not_preferred(self, args: Sequence[Any], static: Mapping[str, Any]) -> str | None:
+        if self.single_device and (devices := _partitioned_devices()) > 1:
+            return f"a single-device kernel, and this trace is partitioned over {devices} devices"
         return None if self.prefer is None else self.prefer(*args, **static)
+
+
+def _partitioned_devices() -> int:
+    """How many devices XLA partitions the current trace over (its mesh's non-manual axes)."""
+    from jax.sharding import AxisType, get_abstract_mesh
+
+    mesh = get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    sizes = [size for size, kind in zip(mesh.axis_sizes, mesh.axis_types) if kind != AxisType.Manual]
+    return math.prod(sizes)
 
 
 _registry: dict[str, dict[str, Implementation]] = {}
@@ -332,6 +351,7 @@ def register(
     supports: Callable[..., str | None] | None = None,
     prefer: Callable[..., str | None] | None = None,
     priority: int = 0,
+    single_device: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: register ``fn`` as implementation ``name`` of ``op``. Returns ``fn`` unchanged."""
     requires = frozenset(requires)
@@ -349,6 +369,7 @@ def register(
             supports=supports,
             prefer=prefer,
             priority=priority,
+            single_device=single_device,
         )
         return fn
 

@@ -254,3 +254,27 @@ def test_a_foreign_platform_kernel_that_cannot_trace_here_gets_the_reference(cap
     assert "cannot be traced on this machine" in caplog.text
     with pytest.raises(RuntimeError, match="not detected"), override(pallas_interpret=True):
         backend.dispatch("_test_untraceable", x)  # on the platform it runs on, the error surfaces
+
+
+def test_single_device_kernels_are_skipped_in_partitioned_traces_only():
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    @backend.register("_test_single_device", "pallas_triton", requires=[backend.PALLAS_TRITON], priority=10,
+                      single_device=True)
+    def _kernel(x):
+        return x * 2
+
+    backend.register("_test_single_device", backend.REFERENCE)(lambda x: x + 1)
+    x = jnp.ones((8, 4))
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
+    with override(pallas_interpret=True):
+        assert backend.select("_test_single_device", args=[x])[0].name == "pallas_triton"
+        with jax.set_mesh(mesh):
+            impl, why = backend.select("_test_single_device", args=[x])
+            assert impl.name == "xla" and "partitioned over 8 devices" in why
+            np.testing.assert_array_equal(  # inside shard_map each device runs the kernel on its rows
+                jax.shard_map(lambda x: backend.dispatch("_test_single_device", x), in_specs=P("dp"),
+                              out_specs=P("dp"))(x), 2.0)
+        # An explicit choice is honoured anywhere.
+        with jax.set_mesh(mesh):
+            assert backend.select("_test_single_device", "pallas_triton", args=[x])[0].name == "pallas_triton"

@@ -166,7 +166,8 @@ def _kernel_supports(x, *_, activation_type: str, **__) -> str | None:
     return activation_kernels.supported(jnp.shape(x), jnp.result_type(x), activation_type)
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10)
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10,
+               single_device=True)
 
 
 @backend.register("activation", "pallas_triton", **_KERNEL)

@@ -216,7 +216,7 @@ def _pallas_triton_unsupported(query, key, value, bias, mask, q_segment_ids, kv_
 
 
 @backend.register("attention", "pallas_triton", requires=(backend.PALLAS_TRITON,),
-                  supports=_pallas_triton_unsupported, priority=10)
+                  supports=_pallas_triton_unsupported, priority=10, single_device=True)
 def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                              mask_type, scale, dropout_rate, window_size, logits_soft_cap):
     return flash_attention.flash_attention(

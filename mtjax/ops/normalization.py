@@ -256,7 +256,8 @@ def _rms_kernel_preferred(x, *_, **__) -> str | None:
     return too_small(x)
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10)
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10,
+               single_device=True)
 
 
 @backend.register("layernorm", "pallas_triton", **_KERNEL)

@@ -90,6 +90,6 @@ def _kernel_supports(logits, mask, **_) -> str | None:
 
 
 @backend.register("softmax", "pallas_triton", requires=(backend.PALLAS_TRITON,), supports=_kernel_supports,
-                  prefer=too_small, priority=10)
+                  prefer=too_small, priority=10, single_device=True)
 def _softmax_pallas(logits, mask, *, scale: float, causal: bool):
     return softmax_kernels.softmax(logits, mask, scale=scale, causal=causal)
