@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     skipped = [s for s in SUITES if s not in suites]
 
     rows, ceiling_values = ceilings.run(args.quick)
+    print(report.table(report.complete(rows, ceiling_values, args.peak_tflops)), file=sys.stderr, flush=True)
     for name in suites:
         print(f"mtjax bench: running {name}...", file=sys.stderr, flush=True)
         suite_rows = _run_suite(name, args, settings)

@@ -73,15 +73,11 @@ def run(quick: bool, settings: Sequence[Setting] = ()) -> list[dict]:
                                         timing.random_array(keys[2 * i + 1], (b, s, h), jnp.bfloat16)), max_sets=8)
     flops = b * s * (6 * (4 * h * h + 2 * h * f) + 6 * s * h)
     name = f"block fwd+bwd b{b} s{s} h{h} ffn{f}"
-    todo, lowered, options = [], [], []
+    rows = []
     for implementation, peer, ceiling, layer, apply, context, xla_options in _variants(shape, settings):
         with context():
             variables = jax.jit(layer.init)(jax.random.key(0), inputs[0][0])
-            lowered.append(_grad_fn(apply).lower(variables, *inputs[0]))
-        todo.append((implementation, peer, ceiling, variables))
-        options.append(xla_options)
-    rows = []
-    for (implementation, peer, ceiling, variables), (fn, compile_s) in zip(todo, timing.compile_all(lowered, options)):
+            fn, compile_s = timing.compile_lowered(_grad_fn(apply).lower(variables, *inputs[0]), xla_options)
         t = timing.measure(lambda x, dy, fn=fn, variables=variables: fn(variables, x, dy), inputs,
                            runs=5 if quick else 20)
         rows.append(timing.row("layer", name, implementation, t, flops=flops, peer=peer, ceiling=ceiling,

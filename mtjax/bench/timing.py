@@ -14,7 +14,6 @@ Timing rules (`measure`, `measure_steps`):
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 import statistics
@@ -130,21 +129,15 @@ def measure_steps(step: Callable[..., Any], state: Any, batches: Sequence[Any], 
     return Timing(statistics.median(samples), min(samples), max(samples), runs), out
 
 
-def compile_all(lowered: Sequence[Any], options: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[Any, float]]:
-    """``(compiled, seconds)`` for each ``jax.stages.Lowered``, compiled concurrently.
+def compile_lowered(lowered: Any, options: Mapping[str, Any] | None = None) -> tuple[Any, float]:
+    """``(compiled, seconds)`` of a ``jax.stages.Lowered`` with XLA compiler ``options``.
 
-    XLA compilation (with autotuning, tens of seconds for a large model) releases the GIL, so
-    independent variants compile side by side. Trace (``.lower``) in the caller's thread: tracing
-    reads process-wide state such as ``fp8_autocast``. ``options``: XLA compiler options per item.
+    Variants are compiled one at a time, each right before it is timed: concurrent compilations
+    autotune their GEMMs on a busy GPU (worse kernel choices), and on the H200 six concurrent
+    1.3B-parameter train steps took over four minutes without a single result to show.
     """
-    options = list(options) if options is not None else [{}] * len(lowered)
-
-    def compile_one(item):
-        start = time.perf_counter()
-        return item[0].compile(compiler_options=dict(item[1]) or None), time.perf_counter() - start
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(lowered))) as pool:
-        return list(pool.map(compile_one, zip(lowered, options)))
+    start = time.perf_counter()
+    return lowered.compile(compiler_options=dict(options) if options else None), time.perf_counter() - start
 
 
 def row(suite: str, name: str, implementation: str, timing: Timing, *, flops: float | None = None,

@@ -12,9 +12,10 @@ variants run side by side in one process:
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
 
 Model FLOPs per token are the preset's ``flops_per_token(seq)`` (6·N + causal attention) for all
-four, so MFU and speed-ups compare the same work. All steps are compiled first, concurrently
-(`timing.compile_all`), then timed one after the other with the state threaded through as in
-training; ``--profile DIR`` adds each step's per-op device time (`mtjax.bench.profile`).
+four, so MFU and speed-ups compare the same work. Each variant is compiled, timed with the state
+threaded through as in training, and reported (one line on stderr) before the next starts, so a
+run cut short keeps what it measured; ``--profile DIR`` adds each step's per-op device time
+(`mtjax.bench.profile`).
 """
 
 from __future__ import annotations
@@ -110,13 +111,11 @@ def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict
     return out
 
 
-def _compile_all(todo: Sequence[Variant], batch: dict[str, jax.Array]) -> list[tuple[Any, float]]:
-    """``(compiled step, seconds)`` per variant; traced one by one, compiled concurrently."""
-    lowered = []
-    for variant in todo:
-        with variant.context():
-            lowered.append(variant.step.lower(jax.eval_shape(variant.init), batch))
-    return timing.compile_all(lowered, [variant.xla_options for variant in todo])
+def _compile(variant: Variant, batch: dict[str, jax.Array]) -> tuple[Any, float]:
+    """``(compiled step, seconds)``; traced under the variant's context (``fp8_autocast`` is read then)."""
+    with variant.context():
+        lowered = variant.step.lower(jax.eval_shape(variant.init), batch)
+    return timing.compile_lowered(lowered, variant.xla_options)
 
 
 def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], out_dir: str,
@@ -152,10 +151,10 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
         tokens_per_step = batch_size * seq_len
         flops = config.flops_per_token(seq_len) * tokens_per_step
         todo = variants(config, (batch_size, seq_len), settings)
-        compiled = _compile_all(todo, batches[0])
         name = f"{preset} b{batch_size} s{seq_len}"
         times = {}
-        for variant, (step, compile_s) in zip(todo, compiled):
+        for variant in todo:
+            step, compile_s = _compile(variant, batches[0])
             with variant.context():
                 state = variant.init()
             t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 10)
