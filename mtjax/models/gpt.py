@@ -210,7 +210,9 @@ class GPT(nn.Module):
                       zero_centered_gamma=cfg.zero_centered_gamma, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                       name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = embed.attend(x, preferred_element_type=jnp.float32)
+            # In the compute dtype, as the Dense branch: a float32 result would make both backward GEMMs
+            # of this (tokens x hidden x vocab) product run in float32 on float32 copies.
+            logits = embed.attend(x)
         else:
             logits = DenseGeneral(cfg.vocab_size, use_bias=False, kernel_init=init, kernel_axes=("embed", "vocab"),
                                   dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="logits_dense")(x)

@@ -79,17 +79,25 @@ def is_gated(activation_type: str | Sequence[str]) -> bool:
 
 @backend.register("activation", backend.REFERENCE)
 def activation_reference(x: jax.Array, bias: jax.Array | None, *, activation_type: str) -> jax.Array:
-    """The ``"xla"`` implementation of `activation` (``activation_type`` a canonical name)."""
+    """The ``"xla"`` implementation of `activation` (``activation_type`` a canonical name).
+
+    Under `jax.checkpoint`, so the backward keeps only ``x`` and ``bias`` (as the kernel does) rather
+    than float32 intermediates of the MLP's widest activation.
+    """
     fn, gated = ACTIVATIONS[activation_type]
-    xf = x.astype(jnp.float32)
-    if bias is not None:
-        xf = xf + bias.astype(jnp.float32)
-    if gated:
-        # Index the pair axis; never reshape `hidden`, which tensor parallelism may split.
-        y = fn(xf[..., 0, :]) * xf[..., 1, :]
-    else:
-        y = fn(xf)
-    return y.astype(x.dtype)
+
+    def activate(x, bias):
+        xf = x.astype(jnp.float32)
+        if bias is not None:
+            xf = xf + bias.astype(jnp.float32)
+        if gated:
+            # Index the pair axis; never reshape `hidden`, which tensor parallelism may split.
+            y = fn(xf[..., 0, :]) * xf[..., 1, :]
+        else:
+            y = fn(xf)
+        return y.astype(x.dtype)
+
+    return jax.checkpoint(activate)(x, bias)
 
 
 def activation(

@@ -211,3 +211,17 @@ def test_gqa_does_not_repeat_kv_in_the_jaxpr():
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("layernorm", lambda x, g: ops.layernorm(x, g, jnp.zeros_like(g))),
+    ("rmsnorm", lambda x, g: ops.rmsnorm(x, g)),
+    ("swiglu", lambda x, g: ops.activation(x.reshape(x.shape[0], 2, -1), "swiglu")),
+])
+def test_references_keep_only_their_inputs_for_the_backward(name, fn):
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x, g = jnp.ones((64, 32), jnp.bfloat16), jnp.ones(32)
+    saved = saved_residuals(lambda x, g: fn(x, g).astype(jnp.float32).sum(), x, g)
+    activation_sized = [r for r, _ in saved if r.size >= x.size]
+    assert [r.dtype for r in activation_sized] == [jnp.bfloat16], saved  # x itself, no float32 copies
