@@ -534,6 +534,7 @@ def _import_kernels() -> None:
     if _kernels_imported:
         return
     _kernels_imported = True
+    import mtjax.fp8  # noqa: F401  (registers fp8_gemm)
     import mtjax.ops  # noqa: F401  (registers the references and the kernels they wrap)
 
 

@@ -43,7 +43,7 @@ def probe_op(x, implementation=None):
 
 
 def test_registry_lists_ops_and_implementations():
-    for op in ("layernorm", "rmsnorm", "softmax", "activation", "attention"):
+    for op in ("layernorm", "rmsnorm", "softmax", "activation", "attention", "fp8_gemm"):
         assert backend.REFERENCE in backend.implementations(op)
     assert backend.implementations("_test_op") == ("pallas_triton", "xla")
     with pytest.raises(ValueError, match="unknown op 'nope'"):
