@@ -466,7 +466,6 @@ def dispatch(op: str, *args: Any, implementation: str | None = None, **static: A
         return impl.fn(*args, **static)
 
     current = platform()
-    branches: dict[str, Callable[..., Any]] = {}
     chosen: dict[str, Implementation] = {}
     for platform_name in known_platforms():
         impl, why = _best_for(op, platform_name, args, static)
@@ -476,14 +475,13 @@ def dispatch(op: str, *args: Any, implementation: str | None = None, **static: A
     if len({impl.name for impl in chosen.values()}) == 1:
         return next(iter(chosen.values())).fn(*args, **static)
     # One callable per implementation, so platform_dependent joins platforms that share it.
-    reference = _registry[op][REFERENCE]
+    reference = _implementations_of(op)[REFERENCE]
     callables = {
         impl.name: _bind(impl.fn, static) if impl is chosen[current] or impl is reference
         else _traced_or_reference(impl, reference, static)
         for impl in chosen.values()
     }
-    for platform_name, impl in chosen.items():
-        branches[platform_name] = callables[impl.name]
+    branches = {platform_name: callables[impl.name] for platform_name, impl in chosen.items()}
     return jax.lax.platform_dependent(*args, default=_bind(reference.fn, static), **branches)
 
 
@@ -505,12 +503,9 @@ def _traced_or_reference(impl: Implementation, reference: Implementation,
         try:
             return impl.fn(*args, **static)
         except Exception as err:  # noqa: BLE001 - any trace-time failure of a foreign platform's kernel
-            key = (impl.op, "trace", impl.name, type(err).__name__)
-            if key not in _logged_fallbacks:
-                _logged_fallbacks.add(key)
-                logger.warning("%s: %r cannot be traced on this machine (%s: %s); its platforms get the %r "
-                               "reference in this computation", impl.op, impl.name, type(err).__name__, err,
-                               REFERENCE)
+            _log_once((impl.op, "trace", impl.name, type(err).__name__), logging.WARNING,
+                      "%s: %r cannot be traced on this machine (%s: %s); its platforms get the %r "
+                      "reference in this computation", impl.op, impl.name, type(err).__name__, err, REFERENCE)
             return reference.fn(*args, **static)
 
     return branch
@@ -519,10 +514,14 @@ def _traced_or_reference(impl: Implementation, reference: Implementation,
 def _log_fallback_once(op: str, platform_name: str, impl: Implementation, why: str) -> None:
     if impl.name != REFERENCE or not why or why == "highest priority available":
         return
-    key = (op, platform_name, impl.name, why)
+    _log_once((op, platform_name, impl.name, why), logging.INFO,
+              "%s on %s falls back to the %r reference (%s)", op, platform_name, REFERENCE, why)
+
+
+def _log_once(key: tuple[str, ...], level: int, message: str, *args: Any) -> None:
     if key not in _logged_fallbacks:
         _logged_fallbacks.add(key)
-        logger.info("%s on %s falls back to the %r reference (%s)", op, platform_name, REFERENCE, why)
+        logger.log(level, message, *args)
 
 
 _kernels_imported = False
