@@ -46,6 +46,7 @@ import optax
 from jax import lax
 
 from mtjax import backend
+from mtjax.ops import Norm
 
 FP8_COLLECTION = "fp8_meta"
 
@@ -351,17 +352,30 @@ class _GemmSpec:
     implementation: str | None
 
 
+def _delayed_scale(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dtype: Any) -> jax.Array:
+    """The scale a role quantizes with under `DelayedScaling`: known before the tensor is seen."""
+    recipe = spec.recipe
+    history = meta[f"{role}_amax_history"]
+    return compute_scale(history_amax(history, recipe.amax_compute_algo), meta[f"{role}_scale"], fp8_max(dtype),
+                         recipe.margin)
+
+
+def _next_state(role: str, meta: Mapping[str, jax.Array], scale: jax.Array, observed: jax.Array) -> dict:
+    return {f"{role}_amax_history": roll_amax_history(meta[f"{role}_amax_history"], observed), f"{role}_scale": scale}
+
+
+def _reduce_max(value: jax.Array, axes: Sequence[str]) -> jax.Array:
+    return lax.pmax(value, tuple(axes)) if axes else value
+
+
 def _scale_for(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | None, spec: _GemmSpec,
                dtype: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The scale ``x`` is quantized with and the role's next state (empty for current scaling)."""
-    recipe = spec.recipe
-    limit = fp8_max(dtype)
     observed = amax(x, spec.reduce_axes)
-    if isinstance(recipe, CurrentScaling):
-        return compute_scale(observed, jnp.float32(1.0), limit), {}
-    history, previous = meta[f"{role}_amax_history"], meta[f"{role}_scale"]
-    scale = compute_scale(history_amax(history, recipe.amax_compute_algo), previous, limit, recipe.margin)
-    return scale, {f"{role}_amax_history": roll_amax_history(history, observed), f"{role}_scale": scale}
+    if isinstance(spec.recipe, CurrentScaling):
+        return compute_scale(observed, jnp.float32(1.0), fp8_max(dtype)), {}
+    scale = _delayed_scale(role, meta, spec, dtype)
+    return scale, _next_state(role, meta, scale, observed)
 
 
 def _swap(a: jax.Array) -> jax.Array:
@@ -376,8 +390,12 @@ def _fp8_matmul(x, w, meta, spec):
 
 def _fp8_matmul_fwd(x, w, meta, spec):
     x_scale, x_state = _scale_for("input", x, meta, spec, spec.fwd_dtype)
+    return _quantized_input_matmul_fwd(quantize(x, x_scale, spec.fwd_dtype), x_scale, x_state, w, meta, spec)
+
+
+def _quantized_input_matmul_fwd(x_q, x_scale, x_state, w, meta, spec):
+    """The forward GEMM of an input already in FP8 (quantized with ``x_scale``) and its residuals."""
     w_scale, w_state = _scale_for("kernel", w, meta, spec, spec.fwd_dtype)
-    x_q = quantize(x, x_scale, spec.fwd_dtype)
     w_q = quantize(w, w_scale, spec.fwd_dtype)
     x_inv, w_inv = 1.0 / x_scale, 1.0 / w_scale
     out = fp8_gemm(x_q, _swap(w_q), x_inv, w_inv, out_dtype=spec.out_dtype, implementation=spec.implementation)
@@ -402,6 +420,34 @@ def _fp8_matmul_bwd(spec, residuals, g):
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_norm_matmul(x, norm, w, meta, spec):
+    """``norm(x) [M, K] @ w [K, N]`` in FP8 under `DelayedScaling`: the norm kernel writes the FP8
+    input of the GEMM and its amax in one pass (`mtjax.ops.layernorm_fp8`), so the normalized
+    activations never go through memory in bf16."""
+    return _fp8_norm_matmul_fwd(x, norm, w, meta, spec)[0]
+
+
+def _fp8_norm_matmul_fwd(x, norm, w, meta, spec):
+    x_scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
+    x_q, observed = norm.fp8(x, x_scale, spec.fwd_dtype)
+    x_state = _next_state("input", meta, x_scale, _reduce_max(observed, spec.reduce_axes))
+    out, residuals = _quantized_input_matmul_fwd(x_q, x_scale, x_state, w, meta, spec)
+    # The norm's backward needs only its inputs (the kernels recompute the statistics).
+    return out, (x, norm, residuals)
+
+
+def _fp8_norm_matmul_bwd(spec, residuals, g):
+    x, norm, gemm_residuals = residuals
+    d_normalized, dw, next_meta = _fp8_matmul_bwd(spec, gemm_residuals, g)
+    _, norm_vjp = jax.vjp(lambda x, norm: norm(x), x, norm)
+    dx, d_norm = norm_vjp(d_normalized)
+    return dx, d_norm, dw, next_meta
+
+
+_fp8_norm_matmul.defvjp(_fp8_norm_matmul_fwd, _fp8_norm_matmul_bwd)
+
+
 def _check_meta(meta: Any, recipe: Recipe) -> None:
     if isinstance(recipe, CurrentScaling):
         if meta is not None:
@@ -422,7 +468,7 @@ def _check_meta(meta: Any, recipe: Recipe) -> None:
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                     meta: Mapping[str, jax.Array] | None = None, *, recipe: Recipe | None = None,
                     mesh_axes: Sequence[str] = (), preferred_element_type: Any = None,
-                    implementation: str | None = None) -> jax.Array:
+                    implementation: str | None = None, lhs_norm: Norm | None = None) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with both operands and the output gradient in FP8.
 
     The operands are arranged as ``x [*batch, M, K]`` and ``w [*batch, K, N]`` (free axes flattened
@@ -436,6 +482,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
       recipe: `DelayedScaling` (default) or `CurrentScaling`.
       mesh_axes: mesh axes amaxes are max-reduced over where bound (see `fp8_autocast`).
       implementation: the ``fp8_gemm`` implementation (default: chosen by `mtjax.backend`).
+      lhs_norm: normalize ``lhs`` over its last axis first (`mtjax.ops.Norm`; ``lhs`` must be
+        contracted over that axis alone, with no batch axes). Under `DelayedScaling` the norm
+        writes the FP8 input of the GEMM directly (`mtjax.ops.layernorm_fp8`); its backward is
+        the norm's own.
     Returns:
       the ``lax.dot_general`` result in ``preferred_element_type`` or the operands' result type.
     """
@@ -446,6 +496,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"fp8_dot_general: {name} has dtype {x.dtype}; expected a floating dtype")
     _check_meta(meta, recipe)
+    _check_lhs_norm("fp8_dot_general", lhs, dimension_numbers, lhs_norm)
     # lax's own shape rule validates dimension_numbers and gives the result's shape and dtype.
     result = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
@@ -478,7 +529,25 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
     spec = _GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=tuple(sorted(reduce_axes)),
                      x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=result.dtype, implementation=implementation)
-    return _fp8_matmul(x, w, meta, spec).reshape(result.shape)
+    if lhs_norm is None:
+        out = _fp8_matmul(x, w, meta, spec)
+    elif isinstance(recipe, CurrentScaling):  # its scale needs max |norm(x)| first: two passes anyway
+        out = _fp8_matmul(lhs_norm(x), w, meta, spec)
+    else:
+        out = _fp8_norm_matmul(x, lhs_norm, w, meta, spec)
+    return out.reshape(result.shape)
+
+
+def _check_lhs_norm(fn: str, lhs: jax.Array, dimension_numbers: Any, lhs_norm: Norm | None) -> None:
+    """``lhs_norm`` normalizes the last axis of ``lhs``, which must be the one contracted axis."""
+    if lhs_norm is None:
+        return
+    if not isinstance(lhs_norm, Norm):
+        raise TypeError(f"{fn}(lhs_norm={lhs_norm!r}): expected a mtjax.ops.Norm or None")
+    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+    if tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(lhs_batch):
+        raise ValueError(f"{fn}(lhs_norm=...): lhs must be contracted over its last axis alone, with no batch "
+                         f"axes; got dimension_numbers={dimension_numbers} for lhs of rank {lhs.ndim}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +559,8 @@ class DotGeneral(nn.Module):
     """``lax.dot_general`` as a linen module: a plain dot, or FP8 inside `fp8_autocast`.
 
     Called like ``lax.dot_general(lhs, rhs, dimension_numbers, precision=None,
-    preferred_element_type=None)``. Under `DelayedScaling` its state is six variables in the
+    preferred_element_type=None)``, plus ``lhs_norm``: a `mtjax.ops.Norm` applied to ``lhs`` first
+    (fused with the FP8 quantization of ``lhs`` under delayed scaling, see `fp8_dot_general`). Under `DelayedScaling` its state is six variables in the
     ``FP8_COLLECTION`` collection (``{input,kernel,output_grad}_{amax_history,scale}``), created
     when the model is initialised inside `fp8_autocast`; under ``nn.scan`` give that collection
     ``variable_axes`` 0 and each layer gets its own. ``precision`` applies to the plain dot only.
@@ -500,14 +570,16 @@ class DotGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                 preferred_element_type: Any = None) -> jax.Array:
+                 preferred_element_type: Any = None, lhs_norm: Norm | None = None) -> jax.Array:
         state = current_autocast()
         if state is None:
+            _check_lhs_norm("DotGeneral", lhs, dimension_numbers, lhs_norm)
+            lhs = lhs if lhs_norm is None else lhs_norm(lhs)
             return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type)
         meta = self._meta(state.recipe) if isinstance(state.recipe, DelayedScaling) else None
-        return fp8_dot_general(lhs, rhs, dimension_numbers, meta, recipe=state.recipe,
-                               mesh_axes=state.mesh_axes, preferred_element_type=preferred_element_type)
+        return fp8_dot_general(lhs, rhs, dimension_numbers, meta, recipe=state.recipe, mesh_axes=state.mesh_axes,
+                               preferred_element_type=preferred_element_type, lhs_norm=lhs_norm)
 
     def _meta(self, recipe: DelayedScaling) -> dict[str, jax.Array]:
         missing = not self.has_variable(FP8_COLLECTION, META_KEYS[0])

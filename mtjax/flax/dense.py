@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from mtjax import fp8
 from mtjax.flax._params import AxisNames, Dtype, Initializer, canonical_tuple, contract, flat_kernel_init, param_with_axes
-from mtjax.flax.normalization import normalize
+from mtjax import ops
+from mtjax.flax.normalization import norm_with_params
 
 
 def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -23,17 +24,18 @@ def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, 
 
 def project(module: nn.Module, x: jax.Array, *, features: int | Sequence[int], axis: int | Sequence[int],
             kernel_init: Initializer, kernel_axes: AxisNames, use_bias: bool, bias_init: Initializer,
-            bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype) -> jax.Array:
+            bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype, lhs_norm: ops.Norm | None = None) -> jax.Array:
     """Creates ``kernel [*x.shape[axis], *features]`` (and ``bias [*features]``) and the ``dot_general``
     submodule in ``module`` and returns ``x`` contracted over ``axis``: ``[*other axes of x, *features]``
-    in ``dtype``. Called from the compact ``__call__`` of `DenseGeneral` and `LayerNormDenseGeneral`."""
+    in ``dtype``; ``lhs_norm`` normalizes ``x`` inside the GEMM (``axis`` must be the last axis).
+    Called from the compact ``__call__`` of `DenseGeneral` and `LayerNormDenseGeneral`."""
     owner = type(module).__name__
     features = canonical_tuple(features)
     axes = _input_axes(owner, axis, x.ndim)
     in_shape = tuple(x.shape[a] for a in axes)
     kernel = param_with_axes(module, "kernel", flat_kernel_init(kernel_init, len(in_shape)),
                              in_shape + features, param_dtype, kernel_axes)
-    y = contract(fp8.DotGeneral(name="dot_general"), x.astype(dtype), kernel.astype(dtype), axes)
+    y = contract(fp8.DotGeneral(name="dot_general"), x.astype(dtype), kernel.astype(dtype), axes, lhs_norm)
     if use_bias:
         bias = param_with_axes(module, "bias", bias_init, features, param_dtype, bias_axes)
         y = y + bias.astype(dtype)
@@ -77,6 +79,10 @@ class DenseGeneral(nn.Module):
 class LayerNormDenseGeneral(nn.Module):
     """LayerNorm/RMSNorm of the last axis followed by a `DenseGeneral` (e.g. the QKV projection).
 
+    Under `mtjax.fp8.fp8_autocast` with delayed scaling, the norm writes the FP8 input of the GEMM
+    and its amax in one pass (`mtjax.ops.layernorm_fp8`); with ``return_layernorm_output`` (or a
+    projection over other axes than the last) the norm runs on its own first.
+
     Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``
     (the residual branch of ``apply_residual_connection_post_layernorm`` needs it).
 
@@ -113,16 +119,20 @@ class LayerNormDenseGeneral(nn.Module):
     @nn.compact
     def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         x = inputs.astype(self.dtype)
+        norm = None
         if self.enable_layernorm:
-            x = normalize(
-                self, x, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+            norm = norm_with_params(
+                self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,
                 zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
-                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, dtype=self.dtype,
-                param_dtype=self.param_dtype,
+                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, param_dtype=self.param_dtype,
             )
+            # The GEMM applies the norm itself (fused with its FP8 input under fp8_autocast) unless
+            # the normalized input is wanted as well or the projection contracts other axes.
+            if self.return_layernorm_output or _input_axes(type(self).__name__, self.axis, x.ndim) != (x.ndim - 1,):
+                x, norm = norm(x), None
         y = project(
             self, x, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
             kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,
-            dtype=self.dtype, param_dtype=self.param_dtype,
+            dtype=self.dtype, param_dtype=self.param_dtype, lhs_norm=norm,
         )
         return y, (x if self.return_layernorm_output else None)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from mtjax import fp8, ops
 from mtjax.flax._params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
-from mtjax.flax.normalization import normalize
+from mtjax.flax.normalization import norm_with_params
 
 MLP_HIDDEN_AXES: AxisNames = ("activation_batch", "activation_length", "activation_mlp")
 # fc1's output [batch, length, num_activations, mlp]: the pair axis of a gated activation stays whole
@@ -78,17 +78,18 @@ class LayerNormMLP(nn.Module):
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
         hidden = inputs.shape[-1]
         x = inputs.astype(self.dtype)
+        norm = None
         if self.enable_layernorm:
-            x = normalize(
-                self, x, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+            norm = norm_with_params(
+                self, hidden, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
                 zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
-                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, dtype=self.dtype,
-                param_dtype=self.param_dtype,
+                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, param_dtype=self.param_dtype,
             )
-        ln_out = x
+            if self.return_layernorm_output:  # else fc1 applies it (fused with its FP8 input under fp8_autocast)
+                x, norm = norm(x), None
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
                              (hidden, num_activations, self.intermediate_dim), self.param_dtype, self.kernel_axes_1)
-        h = contract(fp8.DotGeneral(name="wi_dot_general"), x, wi.astype(self.dtype), (x.ndim - 1,))
+        h = contract(fp8.DotGeneral(name="wi_dot_general"), x, wi.astype(self.dtype), (x.ndim - 1,), norm)
         if h.ndim == 4:
             h = nn.with_logical_constraint(h, FC1_OUTPUT_AXES)
         wi_bias = None
@@ -109,4 +110,4 @@ class LayerNormMLP(nn.Module):
         if self.use_bias:
             wo_bias = param_with_axes(self, "wo_bias", self.bias_init, (hidden,), self.param_dtype, self.bias_axes_2)
             y = y + wo_bias.astype(self.dtype)
-        return y, (ln_out if self.return_layernorm_output else None)
+        return y, (x if self.return_layernorm_output else None)

@@ -16,24 +16,24 @@ def check_layernorm_type(owner: str, layernorm_type: str) -> None:
     check_choice(owner, "layernorm_type", layernorm_type, LAYERNORM_TYPES)
 
 
-def normalize(module: nn.Module, x: jax.Array, *, layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
-              scale_init: Initializer | None, scale_axes: AxisNames, ln_bias_init: Initializer,
-              ln_bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype) -> jax.Array:
-    """Creates ``scale`` (and ``ln_bias`` for LayerNorm) in ``module`` and normalizes ``x`` in ``dtype``.
+def norm_with_params(module: nn.Module, hidden: int, *, layernorm_type: str, epsilon: float,
+                     zero_centered_gamma: bool, scale_init: Initializer | None, scale_axes: AxisNames,
+                     ln_bias_init: Initializer, ln_bias_axes: AxisNames, param_dtype: Dtype) -> ops.Norm:
+    """Creates ``scale`` (and ``ln_bias`` for LayerNorm) in ``module``; returns the norm they define.
 
     The parameters live in the calling module (TransformerEngine's layout), so the fused modules
-    (`LayerNormDenseGeneral`, `LayerNormMLP`) hold norm and GEMM weights side by side.
+    (`LayerNormDenseGeneral`, `LayerNormMLP`) hold norm and GEMM weights side by side, and can hand
+    the norm to their GEMM (``lhs_norm``) to be fused with its FP8 input.
     """
     check_layernorm_type(type(module).__name__, layernorm_type)
-    hidden = x.shape[-1]
     if scale_init is None:
         scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
     scale = param_with_axes(module, "scale", scale_init, (hidden,), param_dtype, scale_axes)
-    x = x.astype(dtype)
-    if layernorm_type == "rmsnorm":
-        return ops.rmsnorm(x, scale, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
-    ln_bias = param_with_axes(module, "ln_bias", ln_bias_init, (hidden,), param_dtype, ln_bias_axes)
-    return ops.layernorm(x, scale, ln_bias, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    ln_bias = None
+    if layernorm_type == "layernorm":
+        ln_bias = param_with_axes(module, "ln_bias", ln_bias_init, (hidden,), param_dtype, ln_bias_axes)
+    return ops.Norm(scale, ln_bias, layernorm_type=layernorm_type, epsilon=epsilon,
+                    zero_centered_gamma=zero_centered_gamma)
 
 
 class LayerNorm(nn.Module):
@@ -64,8 +64,9 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [..., hidden]`` -> normalized ``[..., hidden]`` in ``dtype``."""
-        return normalize(
-            self, x, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+        norm = norm_with_params(
+            self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,
             zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
-            ln_bias_init=self.bias_init, ln_bias_axes=self.bias_axes, dtype=self.dtype, param_dtype=self.param_dtype,
+            ln_bias_init=self.bias_init, ln_bias_axes=self.bias_axes, param_dtype=self.param_dtype,
         )
+        return norm(x.astype(self.dtype))

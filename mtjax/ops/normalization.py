@@ -8,12 +8,17 @@ applied as ``1 + gamma``), which keeps weight decay from pulling the scale towar
   plus ``amax = max |y|`` before scaling), forward only: the FP8 GEMM consuming ``q`` owns the
   backward pass, which is `layernorm`/`rmsnorm`'s.
 - `residual_norm`: ``new_residual = dropout(x) + residual`` and ``norm(new_residual)`` together.
+- `Norm`: a norm with its parameters bound, as one value (a pytree) that a fused consumer such as
+  `mtjax.fp8.fp8_dot_general` can apply, quantize (`Norm.fp8`) and differentiate.
 
 Each has a ``"pallas_triton"`` kernel (kernels/layer_norm.py, kernels/residual_norm.py) that the
 automatic selection picks only for the shapes where it measured at least as fast as XLA.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +184,42 @@ def layernorm_fp8(
         layernorm_type=layernorm_type, epsilon=float(epsilon), zero_centered_gamma=bool(zero_centered_gamma),
         out_dtype=jnp.dtype(out_dtype),
     )
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["gamma", "beta"],
+                   meta_fields=["layernorm_type", "epsilon", "zero_centered_gamma"])
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """LayerNorm or RMSNorm over the last axis with its parameters: ``norm(x)`` applies it.
+
+    A pytree (``gamma`` and ``beta`` are its leaves), so it can be passed through ``jax.vjp`` and
+    ``custom_vjp`` functions and receive gradients.
+
+    Attributes:
+      gamma: ``[hidden]`` scale (``1 + gamma`` if ``zero_centered_gamma``).
+      beta: ``[hidden]`` shift for LayerNorm; ``None`` for RMSNorm.
+      layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+      epsilon: added to the variance.
+      zero_centered_gamma: as `layernorm`.
+    """
+
+    gamma: jax.Array
+    beta: jax.Array | None = None
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """`layernorm` or `rmsnorm` of ``x [..., hidden]``, in ``x.dtype``."""
+        _check_typed("Norm", self.layernorm_type, x, self.gamma, self.beta, self.epsilon)
+        if self.layernorm_type == "rmsnorm":
+            return rmsnorm(x, self.gamma, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+        return layernorm(x, self.gamma, self.beta, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+
+    def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+        """`layernorm_fp8` of ``x``: ``(saturate_cast(norm(x) * scale, out_dtype), max |norm(x)|)``."""
+        return layernorm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,
+                             epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma, out_dtype=out_dtype)
 
 
 @backend.register("residual_norm", backend.REFERENCE)
