@@ -87,6 +87,29 @@ def test_norm_kernels_match_reference(rows, hidden, dtype, kind, zero_centered, 
         check_kernel(fn, (x, gamma), (0, 1), dtype)
 
 
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm_kernels_on_exact_tiles(kind):
+    """Power-of-two hidden and whole row blocks: the unmasked loads/stores path (forward, backward, FP8)."""
+    from mtjax.kernels import layer_norm as kernels
+
+    hidden = 128
+    rows = 2 * kernels.forward_tile(hidden, kind == "rmsnorm")[0] * kernels.backward_tile(hidden)[0]
+    x = _random(0, (rows, hidden), jnp.float32, 2.0) + 0.5
+    gamma, beta = _random(1, (hidden,), jnp.float32), _random(2, (hidden,), jnp.float32)
+    if kind == "layernorm":
+        check_kernel(lambda x, g, b, implementation: ops.layernorm(x, g, b, implementation=implementation),
+                     (x, gamma, beta), (0, 1, 2), jnp.float32)
+    else:
+        check_kernel(lambda x, g, implementation: ops.rmsnorm(x, g, implementation=implementation),
+                     (x, gamma), (0, 1), jnp.float32)
+    fp8_args = (x, gamma, beta if kind == "layernorm" else None, jnp.float32(100.0))
+    with override(pallas_interpret=True):
+        q, amax = ops.layernorm_fp8(*fp8_args, layernorm_type=kind, implementation="pallas_triton")
+    q_ref, amax_ref = ops.layernorm_fp8(*fp8_args, layernorm_type=kind, implementation="xla")
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-6)
+    assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
+
+
 @pytest.mark.parametrize("kind, out_dtype", [("layernorm", jnp.float8_e4m3fn), ("rmsnorm", jnp.float8_e5m2)])
 def test_norm_fp8_matches_reference(kind, out_dtype):
     x = _random(0, (13, 300), jnp.bfloat16, 3.0)
@@ -234,6 +257,9 @@ def test_every_kernel_lowers_for_cuda():
     r = jax.ShapeDtypeStruct(x.shape, f32)
     # per norm kind: fwd, bwd, fp8 fwd, residual fwd, residual bwd
     assert _lower_for_cuda(norms, x, r, g, g, scale, key) == 10
+    exact = jax.ShapeDtypeStruct((8, 2048, 4096), bf16)  # unmasked tiles
+    g_exact = jax.ShapeDtypeStruct((4096,), f32)
+    assert _lower_for_cuda(norms, exact, jax.ShapeDtypeStruct(exact.shape, f32), g_exact, g_exact, scale, key) == 10
 
     def activations(x, bias, scale):
         out = []
