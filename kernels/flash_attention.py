@@ -214,11 +214,19 @@ class _Static:
 
 
 def _logits2(q, k, st: _Static):
-    """``q k^T`` scaled (and soft-capped) into the base-2 domain, float32 ``[rows, cols]``."""
+    """``(s, c)``: float32 ``s [rows, cols]`` with ``s * c`` the logits in the base-2 domain (scaled,
+    soft-capped). Without a soft-cap ``s`` is the raw ``q k^T`` and ``c`` the scale, so that the scale
+    folds into the exponent's subtraction (`_exp2_shifted`: one FMA per element, not a multiply and a
+    subtraction); the elementwise work, not the GEMMs, is what bounds these kernels on Hopper."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if st.soft_cap is None:
-        return s * (st.scale * LOG2E)
-    return (st.soft_cap * LOG2E) * jnp.tanh(s * (st.scale / st.soft_cap))
+        return s, st.scale * LOG2E
+    return (st.soft_cap * LOG2E) * jnp.tanh(s * (st.scale / st.soft_cap)), 1.0
+
+
+def _exp2_shifted(s, c: float, shift):
+    """``exp2(s * c - shift)`` (``shift`` broadcast against ``s``)."""
+    return jnp.exp2((s if c == 1.0 else s * c) - shift)
 
 
 def _soft_cap_grad(ds, s2, st: _Static):
@@ -295,15 +303,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, num_q_blocks: int):
         acc, m, l = carry
         k0 = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(k0, block_k), :]
-        s = _logits2(q, k, st)
+        s, c = _logits2(q, k, st)
         kv_seg = kv_seg_ref[pl.ds(k0, block_k)] if st.mask.segments else None
         keep = st.mask.keep(rows, (k0 + jnp.arange(block_k))[None, :], q_seg, _row(kv_seg), edge=edge)
         if keep is not None:
             s = jnp.where(keep, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # c > 0: the max of the scaled row
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
         alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - m_safe[:, None])
+        p = _exp2_shifted(s, c, m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)  # the normaliser counts dropped entries too
         p = _dropout(p, seed_ref, row_ids, (k0 + jnp.arange(block_k))[None, :], st)
         v = v_ref[pl.ds(k0, block_k), :]
@@ -377,10 +385,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             do = do_ref[pl.ds(q0, block_q), g, :]
             lse = lse_ref[g, pl.ds(q0, block_q)]
             delta = delta_ref[g, pl.ds(q0, block_q)]
-            s_t = _logits2(k, q, st)  # [keys, queries]
+            s_t, c = _logits2(k, q, st)  # [keys, queries]
             q_seg = q_seg_ref[pl.ds(q0, block_q)][None, :] if st.mask.segments else None
             keep_t = st.mask.keep((q0 + jnp.arange(block_q))[None, :], cols, q_seg, kv_seg, edge=edge)
-            p_t = jnp.exp2(s_t - lse[None, :])
+            p_t = _exp2_shifted(s_t, c, lse[None, :])
             if keep_t is not None:
                 p_t = jnp.where(keep_t, p_t, 0.0)
             row_ids = _dropout_rows(batch_index, first_head + g, num_heads, (q0 + jnp.arange(block_q))[None, :], st)
@@ -417,10 +425,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         k0 = pl.multiple_of(j * block_k, block_k)
         k = k_ref[pl.ds(k0, block_k), :]
         v = v_ref[pl.ds(k0, block_k), :]
-        s = _logits2(q, k, st)
+        s, c = _logits2(q, k, st)
         kv_seg = kv_seg_ref[pl.ds(k0, block_k)] if st.mask.segments else None
         keep = st.mask.keep(rows, (k0 + jnp.arange(block_k))[None, :], q_seg, _row(kv_seg), edge=edge)
-        p = jnp.exp2(s - lse[:, None])
+        p = _exp2_shifted(s, c, lse[:, None])
         if keep is not None:
             p = jnp.where(keep, p, 0.0)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
