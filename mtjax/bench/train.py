@@ -15,7 +15,7 @@ Model FLOPs per token are the preset's ``flops_per_token(seq)`` (6·N + causal a
 four, so MFU and speed-ups compare the same work. Each variant is compiled, timed with the state
 threaded through as in training, and reported (one line on stderr) before the next starts, so a
 run cut short keeps what it measured; ``--profile DIR`` adds each step's per-op device time
-(`mtjax.bench.profile`).
+(`mtjax.bench.profile`), from a second compilation of the step without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -111,11 +111,17 @@ def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict
     return out
 
 
-def _compile(variant: Variant, batch: dict[str, jax.Array]) -> tuple[Any, float]:
+# Profiled steps are compiled without CUDA graphs ("command buffers"): inside one, the profiler sees
+# a single event (named after its first kernel, e.g. a memcpy) for the whole scanned layer stack.
+PROFILE_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def _compile(variant: Variant, batch: dict[str, jax.Array], extra_options: dict[str, Any] | None = None
+             ) -> tuple[Any, float]:
     """``(compiled step, seconds)``; traced under the variant's context (``fp8_autocast`` is read then)."""
     with variant.context():
         lowered = variant.step.lower(jax.eval_shape(variant.init), batch)
-    return timing.compile_lowered(lowered, variant.xla_options)
+    return timing.compile_lowered(lowered, {**variant.xla_options, **(extra_options or {})})
 
 
 def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], out_dir: str,
@@ -169,7 +175,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
                   f"{extra['tokens_per_s']:.0f} tokens/s, loss {extra['loss']:.3f}, compiled in {compile_s:.0f} s",
                   file=sys.stderr, flush=True)
             if profile_dir is not None and variant.profiled:
-                state, profiled = _profile(step, state, batches[0], profile_dir,
+                profiled_step, _ = _compile(variant, batches[0], PROFILE_XLA_OPTIONS)
+                state, profiled = _profile(profiled_step, state, batches[0], profile_dir,
                                            f"{preset}_{variant.implementation.replace(' ', '_')}")
                 extra.update(profiled)
             del state
