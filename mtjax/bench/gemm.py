@@ -4,8 +4,9 @@ Each case is one Dense GEMM ``y = x @ w`` (x ``[tokens, in]``, w ``[in, out]``, 
 backward (dgrad and wgrad), timed as one jitted ``jax.vjp`` call: three GEMMs, ``6 * M * K * N``
 FLOPs. Rows: ``xla bf16`` (the peer: ``lax.dot_general`` in bf16), ``mtjax fp8`` (`mtjax.fp8.
 fp8_dot_general` with delayed scaling, quantization, amaxes and the meta update included). Each
-row's ``extra`` counts the GEMM custom calls in the compiled program (``fp8_gemms`` should be 3 on
-a GPU: forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM).
+row's ``extra`` counts the GEMMs of the compiled program (`gemm_calls`: ``fp8_gemms`` should be 3 on
+a GPU, forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM; ``triton_gemms`` counts those XLA
+emitted as Triton fusions instead).
 
 Shapes: 8192^3, and the four GEMMs of a 1.3B GPT layer (hidden 2048, ffn 8192) at 8192 tokens.
 ``python -m mtjax.bench.gemm [--quick]`` prints the rows as a table.
@@ -73,11 +74,13 @@ def _calibrated_meta(fn, inputs: tuple) -> dict:
     return meta
 
 
-def _gemm_calls(compiled) -> dict[str, int]:
-    """How many cuBLAS(Lt) GEMMs the compiled program runs, FP8 and other."""
-    targets = re.findall(r'custom_call_target="(__cublas[^"]*)"', compiled.as_text())
+def gemm_calls(hlo_text: str) -> dict[str, int]:
+    """The GEMMs of a compiled (optimized) HLO module: cuBLASLt FP8 calls, other cuBLAS calls, and
+    GEMMs XLA emitted as Triton fusions instead (its autotuner may pick those over cuBLAS)."""
+    targets = re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo_text)
     fp8_calls = sum(t.endswith("$f8") for t in targets)
-    return {"fp8_gemms": fp8_calls, "other_gemms": len(targets) - fp8_calls}
+    return {"fp8_gemms": fp8_calls, "other_gemms": len(targets) - fp8_calls,
+            "triton_gemms": len(re.findall(r'"kind":"__triton_gemm"', hlo_text))}
 
 
 def run(quick: bool) -> list[dict]:
@@ -97,7 +100,7 @@ def run(quick: bool) -> list[dict]:
                 peer="xla bf16" if is_fp8 else None,
                 ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
                 shape=[m, k, n], dtype="fp8 (e4m3 fwd, e5m2 grads)" if is_fp8 else "bf16",
-                **_gemm_calls(compiled)))
+                **gemm_calls(compiled.as_text())))
     return rows
 
 

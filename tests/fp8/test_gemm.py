@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 from mtjax import backend, fp8
+from mtjax.bench.gemm import gemm_calls
 
 DENSE = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N], as a Dense layer calls it
 HISTORY = 4
@@ -217,4 +218,5 @@ def test_dense_fwd_bwd_compiles_to_three_cublaslt_fp8_gemms():
     fn, args = _dense_fwd_bwd_fn()
     hlo = fn.lower(*args).compile().as_text()
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    assert targets.count("__cublas$lt$matmul$f8") == 3, targets
+    # On failure, say where the GEMMs went (other cuBLAS calls, Triton GEMM fusions).
+    assert targets.count("__cublas$lt$matmul$f8") == 3, (gemm_calls(hlo), targets)
