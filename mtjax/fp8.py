@@ -241,11 +241,13 @@ def _varying_axes(x: Any) -> frozenset[str]:
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
+def _reduce_max(value: jax.Array, axes: Sequence[str]) -> jax.Array:
+    return lax.pmax(value, tuple(axes)) if axes else value
+
+
 def amax(x: jax.Array, mesh_axes: Sequence[str] = ()) -> jax.Array:
     """``max |x|`` as float32, max-reduced over those of ``mesh_axes`` that are bound."""
-    value = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    axes = _bound_axes(mesh_axes)
-    return lax.pmax(value, axes) if axes else value
+    return _reduce_max(jnp.max(jnp.abs(x)).astype(jnp.float32), _bound_axes(mesh_axes))
 
 
 def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max: float, margin: int = 0) -> jax.Array:
@@ -362,10 +364,6 @@ def _delayed_scale(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dt
 
 def _next_state(role: str, meta: Mapping[str, jax.Array], scale: jax.Array, observed: jax.Array) -> dict:
     return {f"{role}_amax_history": roll_amax_history(meta[f"{role}_amax_history"], observed), f"{role}_scale": scale}
-
-
-def _reduce_max(value: jax.Array, axes: Sequence[str]) -> jax.Array:
-    return lax.pmax(value, tuple(axes)) if axes else value
 
 
 def _scale_for(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | None, spec: _GemmSpec,
@@ -560,10 +558,11 @@ class DotGeneral(nn.Module):
 
     Called like ``lax.dot_general(lhs, rhs, dimension_numbers, precision=None,
     preferred_element_type=None)``, plus ``lhs_norm``: a `mtjax.ops.Norm` applied to ``lhs`` first
-    (fused with the FP8 quantization of ``lhs`` under delayed scaling, see `fp8_dot_general`). Under `DelayedScaling` its state is six variables in the
-    ``FP8_COLLECTION`` collection (``{input,kernel,output_grad}_{amax_history,scale}``), created
-    when the model is initialised inside `fp8_autocast`; under ``nn.scan`` give that collection
-    ``variable_axes`` 0 and each layer gets its own. ``precision`` applies to the plain dot only.
+    (fused with the FP8 quantization of ``lhs`` under delayed scaling, see `fp8_dot_general`).
+    Under `DelayedScaling` its state is six variables in the ``FP8_COLLECTION`` collection
+    (``{input,kernel,output_grad}_{amax_history,scale}``), created when the model is initialised
+    inside `fp8_autocast`; under ``nn.scan`` give that collection ``variable_axes`` 0 and each
+    layer gets its own. ``precision`` applies to the plain dot only.
 
     Attributes: none: the recipe comes from `fp8_autocast`, so one model definition serves both.
     """

@@ -9,9 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import fp8
+from mtjax import fp8, ops
 from mtjax.flax._params import AxisNames, Dtype, Initializer, canonical_tuple, contract, flat_kernel_init, param_with_axes
-from mtjax import ops
 from mtjax.flax.normalization import norm_with_params
 
 
