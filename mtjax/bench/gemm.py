@@ -80,7 +80,7 @@ def gemm_calls(hlo_text: str) -> dict[str, int]:
     targets = re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo_text)
     fp8_calls = sum(t.endswith("$f8") for t in targets)
     return {"fp8_gemms": fp8_calls, "other_gemms": len(targets) - fp8_calls,
-            "triton_gemms": len(re.findall(r'"kind":"__triton_gemm"', hlo_text))}
+            "triton_gemms": len(re.findall(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"', hlo_text))}
 
 
 def run(quick: bool) -> list[dict]:

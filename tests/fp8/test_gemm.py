@@ -215,8 +215,11 @@ def test_gemms_lower_on_fp8_operands_for_cuda():
 
 @pytest.mark.gpu
 def test_dense_fwd_bwd_compiles_to_three_cublaslt_fp8_gemms():
+    """All three GEMMs match XLA's cuBLASLt FP8 rewrite. Triton GEMM
+    fusions are switched off: at this small shape the autotuner may rightly prefer them, which is a
+    choice among kernels, not a failure of the pattern."""
     fn, args = _dense_fwd_bwd_fn()
-    hlo = fn.lower(*args).compile().as_text()
+    hlo = fn.lower(*args).compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
     # On failure, say where the GEMMs went (other cuBLAS calls, Triton GEMM fusions).
     assert targets.count("__cublas$lt$matmul$f8") == 3, (gemm_calls(hlo), targets)
