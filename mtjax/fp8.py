@@ -46,6 +46,8 @@ import optax
 from jax import lax
 
 from mtjax import backend
+from mtjax.kernels import quantize as quantize_kernels
+from mtjax.kernels._common import too_small
 from mtjax.ops import Norm
 
 FP8_COLLECTION = "fp8_meta"
@@ -282,6 +284,32 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
+@backend.register("cast_transpose", backend.REFERENCE)
+def cast_transpose_reference(x: jax.Array, scale: jax.Array, *, out_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q = quantize(x, scale, out_dtype)
+    return q, jnp.swapaxes(q, -1, -2), jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+# The Pallas kernel reads x once where XLA may run a reduce, the cast and a transpose of the cast.
+@backend.register("cast_transpose", "pallas_triton", requires=(backend.PALLAS_TRITON,), priority=10,
+                  single_device=True, prefer=too_small,
+                  supports=lambda x, scale, *, out_dtype: quantize_kernels.supported(x.shape, x.dtype, out_dtype))
+def _cast_transpose_pallas(x, scale, *, out_dtype):
+    return quantize_kernels.cast_transpose(x, scale, out_dtype)
+
+
+def cast_transpose(x: jax.Array, scale: jax.Array, dtype: Any, *,
+                   implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(q, swapaxes(q, -1, -2), max |x|)`` with ``q = quantize(x, scale, dtype)``: what an FP8 GEMM
+    and its backward need of one operand (the transpose feeds the GEMM that contracts the other
+    axis). The amax is float32, local (not reduced over mesh axes)."""
+    dtype = _check_fp8_dtype("cast_transpose", dtype)
+    if jnp.ndim(x) < 2:
+        raise ValueError(f"cast_transpose: x must have at least 2 axes; got shape {jnp.shape(x)}")
+    return backend.dispatch("cast_transpose", x, jnp.reshape(jnp.asarray(scale, jnp.float32), ()),
+                            implementation=implementation, out_dtype=jnp.dtype(dtype))
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
     """``q * (1 / scale)`` in ``dtype``: the inverse of `quantize` up to FP8 rounding."""
     _check_fp8_dtype("dequantize", q.dtype)
@@ -371,14 +399,17 @@ def _next_state(role: str, meta: Mapping[str, jax.Array], scale: jax.Array, obse
     return {f"{role}_amax_history": roll_amax_history(meta[f"{role}_amax_history"], observed), f"{role}_scale": scale}
 
 
-def _scale_for(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | None, spec: _GemmSpec,
-               dtype: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The scale ``x`` is quantized with and the role's next state (empty for current scaling)."""
-    observed = amax(x, spec.reduce_axes)
+def _quantize_operand(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | None, spec: _GemmSpec,
+                      dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``(q, q transposed, scale, the role's next state)`` of one GEMM operand; the state is empty
+    under current scaling, whose scale needs the amax before the cast."""
     if isinstance(spec.recipe, CurrentScaling):
-        return compute_scale(observed, jnp.float32(1.0), fp8_max(dtype)), {}
+        scale = compute_scale(amax(x, spec.reduce_axes), jnp.float32(1.0), fp8_max(dtype))
+        q, q_t, _ = cast_transpose(x, scale, dtype)
+        return q, q_t, scale, {}
     scale = _delayed_scale(role, meta, spec, dtype)
-    return scale, _next_state(role, meta, scale, observed)
+    q, q_t, observed = cast_transpose(x, scale, dtype)
+    return q, q_t, scale, _next_state(role, meta, scale, _reduce_max(observed, spec.reduce_axes))
 
 
 def _swap(a: jax.Array) -> jax.Array:
@@ -392,30 +423,29 @@ def _fp8_matmul(x, w, meta, spec):
 
 
 def _fp8_matmul_fwd(x, w, meta, spec):
-    x_scale, x_state = _scale_for("input", x, meta, spec, spec.fwd_dtype)
-    return _quantized_input_matmul_fwd(quantize(x, x_scale, spec.fwd_dtype), x_scale, x_state, w, meta, spec)
+    x_q, x_q_t, x_scale, x_state = _quantize_operand("input", x, meta, spec, spec.fwd_dtype)
+    return _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec)
 
 
-def _quantized_input_matmul_fwd(x_q, x_scale, x_state, w, meta, spec):
-    """The forward GEMM of an input already in FP8 (quantized with ``x_scale``) and its residuals."""
-    w_scale, w_state = _scale_for("kernel", w, meta, spec, spec.fwd_dtype)
-    w_q = quantize(w, w_scale, spec.fwd_dtype)
+def _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec):
+    """The forward GEMM of an input already in FP8 (``x_q`` and its transpose ``x_q_t``, quantized
+    with ``x_scale``) and its residuals."""
+    w_q, w_q_t, w_scale, w_state = _quantize_operand("kernel", w, meta, spec, spec.fwd_dtype)
     x_inv, w_inv = 1.0 / x_scale, 1.0 / w_scale
-    out = fp8_gemm(x_q, _swap(w_q), x_inv, w_inv, out_dtype=spec.out_dtype, implementation=spec.implementation)
+    out = fp8_gemm(x_q, w_q_t, x_inv, w_inv, out_dtype=spec.out_dtype, implementation=spec.implementation)
     grad_meta = None if meta is None else {k: v for k, v in meta.items() if k.startswith("output_grad_")}
-    # x^T is kept already transposed, so wgrad needs no transpose of a saved tensor (XLA can fuse
-    # it into the quantization); both are FP8, half the bytes of keeping x and w in bf16.
-    return out, (_swap(x_q), w_q, x_inv, w_inv, grad_meta, {**x_state, **w_state})
+    # x^T is kept already transposed, so wgrad needs no transpose of a saved tensor; both residuals
+    # are FP8, half the bytes of keeping x and w in bf16.
+    return out, (x_q_t, w_q, x_inv, w_inv, grad_meta, {**x_state, **w_state})
 
 
 def _fp8_matmul_bwd(spec, residuals, g):
     x_q_t, w_q, x_inv, w_inv, grad_meta, fwd_state = residuals
-    g_scale, g_state = _scale_for("output_grad", g, grad_meta, spec, spec.bwd_dtype)
-    g_q = quantize(g, g_scale, spec.bwd_dtype)
+    g_q, g_q_t, g_scale, g_state = _quantize_operand("output_grad", g, grad_meta, spec, spec.bwd_dtype)
     g_inv = 1.0 / g_scale
     # dgrad: g [M, N] . w [K, N] over N;  wgrad: x^T [K, M] . g^T [N, M] over M.
     dx = fp8_gemm(g_q, w_q, g_inv, w_inv, out_dtype=spec.x_dtype, implementation=spec.implementation)
-    dw = fp8_gemm(x_q_t, _swap(g_q), x_inv, g_inv, out_dtype=spec.w_dtype, implementation=spec.implementation)
+    dw = fp8_gemm(x_q_t, g_q_t, x_inv, g_inv, out_dtype=spec.w_dtype, implementation=spec.implementation)
     next_meta = None if grad_meta is None else {**fwd_state, **g_state}
     return dx, dw, next_meta
 
@@ -435,7 +465,7 @@ def _fp8_norm_matmul_fwd(x, norm, w, meta, spec):
     x_scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
     x_q, observed = norm.fp8(x, x_scale, spec.fwd_dtype)
     x_state = _next_state("input", meta, x_scale, _reduce_max(observed, spec.reduce_axes))
-    out, residuals = _quantized_input_matmul_fwd(x_q, x_scale, x_state, w, meta, spec)
+    out, residuals = _quantized_input_matmul_fwd(x_q, _swap(x_q), x_scale, x_state, w, meta, spec)
     # The norm's backward needs only its inputs (the kernels recompute the statistics).
     return out, (x, norm, residuals)
 

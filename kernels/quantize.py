@@ -1,0 +1,92 @@
+"""FP8 cast + transpose + amax in one pass, as a Pallas Triton kernel (TransformerEngine's "cast_transpose").
+
+An FP8 GEMM's forward needs the input ``x [m, k]`` in FP8, and its wgrad needs the same values
+transposed (``[k, m]``: Hopper's FP8 tensor cores contract over the last axis of both operands);
+delayed scaling also records ``max |x|``. XLA runs these as up to three passes over ``x`` (a reduce,
+the cast, a transpose of the cast); this kernel reads each ``[block_m, block_k]`` tile of ``x`` once
+and writes the tile, its transpose and the tile's amax. The per-tile maxima are reduced outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from mtjax.kernels._common import FP8_DTYPES, KERNEL_DTYPES, MAX_ELEMENTS, check_size, interpret, saturate_cast
+
+BLOCK = 64  # square tiles: 64x64 bf16 is 8 KiB in, 2x4 KiB out, and keeps the transpose in registers/SMEM
+
+
+@dataclasses.dataclass(frozen=True)
+class CastSpec:
+    """Static description of a launch over ``x [m, k]`` in ``block x block`` tiles."""
+
+    m: int
+    k: int
+    block: int
+    num_warps: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return pl.cdiv(self.m, self.block), pl.cdiv(self.k, self.block)
+
+    @property
+    def exact(self) -> bool:
+        """Whether tiles cover ``x`` exactly, so loads and stores need no masks."""
+        return self.m % self.block == 0 and self.k % self.block == 0
+
+
+def _kernel(x_ref, scale_ref, q_ref, qt_ref, amax_ref, *, spec: CastSpec):
+    rows = pl.program_id(0) * spec.block + jnp.arange(spec.block)
+    cols = pl.program_id(1) * spec.block + jnp.arange(spec.block)
+    mask = None if spec.exact else (rows < spec.m)[:, None] & (cols < spec.k)[None, :]
+    tile = x_ref.at[rows[:, None], cols[None, :]]
+    x = (plgpu.load(tile) if mask is None else plgpu.load(tile, mask=mask, other=0.0)).astype(jnp.float32)
+    # Masked elements load as 0, which never raises a max of absolute values.
+    amax_ref[pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.abs(x))
+    q = saturate_cast(x * scale_ref[0], q_ref.dtype)
+    plgpu.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=mask)
+    plgpu.store(qt_ref.at[cols[:, None], rows[None, :]], q.T, mask=None if mask is None else mask.T)
+
+
+def supported(shape, dtype, out_dtype) -> str | None:
+    """``None`` if the kernel takes ``x`` of this shape and dtype, else why not."""
+    if len(shape) != 2:
+        return f"x of rank {len(shape)} (2-D only)"
+    if jnp.dtype(dtype) not in KERNEL_DTYPES:
+        return f"dtype {jnp.dtype(dtype)} (float32, bfloat16, float16 only)"
+    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
+        return f"out_dtype {jnp.dtype(out_dtype)} (float8_e4m3fn, float8_e5m2 only)"
+    if not 0 < shape[0] * shape[1] <= MAX_ELEMENTS:
+        return f"{shape[0] * shape[1]} elements (1..{MAX_ELEMENTS})"
+    return None
+
+
+def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BLOCK,
+                   num_warps: int = 4) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(q, q.T, max |x|)`` with ``q = saturate_cast(x * scale, out_dtype)`` for 2-D ``x [m, k]``.
+
+    ``scale`` is a float32 scalar; the amax is float32, of ``x`` before scaling. Forward only (FP8
+    casts feed GEMMs whose custom_vjp owns the backward).
+    """
+    why = supported(x.shape, x.dtype, out_dtype)
+    if why is not None:
+        raise ValueError(f"cast_transpose: unsupported input: {why}")
+    check_size("cast_transpose", x)
+    m, k = x.shape
+    spec = CastSpec(m=m, k=k, block=block, num_warps=num_warps)
+    q, qt, tile_amax = pl.pallas_call(
+        functools.partial(_kernel, spec=spec),
+        out_shape=(jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((k, m), out_dtype),
+                   jax.ShapeDtypeStruct(spec.grid, jnp.float32)),
+        grid=spec.grid,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret(),
+        name="mtjax_cast_transpose",
+    )(x, jnp.reshape(scale, (1,)).astype(jnp.float32))
+    return q, qt, jnp.max(tile_amax)
