@@ -14,5 +14,6 @@ def test_quick_rows():
 
 def test_gemm_calls_counts_cublas_and_triton_gemms():
     hlo = ('custom_call_target="__cublas$lt$matmul$f8" custom_call_target="__cublas$gemm" '
-           'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}')
-    assert gemm.gemm_calls(hlo) == {"fp8_gemms": 1, "other_gemms": 1, "triton_gemms": 1}
+           'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}} '
+           'backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}')
+    assert gemm.gemm_calls(hlo) == {"fp8_gemms": 1, "other_gemms": 1, "triton_gemms": 2}
