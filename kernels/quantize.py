@@ -19,7 +19,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels._common import FP8_DTYPES, KERNEL_DTYPES, MAX_ELEMENTS, check_size, interpret, saturate_cast
 
-BLOCK = 64  # square tiles: 64x64 bf16 is 8 KiB in, 2x4 KiB out, and keeps the transpose in registers/SMEM
+# Square 64x64 tiles, 8 warps: on the H200 the fastest of 32/64/128 tiles and 4/8 warps at both
+# 8192x8192 (0.104 ms, 2580 GB/s) and 16384x2048 bf16 (0.057 ms, 2350 GB/s); XLA: 0.225 and 0.107 ms.
+BLOCK = 64
+NUM_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +71,7 @@ def supported(shape, dtype, out_dtype) -> str | None:
 
 
 def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BLOCK,
-                   num_warps: int = 4) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   num_warps: int = NUM_WARPS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(q, q.T, max |x|)`` with ``q = saturate_cast(x * scale, out_dtype)`` for 2-D ``x [m, k]``.
 
     ``scale`` is a float32 scalar; the amax is float32, of ``x`` before scaling. Forward only (FP8

@@ -326,6 +326,19 @@ def init_meta(amax_history_len: int = 1024) -> dict[str, jax.Array]:
     return meta
 
 
+def compiler_options(platform: str | None = None) -> dict[str, Any]:
+    """XLA options for a jitted step whose GEMMs run in FP8 on ``platform`` (default: jax's backend).
+
+    On CUDA GPUs Triton GEMM fusions are switched off, so XLA hands every FP8 dot to cuBLASLt's FP8
+    GEMM (dequantization scales folded in) instead of autotuning Triton fusions for each shape. On
+    an H200 (jax 0.11.2) the 1.3B GPT train step under `fp8_autocast` then compiled in 2 s instead of
+    163 s, and the dense FP8 GEMMs all ran on cuBLASLt, at or above the speed of the Triton choice.
+    Elsewhere (CPU, ROCm, PJRT plugins: not measured): none. Pass to ``jax.jit(...,
+    compiler_options=...)``; ``make_train_step`` and ``mtjax train --fp8`` do.
+    """
+    return {"xla_gpu_enable_triton_gemm": False} if (platform or backend.platform()) == "cuda" else {}
+
+
 # --------------------------------------------------------------------------------------------------
 # The scaled FP8 GEMM (op "fp8_gemm") and fp8_dot_general
 # --------------------------------------------------------------------------------------------------

@@ -278,6 +278,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     import jax
     from tqdm import tqdm
 
+    from mtjax import fp8
     from mtjax.models import GPT
     from mtjax.sharding import tree_shardings
     from mtjax.train.checkpoint import PreemptionWatcher
@@ -302,9 +303,11 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                                  mesh=mesh, rules=rules)
         position = 0
     state_sharding = tree_shardings(abstract)
+    options = fp8.compiler_options() if run_config.fp8 else None
     train_step = make_train_step(model, optimizer, mesh=mesh, rules=rules, state_sharding=state_sharding,
-                                 grad_accum_steps=run_config.grad_accum, learning_rate=schedule)
-    eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding)
+                                 grad_accum_steps=run_config.grad_accum, learning_rate=schedule,
+                                 compiler_options=options)
+    eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding, compiler_options=options)
     tokens_sharding = batch_sharding(mesh, rules)
     rows = process_rows(tokens_sharding, run_config.batch_size)  # this process loads only these rows
     batches = DataIterator(setup.train_data, run_config.batch_size, position=position, rows=rows)

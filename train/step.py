@@ -72,6 +72,7 @@ def make_train_step(
     grad_accum_steps: int = 1,
     learning_rate: optax.ScalarOrSchedule | None = None,
     donate: bool = True,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """A jitted ``step(state, batch) -> (state, metrics)``.
 
@@ -85,6 +86,8 @@ def make_train_step(
       grad_accum_steps: split each batch into this many micro-batches, run one after the other.
       learning_rate: the optimizer's learning rate or schedule, reported as ``metrics["learning_rate"]``.
       donate: donate the input state's buffers (the caller must not reuse the old state).
+      compiler_options: XLA options for the step's compilation, e.g. `mtjax.fp8.compiler_options()`
+        for a step traced under `fp8_autocast`.
     """
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
@@ -133,10 +136,10 @@ def make_train_step(
                                         else jnp.asarray(learning_rate, jnp.float32))
         return new_state, metrics
 
-    donate_argnums = (0,) if donate else ()
+    jit_kwargs = dict(donate_argnums=(0,) if donate else (), compiler_options=dict(compiler_options or {}) or None)
     if mesh is None:
-        return jax.jit(step, donate_argnums=donate_argnums)
-    return jit_sharded(step, mesh=mesh, rules=rules, donate_argnums=donate_argnums,
+        return jax.jit(step, **jit_kwargs)
+    return jit_sharded(step, mesh=mesh, rules=rules, **jit_kwargs,
                        in_shardings=(state_sharding, batch_sharding(mesh, rules)),
                        out_shardings=(state_sharding, None))
 
@@ -148,17 +151,20 @@ def make_eval_step(
     mesh: Mesh | None = None,
     rules: LogicalRules | None = None,
     state_sharding: TrainState | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
-    """A jitted ``eval_step(state, batch) -> {"loss": scalar}`` (no dropout, state untouched)."""
+    """A jitted ``eval_step(state, batch) -> {"loss": scalar}`` (no dropout, state untouched);
+    arguments as `make_train_step`'s."""
     _check_sharding_args("make_eval_step", mesh, rules, state_sharding)
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
         logits = model.apply(state.variables(), batch["inputs"], deterministic=True)
         return {"loss": loss_fn(logits, batch)}
 
+    options = dict(compiler_options or {}) or None
     if mesh is None:
-        return jax.jit(eval_step)
-    return jit_sharded(eval_step, mesh=mesh, rules=rules,
+        return jax.jit(eval_step, compiler_options=options)
+    return jit_sharded(eval_step, mesh=mesh, rules=rules, compiler_options=options,
                        in_shardings=(state_sharding, batch_sharding(mesh, rules)), out_shardings=None)
 
 

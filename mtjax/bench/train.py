@@ -80,6 +80,7 @@ def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Varia
 
 
 def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[int, int]) -> Variant:
+    from mtjax.fp8 import compiler_options as fp8_compiler_options
     from mtjax.models import GPT
     from mtjax.train.state import init_train_state
     from mtjax.train.step import make_train_step
@@ -91,7 +92,8 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
         init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
         step=make_train_step(model, opt),
         context=lambda: mtjax_context(fp8, setting),
-        xla_options=dict(setting.xla_options),
+        # The FP8 step compiles as `mtjax train --fp8` does (`mtjax.fp8.compiler_options`).
+        xla_options={**(fp8_compiler_options() if fp8 else {}), **setting.xla_options},
         profiled=setting == DEFAULT,
     )
 

@@ -223,3 +223,9 @@ def test_dense_fwd_bwd_compiles_to_three_cublaslt_fp8_gemms():
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
     # On failure, say where the GEMMs went (other cuBLAS calls, Triton GEMM fusions).
     assert targets.count("__cublas$lt$matmul$f8") == 3, (gemm_calls(hlo), targets)
+
+
+def test_compiler_options_switch_off_triton_gemms_on_cuda_only():
+    assert fp8.compiler_options("cuda") == {"xla_gpu_enable_triton_gemm": False}
+    assert fp8.compiler_options("cpu") == {} and fp8.compiler_options("rocm") == {}
+    assert fp8.compiler_options() == {}  # this test process runs on the CPU
