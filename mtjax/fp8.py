@@ -24,6 +24,10 @@ used. Deriving the scale at the start of the step (the same number TransformerEn
 end of the previous one) means all micro-batches of a step quantize with one scale, so
 `accumulate_gradients` combines their meta exactly by an elementwise max.
 
+Each GEMM operand is cast once with its transpose and amax (`cast_transpose`, a Pallas kernel on
+GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`fp8_gemm`). On CUDA, compile
+FP8 steps with `compiler_options()` (Triton GEMM fusions off: every FP8 GEMM stays on cuBLASLt).
+
 Limitation: one `DotGeneral` instance must run once per differentiated function (``nn.scan`` and
 ``nn.remat`` are fine): cotangents of a meta read twice would be summed.
 """
