@@ -6,7 +6,8 @@ FLOPs. Rows: ``xla bf16`` (the peer: ``lax.dot_general`` in bf16), ``mtjax fp8``
 fp8_dot_general` with delayed scaling, quantization, amaxes and the meta update included). Each
 row's ``extra`` counts the GEMMs of the compiled program (`gemm_calls`: ``fp8_gemms`` should be 3 on
 a GPU, forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM; ``triton_gemms`` counts those XLA
-emitted as Triton fusions instead).
+emitted as Triton fusions instead). The FP8 rows compile with `mtjax.fp8.compiler_options()`, as
+mtjax's FP8 train steps do (on CUDA: no Triton GEMM fusions); the bf16 peer with XLA's defaults.
 
 Shapes: 8192^3, and the four GEMMs of a 1.3B GPT layer (hidden 2048, ffn 8192) at 8192 tokens.
 ``python -m mtjax.bench.gemm [--quick]`` prints the rows as a table.
@@ -93,7 +94,9 @@ def run(quick: bool) -> list[dict]:
             is_fp8 = implementation != "xla bf16"
             meta = _calibrated_meta(fn, inputs[0]) if is_fp8 else None
             input_sets = [xs + (meta,) for xs in inputs]
-            compiled = fn.lower(*input_sets[0]).compile()  # timed as compiled, so its HLO is what ran
+            # Timed as compiled, so its HLO is what ran; FP8 compiled as mtjax's FP8 steps are.
+            options = fp8.compiler_options() if is_fp8 else None
+            compiled = fn.lower(*input_sets[0]).compile(compiler_options=options or None)
             t = timing.measure(compiled, input_sets, runs=3 if quick else 20)
             rows.append(timing.row(
                 "gemm", name, implementation, t, flops=6 * m * k * n,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from mtjax.bench import peers, timing
 from mtjax.bench.variants import Setting, label, mtjax_context, mtjax_variants
+from mtjax.fp8 import compiler_options
 
 FULL = dict(batch=8, seq=2048, hidden=2048, heads=16, mlp=8192)
 QUICK = dict(batch=2, seq=32, hidden=64, heads=4, mlp=256)
@@ -54,7 +55,8 @@ def _variants(shape: dict, settings: Sequence[Setting]) -> list[tuple[str, str |
         mtjax_rows.append((label(fp8, setting), peers.FP8_PEER if fp8 else "flax",
                            "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
                            lambda v, x, layer=layer: layer.apply(v, x, deterministic=True),
-                           lambda fp8=fp8, setting=setting: mtjax_context(fp8, setting), dict(setting.xla_options)))
+                           lambda fp8=fp8, setting=setting: mtjax_context(fp8, setting),
+                           {**(compiler_options() if fp8 else {}), **setting.xla_options}))
     flax_rows = []
     for fp8 in (False, True) if peers.HAS_FLAX_FP8 else (False,):
         layer = peers.FlaxTransformerLayer(shape["hidden"], shape["heads"], shape["mlp"], fp8=fp8)
