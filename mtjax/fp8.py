@@ -358,11 +358,10 @@ def _accumulator_dtype(out_dtype: Any) -> Any:
 def fp8_gemm_reference(a, b, a_scale_inv, b_scale_inv, *, out_dtype):
     # dot_general on the float8 operands themselves: XLA turns this into cuBLASLt's FP8 GEMM (it
     # does not rewrite "dequantize, then a bf16 dot"); contracting the last axis of both is the
-    # layout FP8 tensor cores take without a transpose.
-    # The dequantization scale multiplies the GEMM's own output dtype, so XLA's GEMM rewriter folds
-    # it into cuBLASLt's scale operand instead of running an elementwise pass over the result (a
-    # convert in between would stop it). For bf16 this rounds the scale to bf16 (relative error at
-    # most 2**-9, far below E4M3's 2**-4 steps).
+    # layout FP8 tensor cores take without a transpose. The dequantization scale multiplies the
+    # GEMM's output in its own dtype, so XLA's GEMM rewriter folds it into cuBLASLt's scale operand
+    # instead of running an elementwise pass over the result (a convert in between would stop it).
+    # For bf16 this rounds the scale to bf16 (relative error at most 2**-9, far below E4M3's 2**-4).
     batch = tuple(range(a.ndim - 2))
     dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
     accumulator = _accumulator_dtype(out_dtype)
