@@ -52,7 +52,10 @@ from jax import lax
 from mtjax import backend
 from mtjax.kernels import quantize as quantize_kernels
 from mtjax.kernels._common import too_small
-from mtjax.ops import Norm
+from mtjax.ops import Activation, Norm
+
+# What can run in front of an FP8 GEMM, fused with the quantization of its input.
+Prologue = Union[Norm, Activation]
 
 FP8_COLLECTION = "fp8_meta"
 
@@ -470,31 +473,31 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_norm_matmul(x, norm, w, meta, spec):
-    """``norm(x) [M, K] @ w [K, N]`` in FP8 under `DelayedScaling`: the norm kernel writes the FP8
-    input of the GEMM and its amax in one pass (`mtjax.ops.layernorm_fp8`), so the normalized
-    activations never go through memory in bf16."""
-    return _fp8_norm_matmul_fwd(x, norm, w, meta, spec)[0]
+def _fp8_prologue_matmul(x, prologue, w, meta, spec):
+    """``prologue(x) [M, K] @ w [K, N]`` in FP8 under `DelayedScaling`: the prologue's kernel writes
+    the FP8 input of the GEMM and its amax in one pass (``prologue.fp8``), so its output never goes
+    through memory in bf16."""
+    return _fp8_prologue_matmul_fwd(x, prologue, w, meta, spec)[0]
 
 
-def _fp8_norm_matmul_fwd(x, norm, w, meta, spec):
+def _fp8_prologue_matmul_fwd(x, prologue, w, meta, spec):
     x_scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
-    x_q, observed = norm.fp8(x, x_scale, spec.fwd_dtype)
+    x_q, observed = prologue.fp8(x, x_scale, spec.fwd_dtype)
     x_state = _next_state("input", meta, x_scale, _reduce_max(observed, spec.reduce_axes))
     out, residuals = _quantized_input_matmul_fwd(x_q, _swap(x_q), x_scale, x_state, w, meta, spec)
-    # The norm's backward needs only its inputs (the kernels recompute the statistics).
-    return out, (x, norm, residuals)
+    # The prologue's backward needs only its inputs (the kernels recompute what they need).
+    return out, (x, prologue, residuals)
 
 
-def _fp8_norm_matmul_bwd(spec, residuals, g):
-    x, norm, gemm_residuals = residuals
-    d_normalized, dw, next_meta = _fp8_matmul_bwd(spec, gemm_residuals, g)
-    _, norm_vjp = jax.vjp(lambda x, norm: norm(x), x, norm)
-    dx, d_norm = norm_vjp(d_normalized)
-    return dx, d_norm, dw, next_meta
+def _fp8_prologue_matmul_bwd(spec, residuals, g):
+    x, prologue, gemm_residuals = residuals
+    d_operand, dw, next_meta = _fp8_matmul_bwd(spec, gemm_residuals, g)
+    _, prologue_vjp = jax.vjp(lambda x, prologue: prologue(x), x, prologue)
+    dx, d_prologue = prologue_vjp(d_operand)
+    return dx, d_prologue, dw, next_meta
 
 
-_fp8_norm_matmul.defvjp(_fp8_norm_matmul_fwd, _fp8_norm_matmul_bwd)
+_fp8_prologue_matmul.defvjp(_fp8_prologue_matmul_fwd, _fp8_prologue_matmul_bwd)
 
 
 def _check_meta(meta: Any, recipe: Recipe) -> None:
@@ -517,7 +520,7 @@ def _check_meta(meta: Any, recipe: Recipe) -> None:
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                     meta: Mapping[str, jax.Array] | None = None, *, recipe: Recipe | None = None,
                     mesh_axes: Sequence[str] = (), preferred_element_type: Any = None,
-                    implementation: str | None = None, lhs_norm: Norm | None = None) -> jax.Array:
+                    implementation: str | None = None, lhs_prologue: Prologue | None = None) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with both operands and the output gradient in FP8.
 
     The operands are arranged as ``x [*batch, M, K]`` and ``w [*batch, K, N]`` (free axes flattened
@@ -531,10 +534,13 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
       recipe: `DelayedScaling` (default) or `CurrentScaling`.
       mesh_axes: mesh axes amaxes are max-reduced over where bound (see `fp8_autocast`).
       implementation: the ``fp8_gemm`` implementation (default: chosen by `mtjax.backend`).
-      lhs_norm: normalize ``lhs`` over its last axis first (`mtjax.ops.Norm`; ``lhs`` must be
-        contracted over that axis alone, with no batch axes). Under `DelayedScaling` the norm
-        writes the FP8 input of the GEMM directly (`mtjax.ops.layernorm_fp8`); its backward is
-        the norm's own.
+      lhs_prologue: an op applied to ``lhs`` first, whose output is the GEMM's left operand:
+        `mtjax.ops.Norm` (normalize the last axis) or `mtjax.ops.Activation` (bias + activation;
+        ``lhs [..., 2, hidden]`` when gated). ``dimension_numbers`` then refer to its output, which
+        must be contracted over its last axis alone, with no batch axes. Under `DelayedScaling` the
+        prologue's kernel writes the FP8 input of the GEMM and its amax directly
+        (`mtjax.ops.layernorm_fp8`, `mtjax.ops.activation_fp8`), so its bf16 output never goes
+        through memory; its backward is the prologue's own.
     Returns:
       the ``lax.dot_general`` result in ``preferred_element_type`` or the operands' result type.
     """
@@ -545,15 +551,15 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"fp8_dot_general: {name} has dtype {x.dtype}; expected a floating dtype")
     _check_meta(meta, recipe)
-    _check_lhs_norm("fp8_dot_general", lhs, dimension_numbers, lhs_norm)
+    operand = _check_lhs_prologue("fp8_dot_general", lhs, dimension_numbers, lhs_prologue)
     # lax's own shape rule validates dimension_numbers and gives the result's shape and dtype.
     result = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
-                          preferred_element_type=preferred_element_type), lhs, rhs)
+                          preferred_element_type=preferred_element_type), operand, rhs)
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     lhs_contract, rhs_contract = tuple(lhs_contract), tuple(rhs_contract)
     lhs_batch, rhs_batch = tuple(lhs_batch), tuple(rhs_batch)
-    lhs_free = tuple(d for d in range(lhs.ndim) if d not in lhs_contract + lhs_batch)
+    lhs_free = tuple(d for d in range(operand.ndim) if d not in lhs_contract + lhs_batch)
     rhs_free = tuple(d for d in range(rhs.ndim) if d not in rhs_contract + rhs_batch)
 
     def size(x, dims):
@@ -571,32 +577,40 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     if not isinstance(recipe, DelayedScaling) or recipe.reduce_amax:
         reduce_axes |= set(_bound_axes(mesh_axes))
 
-    batch = (size(lhs, lhs_batch),) if lhs_batch else ()
-    m, k, n = size(lhs, lhs_free), size(lhs, lhs_contract), size(rhs, rhs_free)
-    x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(batch + (m, k))
+    batch = (size(operand, lhs_batch),) if lhs_batch else ()
+    m, k, n = size(operand, lhs_free), size(operand, lhs_contract), size(rhs, rhs_free)
+    if lhs_prologue is None:
+        x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(batch + (m, k))
+    else:  # free axes lead, the prologue's own trailing axes ([k] or [2, k]) stay
+        x = lhs.reshape((m,) + lhs.shape[len(lhs_free):])
     w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(batch + (k, n))
     fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
     spec = _GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=tuple(sorted(reduce_axes)),
-                     x_dtype=lhs.dtype, w_dtype=rhs.dtype, out_dtype=result.dtype, implementation=implementation)
-    if lhs_norm is None:
+                     x_dtype=operand.dtype, w_dtype=rhs.dtype, out_dtype=result.dtype, implementation=implementation)
+    if lhs_prologue is None:
         out = _fp8_matmul(x, w, meta, spec)
-    elif isinstance(recipe, CurrentScaling):  # its scale needs max |norm(x)| first: two passes anyway
-        out = _fp8_matmul(lhs_norm(x), w, meta, spec)
+    elif isinstance(recipe, CurrentScaling):  # its scale needs the prologue's amax first: two passes anyway
+        out = _fp8_matmul(lhs_prologue(x), w, meta, spec)
     else:
-        out = _fp8_norm_matmul(x, lhs_norm, w, meta, spec)
+        out = _fp8_prologue_matmul(x, lhs_prologue, w, meta, spec)
     return out.reshape(result.shape)
 
 
-def _check_lhs_norm(fn: str, lhs: jax.Array, dimension_numbers: Any, lhs_norm: Norm | None) -> None:
-    """``lhs_norm`` normalizes the last axis of ``lhs``, which must be the one contracted axis."""
-    if lhs_norm is None:
-        return
-    if not isinstance(lhs_norm, Norm):
-        raise TypeError(f"{fn}(lhs_norm={lhs_norm!r}): expected a mtjax.ops.Norm or None")
+def _check_lhs_prologue(fn: str, lhs: jax.Array, dimension_numbers: Any,
+                        lhs_prologue: Prologue | None) -> jax.ShapeDtypeStruct | jax.Array:
+    """The GEMM's left operand (``lhs``, or the shape of ``lhs_prologue(lhs)``), checked: a prologue's
+    output must be contracted over its last axis alone."""
+    if lhs_prologue is None:
+        return lhs
+    if not isinstance(lhs_prologue, (Norm, Activation)):
+        raise TypeError(f"{fn}(lhs_prologue={lhs_prologue!r}): expected a mtjax.ops.Norm, mtjax.ops.Activation or None")
+    operand = jax.eval_shape(lhs_prologue, lhs)
     (lhs_contract, _), (lhs_batch, _) = dimension_numbers
-    if tuple(lhs_contract) != (lhs.ndim - 1,) or tuple(lhs_batch):
-        raise ValueError(f"{fn}(lhs_norm=...): lhs must be contracted over its last axis alone, with no batch "
-                         f"axes; got dimension_numbers={dimension_numbers} for lhs of rank {lhs.ndim}")
+    if tuple(lhs_contract) != (operand.ndim - 1,) or tuple(lhs_batch):
+        raise ValueError(f"{fn}(lhs_prologue=...): the prologue's output must be contracted over its last axis "
+                         f"alone, with no batch axes; got dimension_numbers={dimension_numbers} for an output of "
+                         f"rank {operand.ndim}")
+    return operand
 
 
 # --------------------------------------------------------------------------------------------------
@@ -608,8 +622,9 @@ class DotGeneral(nn.Module):
     """``lax.dot_general`` as a linen module: a plain dot, or FP8 inside `fp8_autocast`.
 
     Called like ``lax.dot_general(lhs, rhs, dimension_numbers, precision=None,
-    preferred_element_type=None)``, plus ``lhs_norm``: a `mtjax.ops.Norm` applied to ``lhs`` first
-    (fused with the FP8 quantization of ``lhs`` under delayed scaling, see `fp8_dot_general`).
+    preferred_element_type=None)``, plus ``lhs_prologue``: a `mtjax.ops.Norm` or `mtjax.ops.Activation`
+    applied to ``lhs`` first (fused with the FP8 quantization of its output under delayed scaling,
+    see `fp8_dot_general`).
     Under `DelayedScaling` its state is six variables in the ``FP8_COLLECTION`` collection
     (``{input,kernel,output_grad}_{amax_history,scale}``), created when the model is initialised
     inside `fp8_autocast`; under ``nn.scan`` give that collection ``variable_axes`` 0 and each
@@ -620,16 +635,16 @@ class DotGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                 preferred_element_type: Any = None, lhs_norm: Norm | None = None) -> jax.Array:
+                 preferred_element_type: Any = None, lhs_prologue: Prologue | None = None) -> jax.Array:
         state = current_autocast()
         if state is None:
-            _check_lhs_norm("DotGeneral", lhs, dimension_numbers, lhs_norm)
-            lhs = lhs if lhs_norm is None else lhs_norm(lhs)
+            _check_lhs_prologue("DotGeneral", lhs, dimension_numbers, lhs_prologue)
+            lhs = lhs if lhs_prologue is None else lhs_prologue(lhs)
             return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type)
         meta = self._meta(state.recipe) if isinstance(state.recipe, DelayedScaling) else None
         return fp8_dot_general(lhs, rhs, dimension_numbers, meta, recipe=state.recipe, mesh_axes=state.mesh_axes,
-                               preferred_element_type=preferred_element_type, lhs_norm=lhs_norm)
+                               preferred_element_type=preferred_element_type, lhs_prologue=lhs_prologue)
 
     def _meta(self, recipe: DelayedScaling) -> dict[str, jax.Array]:
         missing = not self.has_variable(FP8_COLLECTION, META_KEYS[0])

@@ -48,8 +48,9 @@ def flat_kernel_init(init: Initializer, num_in_axes: int) -> Initializer:
 
 
 def contract(dot_general: nn.Module, x: jax.Array, kernel: jax.Array, axes: Sequence[int],
-             lhs_norm: Any = None) -> jax.Array:
+             lhs_prologue: Any = None) -> jax.Array:
     """``x`` contracted over ``axes`` with the leading axes of ``kernel``: ``[*x free, *kernel free]``;
-    ``lhs_norm`` (a `mtjax.ops.Norm`, ``axes`` then the last axis) normalizes ``x`` first, inside the GEMM."""
+    ``lhs_prologue`` (a `mtjax.ops.Norm` or `mtjax.ops.Activation`; ``axes`` then the last axis of its
+    output) is applied to ``x`` first, inside the GEMM."""
     dims = ((tuple(axes), tuple(range(len(axes)))), ((), ()))
-    return dot_general(x, kernel, dims, lhs_norm=lhs_norm)
+    return dot_general(x, kernel, dims, lhs_prologue=lhs_prologue)

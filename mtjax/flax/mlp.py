@@ -99,14 +99,21 @@ class LayerNormMLP(nn.Module):
         if num_activations == 1:  # drop the unit axis: ops.activation takes [..., mlp] for plain activations
             h, wi_bias = h[..., 0, :], None if wi_bias is None else wi_bias[0]
         # The bias rides into the fused activation ([..., 2, mlp] and [2, mlp] when gated).
-        h = ops.activation(h, activation, wi_bias)
-        if h.ndim == 3:
-            h = nn.with_logical_constraint(h, MLP_HIDDEN_AXES)
-        h = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
-                       rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
+        act = ops.Activation(wi_bias, activation)
         wo = param_with_axes(self, "wo_kernel", flat_kernel_init(self.kernel_init, 1),
                              (self.intermediate_dim, hidden), self.param_dtype, self.kernel_axes_2)
-        y = contract(fp8.DotGeneral(name="wo_dot_general"), h, wo.astype(self.dtype), (h.ndim - 1,))
+        wo_dot = fp8.DotGeneral(name="wo_dot_general")
+        if deterministic or self.intermediate_dropout_rate == 0.0:
+            # fc2 applies the activation (fused with its FP8 input under fp8_autocast).
+            y = contract(wo_dot, h, wo.astype(self.dtype), (h.ndim - 1 - (num_activations == 2),), act)
+        else:
+            h = act(h)
+            if h.ndim == 3:
+                h = nn.with_logical_constraint(h, MLP_HIDDEN_AXES)
+            h = nn.Dropout(rate=self.intermediate_dropout_rate,
+                           broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                           rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
+            y = contract(wo_dot, h, wo.astype(self.dtype), (h.ndim - 1,))
         if self.use_bias:
             wo_bias = param_with_axes(self, "wo_bias", self.bias_init, (hidden,), self.param_dtype, self.bias_axes_2)
             y = y + wo_bias.astype(self.dtype)

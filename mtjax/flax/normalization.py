@@ -23,7 +23,7 @@ def norm_with_params(module: nn.Module, hidden: int, *, layernorm_type: str, eps
 
     The parameters live in the calling module (TransformerEngine's layout), so the fused modules
     (`LayerNormDenseGeneral`, `LayerNormMLP`) hold norm and GEMM weights side by side, and can hand
-    the norm to their GEMM (``lhs_norm``) to be fused with its FP8 input.
+    the norm to their GEMM (``lhs_prologue``) to be fused with its FP8 input.
     """
     check_layernorm_type(type(module).__name__, layernorm_type)
     if scale_init is None:

@@ -10,6 +10,8 @@ TransformerEngine-style tuples name the same functions: ``("gelu",)``, ``("silu"
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -165,6 +167,31 @@ def activation_fp8(
     check_fp8_output(op, scale, out_dtype)
     return backend.dispatch(op, x, bias, jnp.reshape(scale, ()), implementation=implementation,
                             activation_type=name, out_dtype=jnp.dtype(out_dtype))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["bias"], meta_fields=["activation_type"])
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """``act(x + bias)`` with its parameters: ``activation(x)`` applies it.
+
+    A pytree (``bias`` is its leaf), like `mtjax.ops.Norm`, so it can ride into a ``custom_vjp``
+    (an FP8 GEMM's input prologue) and receive its gradient.
+
+    Attributes:
+      bias: ``[hidden]`` (``[2, hidden]`` when gated) or ``None``.
+      activation_type: a name of `ACTIVATIONS` or a TransformerEngine-style tuple.
+    """
+
+    bias: jax.Array | None = None
+    activation_type: str = "gelu"
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """`activation` of ``x [..., hidden]`` (``[..., 2, hidden]`` when gated), in ``x.dtype``."""
+        return activation(x, self.activation_type, self.bias)
+
+    def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+        """`activation_fp8` of ``x``: ``(saturate_cast(act(x) * scale, out_dtype), max |act(x)|)``."""
+        return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype)
 
 
 # Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact)
