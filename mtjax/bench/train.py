@@ -169,7 +169,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
             times[variant.implementation] = t.median
             extra = {"tokens_per_s": tokens_per_step / t.median, "batch": batch_size, "seq_len": seq_len,
                      "params": config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,
-                     "temp_memory_gb": step.memory_analysis().temp_size_in_bytes / 1e9}
+                     "temp_memory_gb": step.memory_analysis().temp_size_in_bytes / 1e9,
+                     "xla_options": {k: str(v) for k, v in variant.xla_options.items()}}
             if variant.implementation.startswith("mtjax fp8"):
                 bf16 = variant.implementation.replace("mtjax fp8", "mtjax", 1)
                 extra["speedup_vs_mtjax_bf16"] = times[bf16] / t.median

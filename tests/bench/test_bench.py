@@ -69,6 +69,7 @@ def test_train_rows_report_throughput_and_finite_loss(quick_run):
         assert "profile_ms" in extra, extra.get("profile_error")
     fp8_row = next(r for r in data["results"] if r["suite"] == "train" and r["implementation"] == "mtjax fp8")
     assert fp8_row["extra"]["speedup_vs_mtjax_bf16"] > 0
+    assert fp8_row["extra"]["xla_options"] == {}  # mtjax.fp8.compiler_options(): none on the CPU
     assert (out / "b.png").stat().st_size > 0
     assert any(p.name.endswith(".trace.json.gz") for p in (out / "profile").iterdir())
 
