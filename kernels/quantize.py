@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import FP8_DTYPES, KERNEL_DTYPES, MAX_ELEMENTS, check_size, interpret, saturate_cast
+from mtjax.kernels._common import FP8_DTYPES, interpret, saturate_cast, unsupported
 
 # Square 64x64 tiles, 8 warps: on the H200 the fastest of 32/64/128 tiles and 4/8 warps at both
 # 8192x8192 (0.104 ms, 2580 GB/s) and 16384x2048 bf16 (0.057 ms, 2350 GB/s); XLA: 0.225 and 0.107 ms.
@@ -61,13 +61,9 @@ def supported(shape, dtype, out_dtype) -> str | None:
     """``None`` if the kernel takes ``x`` of this shape and dtype, else why not."""
     if len(shape) != 2:
         return f"x of rank {len(shape)} (2-D only)"
-    if jnp.dtype(dtype) not in KERNEL_DTYPES:
-        return f"dtype {jnp.dtype(dtype)} (float32, bfloat16, float16 only)"
     if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
         return f"out_dtype {jnp.dtype(out_dtype)} (float8_e4m3fn, float8_e5m2 only)"
-    if not 0 < shape[0] * shape[1] <= MAX_ELEMENTS:
-        return f"{shape[0] * shape[1]} elements (1..{MAX_ELEMENTS})"
-    return None
+    return unsupported(shape, dtype, max_row=None)  # dtype and int32-indexable size
 
 
 def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BLOCK,
@@ -80,7 +76,6 @@ def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BL
     why = supported(x.shape, x.dtype, out_dtype)
     if why is not None:
         raise ValueError(f"cast_transpose: unsupported input: {why}")
-    check_size("cast_transpose", x)
     m, k = x.shape
     spec = CastSpec(m=m, k=k, block=block, num_warps=num_warps)
     q, qt, tile_amax = pl.pallas_call(

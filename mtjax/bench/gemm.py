@@ -95,8 +95,7 @@ def run(quick: bool) -> list[dict]:
             meta = _calibrated_meta(fn, inputs[0]) if is_fp8 else None
             input_sets = [xs + (meta,) for xs in inputs]
             # Timed as compiled, so its HLO is what ran; FP8 compiled as mtjax's FP8 steps are.
-            options = fp8.compiler_options() if is_fp8 else None
-            compiled = fn.lower(*input_sets[0]).compile(compiler_options=options or None)
+            compiled, _ = timing.compile_lowered(fn.lower(*input_sets[0]), fp8.compiler_options() if is_fp8 else None)
             t = timing.measure(compiled, input_sets, runs=3 if quick else 20)
             rows.append(timing.row(
                 "gemm", name, implementation, t, flops=6 * m * k * n,

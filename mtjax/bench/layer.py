@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.bench import peers, timing
-from mtjax.bench.variants import Setting, label, mtjax_context, mtjax_variants
-from mtjax.fp8 import compiler_options
+from mtjax.bench.variants import Setting, label, mtjax_context, mtjax_variants, mtjax_xla_options
 
 FULL = dict(batch=8, seq=2048, hidden=2048, heads=16, mlp=8192)
 QUICK = dict(batch=2, seq=32, hidden=64, heads=4, mlp=256)
@@ -56,7 +55,7 @@ def _variants(shape: dict, settings: Sequence[Setting]) -> list[tuple[str, str |
                            "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,
                            lambda v, x, layer=layer: layer.apply(v, x, deterministic=True),
                            lambda fp8=fp8, setting=setting: mtjax_context(fp8, setting),
-                           {**(compiler_options() if fp8 else {}), **setting.xla_options}))
+                           mtjax_xla_options(fp8, setting)))
     flax_rows = []
     for fp8 in (False, True) if peers.HAS_FLAX_FP8 else (False,):
         layer = peers.FlaxTransformerLayer(shape["hidden"], shape["heads"], shape["mlp"], fp8=fp8)

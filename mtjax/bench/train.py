@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from mtjax.bench import peers, profile, timing
-from mtjax.bench.variants import DEFAULT, Setting, label, mtjax_context, mtjax_variants
+from mtjax.bench.variants import DEFAULT, Setting, label, mtjax_context, mtjax_variants, mtjax_xla_options
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
@@ -80,7 +80,6 @@ def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Varia
 
 
 def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[int, int]) -> Variant:
-    from mtjax.fp8 import compiler_options as fp8_compiler_options
     from mtjax.models import GPT
     from mtjax.train.state import init_train_state
     from mtjax.train.step import make_train_step
@@ -92,8 +91,7 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
         init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
         step=make_train_step(model, opt),
         context=lambda: mtjax_context(fp8, setting),
-        # The FP8 step compiles as `mtjax train --fp8` does (`mtjax.fp8.compiler_options`).
-        xla_options={**(fp8_compiler_options() if fp8 else {}), **setting.xla_options},
+        xla_options=mtjax_xla_options(fp8, setting),
         profiled=setting == DEFAULT,
     )
 

@@ -91,6 +91,14 @@ def mtjax_context(fp8: bool, setting: Setting) -> Iterator[None]:
         yield
 
 
+def mtjax_xla_options(fp8: bool, setting: Setting) -> dict[str, Any]:
+    """XLA options of an mtjax row: FP8 rows compile as mtjax's FP8 steps do
+    (`mtjax.fp8.compiler_options`), then the setting's own options on top."""
+    from mtjax.fp8 import compiler_options
+
+    return {**(compiler_options() if fp8 else {}), **setting.xla_options}
+
+
 def mtjax_variants(settings: list[Setting]) -> list[tuple[bool, Setting]]:
     """``(fp8, setting)`` of every mtjax row: the defaults, then each setting, bf16 and FP8."""
     return [(fp8, setting) for setting in [DEFAULT, *settings] for fp8 in (False, True)]

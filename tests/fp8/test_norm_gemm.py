@@ -113,6 +113,10 @@ def test_lhs_prologue_validation():
         fp8.fp8_dot_general(x, w, DENSE, fp8.init_meta(4), recipe=DELAYED, lhs_prologue=norm.gamma)
     with pytest.raises(ValueError, match="beta must be None"):
         ops.Norm(norm.gamma, norm.beta, layernorm_type="rmsnorm")(x)
+    with pytest.raises(ValueError, match="activation_type='nope'"):
+        fp8.fp8_dot_general(x, w, DENSE, fp8.init_meta(4), recipe=DELAYED, lhs_prologue=ops.Activation(None, "nope"))
+    with pytest.raises(ValueError, match="bias"):  # a gated activation's bias is [2, hidden]
+        ops.Activation(jnp.zeros((16,)), "swiglu")(jnp.ones((8, 2, 16)))
 
 
 @pytest.fixture
