@@ -1,16 +1,20 @@
 """LayerNorm / RMSNorm as Pallas Triton kernels: forward, backward, FP8 output, residual + dropout input.
 
-One forward kernel and one backward kernel serve every variant (static flags pick the inputs):
+One forward kernel and one backward kernel serve every variant (static flags pick the inputs). Both
+are persistent: a fixed number of programs (two per SM) each walk a strided set of row blocks, and
+while one block is computed the next one's loads are already in flight (a register prefetch
+carried through the loop). Without it a program holds one block at a time and the SM idles between
+its loads and its row reductions: at 16384x8192 bf16 the forward ran 0.232 ms with one block per
+program against 0.176 ms persistent with the prefetch (H200; the copy of the same bytes 0.20 ms).
 
-- forward: each program normalizes ``block_m`` whole rows held in registers (one read of ``x``, one
-  write of ``y``), statistics in float32. Optional inputs: ``beta``; a ``residual`` added to
-  ``dropout(x)`` first (the sum is written out as the new residual stream and is what gets
-  normalized); an FP8 ``scale``, in which case ``y * scale`` is saturate-cast to FP8 and the
-  kernel also writes the per-program amax of ``|y|`` (before scaling).
-- backward: a fixed number of programs each walk a strided set of row blocks, recompute the
-  statistics from the saved input (so nothing but the inputs is kept for the backward pass), write
-  ``dx`` and accumulate ``dgamma``/``dbeta`` in registers; the per-program partial sums are added
-  by XLA afterwards (a few MB at most).
+- forward: each block is ``block_m`` whole rows held in registers (one read of ``x``, one write of
+  ``y``), statistics in float32. Optional inputs: ``beta``; a ``residual`` added to ``dropout(x)``
+  first (the sum is written out as the new residual stream and is what gets normalized); an FP8
+  ``scale``, in which case ``y * scale`` is saturate-cast to FP8 and each program also writes the
+  amax of ``|y|`` (before scaling) over its blocks.
+- backward: recomputes the statistics from the saved input (so nothing but the inputs is kept for
+  the backward pass), writes ``dx`` and accumulates ``dgamma``/``dbeta`` in registers; the
+  per-program partial sums are added by XLA afterwards (a few MB at most).
 
 `layer_norm` and `rms_norm` are the differentiable entry points; `norm_fp8` is forward-only (its
 output is quantized: the FP8 GEMM that consumes it owns the backward, which is `layer_norm`'s).
@@ -31,9 +35,10 @@ from mtjax.kernels._common import (
     FP8_DTYPES, check_size, dropout_keep, interpret, next_power_of_2, saturate_cast,
 )
 
-# Programs of the backward kernel: enough to fill an H100/H200 (132 SMs) a few times over, few
-# enough that the [programs, hidden] partial dgamma/dbeta sums stay small.
-BACKWARD_PROGRAMS = 264
+# Programs of both kernels: two per SM of an H100/H200 (132 SMs), so each SM interleaves two
+# programs' loads and reductions; few enough that the backward's [programs, hidden] partial
+# dgamma/dbeta sums stay small.
+PROGRAMS = 264
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,21 +81,17 @@ class NormSpec:
 def forward_tile(n: int, rms: bool) -> tuple[int, int]:
     """``(block_m, num_warps)`` of the forward kernel for rows of ``n`` elements.
 
-    From H200 sweeps (``python -m mtjax.bench.norm --sweep``, 16384 rows, bf16). LayerNorm's two
-    dependent row reductions (mean, then variance) want several rows per program so their latencies
-    overlap: 1024 wide, 4 rows x 4 warps ran 0.037 ms against 0.046 ms for 8 x 16; 8192 wide,
-    2 rows x 8 warps 0.247 ms against 0.326 ms for 1 x 16. Rows of 16384 (hidden 12288) fit one per
-    program (16 warps best of 4/8/16). RMSNorm's single reduction ran best with the older rule
-    (``8192 // n_pad`` rows, ~16 values per thread): 0.179 ms at 8192, ahead of XLA's 0.188 ms.
-    Hidden sizes 2048 and 4096 keep that older rule for both (the benchmark table's measurement).
+    From H200 sweeps (``python -m mtjax.bench.norm --sweep``, 16384 rows, bf16, persistent with
+    prefetch): 2048 and 8192 wide, 2 rows x 16 warps was best of 1-2 rows x 4/8/16 warps (0.0505
+    and 0.176 ms). Narrow rows keep 4096 elements per block on 4 warps (1024 wide: 4 x 4 was best
+    before the kernel became persistent); rows of 16384 (hidden 12288) fit one per block.
+    ``rms`` is accepted for the sweeps' sake: RMSNorm uses the same tiles.
     """
+    del rms
     n_pad = next_power_of_2(n)
-    if rms or n_pad in (2048, 4096):
-        block_m = max(1, 8192 // n_pad)
-        return block_m, min(16, max(4, block_m * n_pad // 512))
     if n_pad <= 1024:
         return 4096 // n_pad, 4
-    return (2, 8) if n_pad == 8192 else (1, 16)
+    return (1, 16) if n_pad >= 16384 else (2, 16)
 
 
 def backward_tile(n: int) -> tuple[int, int]:
@@ -112,7 +113,7 @@ def _spec(m, n, *, tile, **flags) -> NormSpec:
 
 
 def _tile_indices(spec: NormSpec, block):
-    """Rows and columns of a program's tile, and its mask (``None`` when tiles fit exactly: unmasked
+    """Rows and columns of a row block, and its mask (``None`` when tiles fit exactly: unmasked
     loads and stores vectorize without the bounds arithmetic)."""
     rows = block * spec.block_m + jnp.arange(spec.block_m)
     cols = jnp.arange(spec.n_pad)
@@ -124,13 +125,36 @@ def _masked(mask, value):
     return value if mask is None else jnp.where(mask, value, 0.0)
 
 
-def _load(ref, rows, cols, mask):
-    other = None if mask is None else 0.0
-    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other).astype(jnp.float32)
+def _load(ref, spec: NormSpec, block):
+    """A row block of ``ref`` in its own dtype (zeros outside the array)."""
+    rows, cols, mask = _tile_indices(spec, block)
+    other = None if mask is None else 0
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
 
 
-def _store(ref, rows, cols, mask, value):
+def _store(ref, spec: NormSpec, block, value):
+    rows, cols, mask = _tile_indices(spec, block)
     plgpu.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype), mask=mask)
+
+
+def _for_row_blocks(spec: NormSpec, programs: int, load, body, carry):
+    """Run ``carry = body(block, load(block), carry)`` over this program's row blocks (``program``,
+    ``program + programs``, ...), issuing ``load`` of the next block before ``body`` of this one.
+
+    The prefetch past the last block reloads the last block (clamped index) instead of masking, so
+    exact tiles keep their unmasked loads.
+    """
+    program = pl.program_id(0)
+    last = spec.num_blocks - 1
+
+    def step(i, state):
+        tiles, carry = state
+        block = program + i * programs
+        prefetched = load(jnp.minimum(block + programs, last))
+        return prefetched, body(block, tiles, carry)
+
+    trips = pl.cdiv(spec.num_blocks - program, programs)
+    return jax.lax.fori_loop(0, trips, step, (load(program), carry))[1]
 
 
 def _load_vector(ref, cols, n):
@@ -156,7 +180,7 @@ def _gamma(spec: NormSpec, gamma_ref, cols):
     return gamma + 1.0 if spec.zero_centered_gamma else gamma
 
 
-def _forward_kernel(*refs, spec: NormSpec, out_fp8):
+def _forward_kernel(*refs, spec: NormSpec, out_fp8, programs: int):
     refs = list(refs)
     x_ref, gamma_ref = refs.pop(0), refs.pop(0)
     beta_ref = refs.pop(0) if spec.has_beta else None
@@ -167,35 +191,48 @@ def _forward_kernel(*refs, spec: NormSpec, out_fp8):
     residual_out_ref = refs.pop(0) if spec.residual else None
     amax_ref = refs.pop(0) if out_fp8 is not None else None
 
-    block = pl.program_id(0)
-    rows, cols, mask = _tile_indices(spec, block)
-    h = _load(x_ref, rows, cols, mask)
-    if spec.residual:
-        if seed_ref is not None:
-            keep = dropout_keep(seed_ref[0], rows[:, None], cols[None, :], spec.dropout_rate)
-            h = jnp.where(keep, h * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
-        # Normalize the residual as stored (rounded to its dtype): the backward pass recomputes
-        # the statistics from that stored tensor and must see the same values.
-        h = (h + _load(residual_ref, rows, cols, mask)).astype(residual_out_ref.dtype)
-        _store(residual_out_ref, rows, cols, mask, h)
-        h = h.astype(jnp.float32)
-    x_hat, _ = _normalize(spec, h, mask)
-    y = x_hat * _gamma(spec, gamma_ref, cols)[None, :]
-    if beta_ref is not None:
-        y = y + _load_vector(beta_ref, cols, spec.n)[None, :]
-    if out_fp8 is not None:
-        amax_ref[block] = jnp.max(_masked(mask, jnp.abs(y)))
-        y = saturate_cast(y * scale_ref[0], out_fp8)
-    _store(y_ref, rows, cols, mask, y)
+    cols = jnp.arange(spec.n_pad)
+    gamma = _gamma(spec, gamma_ref, cols)[None, :]
+    beta = None if beta_ref is None else _load_vector(beta_ref, cols, spec.n)[None, :]
+
+    def load(block):
+        return _load(x_ref, spec, block), (None if residual_ref is None else _load(residual_ref, spec, block))
+
+    def body(block, tiles, amax):
+        rows, _, mask = _tile_indices(spec, block)
+        x, residual = tiles
+        h = x.astype(jnp.float32)
+        if residual is not None:
+            if seed_ref is not None:
+                keep = dropout_keep(seed_ref[0], rows[:, None], cols[None, :], spec.dropout_rate)
+                h = jnp.where(keep, h * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+            # Normalize the residual as stored (rounded to its dtype): the backward pass recomputes
+            # the statistics from that stored tensor and must see the same values.
+            h = (h + residual.astype(jnp.float32)).astype(residual_out_ref.dtype)
+            _store(residual_out_ref, spec, block, h)
+            h = h.astype(jnp.float32)
+        x_hat, _ = _normalize(spec, h, mask)
+        y = x_hat * gamma
+        if beta is not None:
+            y = y + beta
+        if out_fp8 is not None:
+            amax = jnp.maximum(amax, jnp.max(_masked(mask, jnp.abs(y))))
+            y = saturate_cast(y * scale_ref[0], out_fp8)
+        _store(y_ref, spec, block, y)
+        return amax
+
+    amax = _for_row_blocks(spec, programs, load, body, jnp.zeros((), jnp.float32))
+    if amax_ref is not None:
+        amax_ref[pl.program_id(0)] = amax
 
 
 def forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms: bool, epsilon: float,
-            zero_centered_gamma: bool, dropout_rate: float = 0.0, out_dtype=None, tile=None):
+            zero_centered_gamma: bool, dropout_rate: float = 0.0, out_dtype=None, tile=None, programs=None):
     """Launch the forward kernel on 2-D ``x [m, n]``.
 
     Returns ``y`` (``out_dtype``, default ``x.dtype``), then the new residual (``residual.dtype``)
     if ``residual`` is given, then the amax of ``|y|`` before scaling if ``scale`` is given.
-    ``tile=(block_m, num_warps)`` overrides `forward_tile` (benchmark sweeps).
+    ``tile=(block_m, num_warps)`` overrides `forward_tile` and ``programs`` `PROGRAMS` (benchmark sweeps).
     """
     m, n = x.shape
     check_size("norm forward", x)
@@ -205,6 +242,7 @@ def forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms: bool, 
         zero_centered_gamma=zero_centered_gamma, has_beta=beta is not None, residual=residual is not None,
         dropout_rate=dropout_rate if residual is not None else 0.0,
     )
+    programs = min(spec.num_blocks, programs or PROGRAMS)
     inputs = [x, gamma] + [a for a in (beta, residual) if a is not None]
     if spec.dropout_rate > 0.0:
         inputs.append(seed.reshape(1))
@@ -213,11 +251,11 @@ def forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms: bool, 
         out_shape.append(jax.ShapeDtypeStruct((m, n), residual.dtype))
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
-        out_shape.append(jax.ShapeDtypeStruct((spec.num_blocks,), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((programs,), jnp.float32))
     outs = list(pl.pallas_call(
-        functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8),
+        functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8, programs=programs),
         out_shape=out_shape,
-        grid=(spec.num_blocks,),
+        grid=(programs,),
         compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
         interpret=interpret(),
         name="mtjax_rms_norm_fwd" if rms else "mtjax_layer_norm_fwd",
@@ -237,15 +275,17 @@ def _backward_kernel(*refs, spec: NormSpec, programs: int, split_dx: bool):
     dgamma_ref = refs.pop(0)
     dbeta_ref = refs.pop(0) if spec.has_beta else None
 
-    program = pl.program_id(0)
     cols = jnp.arange(spec.n_pad)
     gamma = _gamma(spec, gamma_ref, cols)[None, :]
 
-    def body(i, sums):
+    def load(block):
+        return (_load(h_ref, spec, block), _load(dy_ref, spec, block),
+                None if dres_ref is None else _load(dres_ref, spec, block))
+
+    def body(block, tiles, sums):
         dgamma, dbeta = sums
-        rows, _, mask = _tile_indices(spec, program + i * programs)
-        h = _load(h_ref, rows, cols, mask)
-        dy = _load(dy_ref, rows, cols, mask)
+        rows, _, mask = _tile_indices(spec, block)
+        h, dy, dres = (None if t is None else t.astype(jnp.float32) for t in tiles)
         x_hat, rstd = _normalize(spec, h, mask)
         g_dy = dy * gamma
         proj = jnp.sum(g_dy * x_hat, axis=1, keepdims=True) / spec.n
@@ -254,19 +294,19 @@ def _backward_kernel(*refs, spec: NormSpec, programs: int, split_dx: bool):
         else:
             dh = (g_dy - jnp.sum(g_dy, axis=1, keepdims=True) / spec.n - x_hat * proj) * rstd
             dh = _masked(mask, dh)
-        if dres_ref is not None:
-            dh = dh + _load(dres_ref, rows, cols, mask)
-        _store(dh_ref, rows, cols, mask, dh)
+        if dres is not None:
+            dh = dh + dres
+        _store(dh_ref, spec, block, dh)
         if dx_ref is not None:
             if seed_ref is not None:
                 keep = dropout_keep(seed_ref[0], rows[:, None], cols[None, :], spec.dropout_rate)
                 dh = jnp.where(keep, dh * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
-            _store(dx_ref, rows, cols, mask, dh)
+            _store(dx_ref, spec, block, dh)
         return dgamma + jnp.sum(dy * x_hat, axis=0), dbeta + jnp.sum(dy, axis=0)
 
-    trips = pl.cdiv(spec.num_blocks - program, programs)
     zeros = jnp.zeros((spec.n_pad,), jnp.float32)
-    dgamma, dbeta = jax.lax.fori_loop(0, trips, body, (zeros, zeros))
+    dgamma, dbeta = _for_row_blocks(spec, programs, load, body, (zeros, zeros))
+    program = pl.program_id(0)
     col_mask = None if spec.n == spec.n_pad else cols < spec.n
     plgpu.store(dgamma_ref.at[program, cols], dgamma, mask=col_mask)
     if dbeta_ref is not None:
@@ -291,7 +331,7 @@ def backward(h, gamma, dy, dresidual=None, seed=None, *, rms: bool, epsilon: flo
     )
     dx_dtype = jnp.dtype(dx_dtype or h.dtype)
     split_dx = spec.dropout_rate > 0.0 or dx_dtype != h.dtype
-    programs = min(spec.num_blocks, programs or BACKWARD_PROGRAMS)
+    programs = min(spec.num_blocks, programs or PROGRAMS)
     inputs = [h, gamma, dy] + ([dresidual] if dresidual is not None else [])
     if spec.dropout_rate > 0.0:
         inputs.append(seed.reshape(1))

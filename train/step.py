@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from mtjax import fp8
+from mtjax import fp8, ops
 from mtjax.sharding import LogicalRules, jit_sharded
 from mtjax.train.state import TrainState, batch_sharding
 
@@ -36,8 +36,7 @@ LossFn = Callable[[jax.Array, Batch], jax.Array]
 
 def next_token_loss(logits: jax.Array, batch: Batch) -> jax.Array:
     """Mean cross-entropy of ``logits [batch, seq, vocab]`` against ``batch["targets"]``, in f32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-    return losses.mean()
+    return ops.softmax_cross_entropy(logits, batch["targets"]).mean()
 
 
 def _micro_batches(batch: Batch, count: int) -> Batch:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,7 +85,7 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
     from mtjax.train.state import init_train_state
     from mtjax.train.step import make_train_step
 
-    model = GPT(config)
+    model = GPT(dataclasses.replace(config, **setting.model))
     opt = optimizer()
     return Variant(
         label(fp8, setting), peers.FP8_PEER if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
@@ -138,8 +139,11 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
         summary = profile.profile(once, out_dir=out_dir, label=label)
     except Exception as err:  # noqa: BLE001
         return holder["state"], {"profile_error": repr(err)}
-    print(profile.format_summary(label, summary), file=sys.stderr, flush=True)
-    return holder["state"], {"profile_ms": summary["by_category_ms"], "profile_top_ops_ms": summary["top_ops_ms"][:15]}
+    print(profile.format_summary(label, summary, top=40), file=sys.stderr, flush=True)
+    # The optimized HLO beside the trace names what each fusion in the top ops computes.
+    with open(os.path.join(out_dir, f"{label}.hlo.txt"), "w") as f:
+        f.write(step.as_text())
+    return holder["state"], {"profile_ms": summary["by_category_ms"], "profile_top_ops_ms": summary["top_ops_ms"]}
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,

@@ -3,8 +3,10 @@
 ``--variant layernorm=xla,activation=xla`` adds mtjax rows (bf16 and FP8) traced with those kernel
 choices forced through `mtjax.config.override`; ``--variant xla_gpu_enable_triton_gemm=false``
 adds rows compiled with that XLA option (``Lowered.compile(compiler_options=...)``, so one process
-compares several). Rows are labelled ``"mtjax [activation=xla,layernorm=xla]"``; the peers always
-run with defaults, so each such row shows what the setting does to a whole layer or train step.
+compares several); ``--variant scan_layers=false`` (any `mtjax.models.GPTConfig` field) changes
+the trained model (train suite only: the layer suite skips such settings). Rows are labelled
+``"mtjax [activation=xla,layernorm=xla]"``; the peers always run with defaults, so each such row
+shows what the setting does to a whole layer or train step.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ class Setting:
     Attributes:
       kernels: ``{op: implementation}`` forced while tracing.
       xla_options: XLA compiler options (``{"xla_gpu_...": value}``) for this row's compilation.
+      model: `mtjax.models.GPTConfig` fields overridden (``{"scan_layers": False}``), train suite only.
     """
 
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
-        items = {**self.kernels, **self.xla_options}
+        items = {**self.kernels, **self.xla_options, **self.model}
         return ",".join(f"{k}={_text(v)}" for k, v in sorted(items.items()))
 
 
@@ -55,9 +59,13 @@ def _value(text: str) -> Any:
 
 
 def parse(spec: str) -> Setting:
-    """``"op=implementation,xla_option=value,..."`` -> `Setting`; ops are checked against the registry
-    (XLA option names are checked by XLA when the row compiles)."""
-    kernels, options = {}, {}
+    """``"op=implementation,xla_option=value,config_field=value,..."`` -> `Setting`; ops are checked
+    against the registry, model fields against `mtjax.models.GPTConfig` (XLA option names are
+    checked by XLA when the row compiles)."""
+    from mtjax.models import GPTConfig
+
+    model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    kernels, options, model = {}, {}, {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or not value:
@@ -69,11 +77,15 @@ def parse(spec: str) -> Setting:
                 raise ValueError(f"--variant {spec!r}: op {key!r} has no implementation {value!r}; "
                                  f"registered: {backend.implementations(key)}")
             kernels[key] = value
+        elif key in model_fields:
+            model[key] = _value(value)
         else:
-            raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()} nor an xla_* option")
-    if not kernels and not options:
-        raise ValueError(f"--variant {spec!r}: expected op=implementation or xla_option=value, comma-separated")
-    return Setting(kernels, options)
+            raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option "
+                             f"nor a GPTConfig field {sorted(model_fields)}")
+    if not kernels and not options and not model:
+        raise ValueError(f"--variant {spec!r}: expected op=implementation, xla_option=value or "
+                         "config_field=value, comma-separated")
+    return Setting(kernels, options, model)
 
 
 def label(fp8: bool, setting: Setting) -> str:

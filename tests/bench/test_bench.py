@@ -142,6 +142,9 @@ def test_variant_settings_are_checked_and_labelled():
     assert variants.label(True, setting) == "mtjax fp8 [activation=xla,layernorm=xla,xla_gpu_enable_triton_gemm=false]"
     assert variants.label(False, variants.DEFAULT) == "mtjax"
     assert variants.mtjax_variants([setting])[2:] == [(False, setting), (True, setting)]
+    model = variants.parse("scan_layers=false,remat_policy=dots")
+    assert model.model == {"scan_layers": False, "remat_policy": "dots"} and not model.kernels
+    assert variants.label(False, model) == "mtjax [remat_policy=dots,scan_layers=false]"
     for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", ""):
         with pytest.raises(ValueError, match="--variant"):
             variants.parse(bad)
