@@ -292,9 +292,9 @@ def residual_norm(
 # its forward alone is within ~10 % of XLA's either way.
 # --------------------------------------------------------------------------------------------------
 
-# RMSNorm from this hidden size: XLA's own fusion was faster forward+backward (0.54 vs 0.56 ms at
-# 16384x8192, 0.75 vs 0.98 ms at 16384x12288); below it the kernel was 1.03x-1.21x faster.
-RMSNORM_MAX_KERNEL_HIDDEN = 4096
+# RMSNorm above this hidden size: XLA's own fusion was faster forward+backward (0.75 vs 0.98 ms at
+# 16384x12288); up to it the persistent kernels were 1.04x-1.35x faster (0.464 vs 0.627 ms at 16384x8192).
+RMSNORM_MAX_KERNEL_HIDDEN = 8192
 
 
 def _kernel_supports(x, *_, **__) -> str | None:

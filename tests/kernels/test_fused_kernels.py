@@ -110,10 +110,11 @@ def test_norm_kernels_on_exact_tiles(kind):
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
 
 
-@pytest.mark.parametrize("hidden", [128, 100])
+@pytest.mark.parametrize("hidden", [128, 100, 9000])
 def test_norm_kernels_walk_several_row_blocks_per_program(hidden):
     """Persistent programs: 2 programs over 5 row blocks (3 and 2 trips, the prefetch past the last
-    block clamped) give what one block per program gives, on exact (128) and masked (100) tiles."""
+    block clamped) give what one block per program gives, on exact (128) and masked (100) tiles, and
+    with the backward's prefetch off (9000: rows padded past `BACKWARD_PREFETCH_MAX_N`)."""
     from mtjax.kernels import layer_norm as kernels
 
     tile = (2, 4)
