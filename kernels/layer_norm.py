@@ -39,9 +39,13 @@ from mtjax.kernels._common import (
 # programs' loads and reductions; few enough that the backward's [programs, hidden] partial
 # dgamma/dbeta sums stay small.
 PROGRAMS = 264
-# The backward prefetches its next (h, dy) tiles only up to this padded width: rows of 16384 (hidden
-# 12288) then spilled registers, 1.96 ms against 1.23 ms without the prefetch (H200, 16384 rows).
-BACKWARD_PREFETCH_MAX_N = 8192
+# A kernel prefetches its next row block only while the prefetched tiles hold at most this many
+# elements per program (tensors x block_m x n_pad), beyond which they spill registers. H200, 16384
+# rows, forward+backward: LayerNorm at hidden 12288 (backward h and dy, 2 x 16384) ran 1.96 ms with
+# the backward's prefetch against 0.89 ms without; residual + dropout + LayerNorm at 8192 (2 x 2 x
+# 8192 forward, 3 x 8192 backward) went from 0.93 ms (one block per program) to 1.17 ms with it;
+# the plain norms at 16384 elements (hidden 8192: 2 x 8192 either way) were the fastest measured.
+PREFETCH_MAX_ELEMENTS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,10 @@ class NormSpec:
     @property
     def num_blocks(self) -> int:
         return pl.cdiv(self.m, self.block_m)
+
+    def prefetch(self, tensors: int) -> bool:
+        """Whether a kernel loading ``tensors`` row blocks per step should prefetch the next ones."""
+        return tensors * self.block_m * self.n_pad <= PREFETCH_MAX_ELEMENTS
 
     @property
     def exact(self) -> bool:
@@ -140,7 +148,7 @@ def _store(ref, spec: NormSpec, block, value):
     plgpu.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype), mask=mask)
 
 
-def _for_row_blocks(spec: NormSpec, programs: int, load, body, carry, *, prefetch: bool = True):
+def _for_row_blocks(spec: NormSpec, programs: int, load, body, carry, *, prefetch: bool):
     """Run ``carry = body(block, load(block), carry)`` over this program's row blocks (``program``,
     ``program + programs``, ...); with ``prefetch``, ``load`` of the next block is issued before
     ``body`` of this one.
@@ -231,7 +239,8 @@ def _forward_kernel(*refs, spec: NormSpec, out_fp8, programs: int):
         _store(y_ref, spec, block, y)
         return amax
 
-    amax = _for_row_blocks(spec, programs, load, body, jnp.zeros((), jnp.float32))
+    amax = _for_row_blocks(spec, programs, load, body, jnp.zeros((), jnp.float32),
+                           prefetch=spec.prefetch(2 if spec.residual else 1))
     if amax_ref is not None:
         amax_ref[pl.program_id(0)] = amax
 
@@ -316,7 +325,7 @@ def _backward_kernel(*refs, spec: NormSpec, programs: int, split_dx: bool):
 
     zeros = jnp.zeros((spec.n_pad,), jnp.float32)
     dgamma, dbeta = _for_row_blocks(spec, programs, load, body, (zeros, zeros),
-                                    prefetch=spec.n_pad <= BACKWARD_PREFETCH_MAX_N)
+                                    prefetch=spec.prefetch(3 if spec.residual else 2))
     program = pl.program_id(0)
     col_mask = None if spec.n == spec.n_pad else cols < spec.n
     plgpu.store(dgamma_ref.at[program, cols], dgamma, mask=col_mask)

@@ -113,8 +113,8 @@ def test_norm_kernels_on_exact_tiles(kind):
 @pytest.mark.parametrize("hidden", [128, 100, 9000])
 def test_norm_kernels_walk_several_row_blocks_per_program(hidden):
     """Persistent programs: 2 programs over 5 row blocks (3 and 2 trips, the prefetch past the last
-    block clamped) give what one block per program gives, on exact (128) and masked (100) tiles, and
-    with the backward's prefetch off (9000: rows padded past `BACKWARD_PREFETCH_MAX_N`)."""
+    block clamped) give what one block per program gives, on exact (128) and masked (100) tiles; at
+    9000 (rows padded to 16384, over `PREFETCH_MAX_ELEMENTS`) without the prefetch."""
     from mtjax.kernels import layer_norm as kernels
 
     tile = (2, 4)
