@@ -195,8 +195,9 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
-def sweep(hidden_sizes=(2048, 8192, 12288), tokens: int = 16384) -> list[dict]:
-    """Time the LayerNorm kernels' ``(block_m, num_warps, programs)`` options, forward and backward."""
+def sweep(copy_gbps: float, hidden_sizes=(2048, 8192, 12288), tokens: int = 16384) -> list[dict]:
+    """Time the LayerNorm kernels' ``(block_m, num_warps, programs)`` options, forward and backward;
+    each row is printed as it is measured (its fraction of ``copy_gbps``)."""
     rows = []
     for hidden in hidden_sizes:
         (x, dy, g, b), *_ = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
@@ -216,7 +217,7 @@ def sweep(hidden_sizes=(2048, 8192, 12288), tokens: int = 16384) -> list[dict]:
             t = timing.measure(fn, [args], runs=10)
             rows.append(timing.row("norm", f"layernorm {label} {tokens}x{hidden} m={block_m} w={warps} p={programs}",
                                    "mtjax", t, bytes=size * x.size * 2, ceiling="copy_gbps"))
-            _print(rows[-1:], 1.0)
+            _print(rows[-1:], copy_gbps)
     return rows
 
 
@@ -235,7 +236,7 @@ if __name__ == "__main__":
     copy = ceilings.run(args.quick)[1]["copy_gbps"]
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     if args.sweep:
-        sweep()
+        sweep(copy)
     else:
         for case in CASES:
             case_rows: list[dict] = []
