@@ -89,16 +89,15 @@ class NormSpec:
         return self.n == self.n_pad and self.m % self.block_m == 0
 
 
-def forward_tile(n: int, rms: bool) -> tuple[int, int]:
+def forward_tile(n: int) -> tuple[int, int]:
     """``(block_m, num_warps)`` of the forward kernel for rows of ``n`` elements.
 
     From H200 sweeps (``python -m mtjax.bench.norm --sweep``, 16384 rows, bf16, persistent with
     prefetch): 2048 and 8192 wide, 2 rows x 16 warps was best of 1-2 rows x 4/8/16 warps (0.0505
     and 0.176 ms). Narrow rows keep 4096 elements per block on 4 warps (1024 wide: 4 x 4 was best
-    before the kernel became persistent); rows of 16384 (hidden 12288) fit one per block.
-    ``rms`` is accepted for the sweeps' sake: RMSNorm uses the same tiles.
+    before the kernel became persistent); rows of 16384 (hidden 12288) fit one per block. RMSNorm
+    uses the same tiles.
     """
-    del rms
     n_pad = next_power_of_2(n)
     if n_pad <= 1024:
         return 4096 // n_pad, 4
@@ -257,7 +256,7 @@ def forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms: bool, 
     check_size("norm forward", x)
     out_fp8 = None if scale is None else jnp.dtype(out_dtype)
     spec = _spec(
-        m, n, tile=tile or forward_tile(n, rms), rms=rms, epsilon=epsilon,
+        m, n, tile=tile or forward_tile(n), rms=rms, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, has_beta=beta is not None, residual=residual is not None,
         dropout_rate=dropout_rate if residual is not None else 0.0,
     )

@@ -93,7 +93,7 @@ def test_norm_kernels_on_exact_tiles(kind):
     from mtjax.kernels import layer_norm as kernels
 
     hidden = 128
-    rows = 2 * kernels.forward_tile(hidden, kind == "rmsnorm")[0] * kernels.backward_tile(hidden)[0]
+    rows = 2 * kernels.forward_tile(hidden)[0] * kernels.backward_tile(hidden)[0]
     x = _random(0, (rows, hidden), jnp.float32, 2.0) + 0.5
     gamma, beta = _random(1, (hidden,), jnp.float32), _random(2, (hidden,), jnp.float32)
     if kind == "layernorm":
