@@ -10,6 +10,7 @@ query may attend (the opposite of TransformerEngine's convention, the same as fl
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -45,6 +46,40 @@ def check_heads(owner: str, head_dim: int, num_attention_heads: int, num_gqa_gro
     return groups
 
 
+def _rotate_pairs(x: jax.Array, sin: jax.Array, cos: jax.Array, group_method: str) -> jax.Array:
+    """Rotate each coordinate pair of ``x`` by the angle whose sine and cosine are given (f32 math)."""
+    xf = x.astype(jnp.float32)
+    if group_method == "alternate":
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
+    return out.astype(x.dtype)
+
+
+# A rotation's transpose is the rotation by the opposite angle. Saying so keeps the backward pass
+# the same shape as the forward (slices and one concatenate): autodiff transposes the slices and
+# the concatenate into zero pads and adds, which XLA fused with the Q/K/V gradient assembly into one
+# loop that ran at 1.4 TB/s on the H200 (6.7 ms of a 1.3B train step) against 3.5 TB/s forward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rotate(x, sin, cos, group_method):
+    return _rotate_pairs(x, sin, cos, group_method)
+
+
+def _rotate_fwd(x, sin, cos, group_method):
+    return _rotate_pairs(x, sin, cos, group_method), (sin, cos)
+
+
+def _rotate_bwd(group_method, saved, g):
+    sin, cos = saved
+    return _rotate_pairs(g, -sin, cos, group_method), None, None
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
+
+
 def apply_rotary_pos_emb(x: jax.Array, positions: jax.Array, *, windows: tuple[float, float] = (1.0, 10000.0),
                          group_method: str = "consecutive") -> jax.Array:
     """Rotary position embedding of ``x [batch, length, heads, head_dim]`` at integer ``positions [batch, length]``.
@@ -52,7 +87,8 @@ def apply_rotary_pos_emb(x: jax.Array, positions: jax.Array, *, windows: tuple[f
     Coordinate pairs rotate by ``position / timescale`` with timescales geometric from ``windows[0]``
     to ``windows[1]``. ``group_method`` (TransformerEngine's names): ``"consecutive"`` pairs ``(2i, 2i+1)``
     (GPT-J), ``"alternate"`` pairs ``(i, i + head_dim/2)`` (GPT-NeoX, Llama in Hugging Face layout).
-    Computed in float32, returned in ``x.dtype``.
+    Computed in float32, returned in ``x.dtype``; the gradient is the opposite rotation of the
+    cotangent (positions get none).
     """
     check_choice("apply_rotary_pos_emb", "group_method", group_method, ROTARY_GROUP_METHODS)
     head_dim = x.shape[-1]
@@ -62,15 +98,7 @@ def apply_rotary_pos_emb(x: jax.Array, positions: jax.Array, *, windows: tuple[f
     min_timescale, max_timescale = windows
     timescale = min_timescale * (max_timescale / min_timescale) ** (2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
     angle = positions.astype(jnp.float32)[:, :, None, None] / timescale  # [batch, length, 1, half]
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
-    xf = x.astype(jnp.float32)
-    if group_method == "alternate":
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    else:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
-    return out.astype(x.dtype)
+    return _rotate(x, jnp.sin(angle), jnp.cos(angle), group_method)
 
 
 class DotProductAttention(nn.Module):
@@ -250,7 +278,9 @@ class MultiHeadAttention(nn.Module):
                 kernel_axes=("embed", None, "heads", "head_dim"), bias_axes=(None, "heads", "head_dim"),
                 return_layernorm_output=self.return_layernorm_output, name="qkv", **norm, **dense,
             )(inputs_q)
-            query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            # jnp.split, not indexing: its transpose is one concatenate of the three gradients where
+            # three indexings transpose to zero pads and adds.
+            query, key, value = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
         else:
             query, ln_out = LayerNormDenseGeneral(
                 features=(heads, self.head_dim), kernel_init=self._query_init(fused_qkv=False),
@@ -264,7 +294,7 @@ class MultiHeadAttention(nn.Module):
                     kernel_axes=("embed", None, "kv_heads", "head_dim"), bias_axes=(None, "kv_heads", "head_dim"),
                     name="kv", **dense,
                 )(kv_inputs)
-                key, value = kv[:, :, 0], kv[:, :, 1]
+                key, value = (t[:, :, 0] for t in jnp.split(kv, 2, axis=2))
             else:
                 key, value = (
                     DenseGeneral(features=(groups, self.head_dim), kernel_init=self.kernel_init,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mtjax import ops
 from mtjax.flax import LayerNormMLP, MultiHeadAttention, apply_rotary_pos_emb
+from mtjax.flax.attention import _rotate_pairs
 
 
 def rand(seed, shape, scale=1.0):
@@ -38,6 +39,30 @@ def test_rotary_is_a_rotation_by_relative_position(half, method, shift, seed):
     if method == "alternate":
         np.testing.assert_allclose(rope(q, pos)[..., perm],
                                    apply_rotary_pos_emb(q[..., perm], pos, group_method=other), rtol=1e-5, atol=1e-6)
+
+
+@given(method=st.sampled_from(["consecutive", "alternate"]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 100))
+def test_rotary_gradient_is_the_opposite_rotation(method, dtype, seed):
+    """The custom VJP (rotate the cotangent back) equals autodiff of the rotation, in the input's dtype."""
+    x, g = rand(seed, (2, 5, 3, 8)).astype(dtype), rand(seed + 1, (2, 5, 3, 8)).astype(dtype)
+    pos = jnp.array([[0, 3, 7, 60, 61], [5, 6, 7, 8, 9]])
+    angle = pos.astype(jnp.float32)[:, :, None, None] / 10000.0 ** (jnp.arange(4, dtype=jnp.float32) / 4)
+    want = jax.vjp(lambda x: _rotate_pairs(x, jnp.sin(angle), jnp.cos(angle), method), x)[1](g)[0]
+    got = jax.vjp(lambda x: apply_rotary_pos_emb(x, pos, group_method=method), x)[1](g)[0]
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_qkv_gradient_is_one_concatenate():
+    """MultiHeadAttention's backward assembles the fused QKV gradient with a concatenate, no zero pads."""
+    layer = MultiHeadAttention(head_dim=8, num_attention_heads=2, enable_rotary_pos_emb=True,
+                               rotary_pos_emb_group_method="alternate")
+    x = rand(0, (2, 6, 16))
+    variables = layer.init(jax.random.key(0), x, deterministic=True)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True)[0])))
+    hlo = grad.lower(variables).as_text()  # StableHLO, before XLA's simplifications
+    assert "stablehlo.pad" not in hlo and "stablehlo.concatenate" in hlo
 
 
 def _reference_mha(p, x, *, heads, groups, head_dim, layernorm_type, input_layernorm, rope, mask_type, seg):
