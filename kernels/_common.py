@@ -69,6 +69,16 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+def reduce_tile_maxima(tile_maxima: jax.Array) -> jax.Array:
+    """The max of a kernel's per-tile (or per-program) maxima: an FP8 cast's amax, as its own reduction.
+
+    The barrier keeps XLA from fusing this scalar reduce into its consumer (delayed scaling's amax
+    history roll, a concatenate), whose loop emitter then walks every tile maximum in one thread: on
+    the H200 that took 0.11 ms for the 8192 tiles of a 16384x2048 cast, 18 ms of the 1.3B GPT's FP8 step.
+    """
+    return jax.lax.optimization_barrier(jnp.max(tile_maxima))
+
+
 def saturate_cast(x: jax.Array, dtype) -> jax.Array:
     """Clip to the finite range of the FP8 ``dtype`` and cast (no inf/NaN from overflow)."""
     limit = fp8_max(dtype)

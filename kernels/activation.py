@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import FP8_DTYPES, check_size, interpret, next_power_of_2, saturate_cast, unsupported
+from mtjax.kernels._common import (FP8_DTYPES, check_size, interpret, next_power_of_2, reduce_tile_maxima,
+                                   saturate_cast, unsupported)
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
@@ -160,7 +161,7 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, transpose: 
         name=f"mtjax_{activation}_fwd",
     )(*inputs))
     if scale is not None:
-        outs[-1] = jnp.max(outs[-1])
+        outs[-1] = reduce_tile_maxima(outs[-1])
     return tuple(outs)
 
 

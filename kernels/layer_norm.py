@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels._common import (
-    FP8_DTYPES, check_size, dropout_keep, interpret, next_power_of_2, saturate_cast,
+    FP8_DTYPES, check_size, dropout_keep, interpret, next_power_of_2, reduce_tile_maxima, saturate_cast,
 )
 
 # Programs of both kernels: two per SM of an H100/H200 (132 SMs), so each SM interleaves two
@@ -279,7 +279,7 @@ def forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms: bool, 
         name="mtjax_rms_norm_fwd" if rms else "mtjax_layer_norm_fwd",
     )(*inputs))
     if scale is not None:
-        outs[-1] = jnp.max(outs[-1])
+        outs[-1] = reduce_tile_maxima(outs[-1])
     return tuple(outs)
 
 

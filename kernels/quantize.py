@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import FP8_DTYPES, interpret, saturate_cast, unsupported
+from mtjax.kernels._common import FP8_DTYPES, interpret, reduce_tile_maxima, saturate_cast, unsupported
 
 # Square 64x64 tiles, 8 warps: on the H200 the fastest of 32/64/128 tiles and 4/8 warps at both
 # 8192x8192 (0.104 ms, 2580 GB/s) and 16384x2048 bf16 (0.057 ms, 2350 GB/s); XLA: 0.225 and 0.107 ms.
@@ -87,4 +87,4 @@ def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BL
         interpret=interpret(),
         name="mtjax_cast_transpose",
     )(x, jnp.reshape(scale, (1,)).astype(jnp.float32))
-    return q, qt, jnp.max(tile_amax)
+    return q, qt, reduce_tile_maxima(tile_amax)
