@@ -13,8 +13,8 @@ variants run side by side in one process:
 
 Model FLOPs per token are the preset's ``flops_per_token(seq)`` (6·N + causal attention) for all
 four, so MFU and speed-ups compare the same work. Each variant is compiled, timed with the state
-threaded through as in training, and reported (one line on stderr) before the next starts, so a
-run cut short keeps what it measured; ``--profile DIR`` adds each step's per-op device time
+threaded through as in training (median of 6 samples of 3 steps dispatched back to back), and
+reported (one line on stderr) before the next starts, so a run cut short keeps what it measured; ``--profile DIR`` adds each step's per-op device time
 (`mtjax.bench.profile`), from a second compilation of the step without CUDA graphs.
 """
 
@@ -167,7 +167,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
             step, compile_s = _compile(variant, batches[0])
             with variant.context():
                 state = variant.init()
-            t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 10)
+            t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 6,
+                                                      steps_per_sample=1 if quick else 3)
             times[variant.implementation] = t.median
             extra = {"tokens_per_s": tokens_per_step / t.median, "batch": batch_size, "seq_len": seq_len,
                      "params": config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,
