@@ -75,11 +75,6 @@ class ActSpec:
         return pl.cdiv(self.m, self.block_m), pl.cdiv(self.hidden, self.block_n)
 
 
-# With a transposed output the tiles are square, so both stores write whole 64-byte rows (as
-# `kernels.quantize.cast_transpose`'s tiles do).
-TRANSPOSE_TILE = (64, 64, 8)
-
-
 def tile(hidden: int) -> tuple[int, int, int]:
     """``(block_m, block_n, num_warps)``: tiles of 8192 output elements, at most 2048 wide."""
     block_n = min(next_power_of_2(hidden), 2048)
@@ -113,13 +108,12 @@ def _load_inputs(spec: ActSpec, x_ref, bias_ref, rows, cols, mask):
     return halves
 
 
-def _forward_kernel(*refs, spec: ActSpec, out_fp8, transpose: bool):
+def _forward_kernel(*refs, spec: ActSpec, out_fp8):
     refs = list(refs)
     x_ref = refs.pop(0)
     bias_ref = refs.pop(0) if spec.has_bias else None
     scale_ref = refs.pop(0) if out_fp8 is not None else None
     y_ref = refs.pop(0)
-    yt_ref = refs.pop(0) if transpose else None
     amax_ref = refs.pop(0) if out_fp8 is not None else None
     rows, cols, mask = _indices(spec)
     halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
@@ -130,30 +124,23 @@ def _forward_kernel(*refs, spec: ActSpec, out_fp8, transpose: bool):
         amax_ref[pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.where(mask, jnp.abs(y), 0.0))
         y = saturate_cast(y * scale_ref[0], out_fp8)
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
-    if transpose:
-        plgpu.store(yt_ref.at[cols[:, None], rows[None, :]], y.T.astype(yt_ref.dtype), mask=mask.T)
 
 
-def forward(x, bias, scale=None, *, activation: str, out_dtype=None, transpose: bool = False, tile_override=None):
-    """Launch the forward kernel on 2-D ``x [m, k]``; returns ``(y,)``, or ``(y_fp8, amax)`` with
-    ``scale``, or ``(y_fp8, y_fp8.T, amax)`` with ``scale`` and ``transpose``."""
+def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_override=None):
+    """Launch the forward kernel on 2-D ``x [m, k]``; returns ``(y,)`` or ``(y_fp8, amax)`` with ``scale``."""
     m, k = x.shape
     check_size("activation forward", x)
     gated = ACTIVATIONS[activation][1]
     hidden = k // 2 if gated else k
-    if transpose and scale is None:
-        raise ValueError("activation forward: transpose=True needs an FP8 output (a scale)")
-    spec = _spec(m, hidden, activation, bias is not None, tile_override or (TRANSPOSE_TILE if transpose else None))
+    spec = _spec(m, hidden, activation, bias is not None, tile_override)
     out_fp8 = None if scale is None else jnp.dtype(out_dtype)
     inputs = [x] + ([bias] if bias is not None else [])
     out_shape = [jax.ShapeDtypeStruct((m, hidden), out_dtype or x.dtype)]
-    if transpose:
-        out_shape.append(jax.ShapeDtypeStruct((hidden, m), out_dtype))
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
         out_shape.append(jax.ShapeDtypeStruct(spec.grid, jnp.float32))
     outs = list(pl.pallas_call(
-        functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8, transpose=transpose),
+        functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8),
         out_shape=out_shape,
         grid=spec.grid,
         compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
@@ -247,12 +234,9 @@ def activation(x: jax.Array, bias: jax.Array | None, *, activation: str) -> jax.
 
 
 def activation_fp8(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation: str,
-                   out_dtype, transpose: bool = False) -> tuple[jax.Array, ...]:
-    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as
-    `activation`), with ``transpose`` ``(q, q_t, max |y|)`` where ``q_t [hidden, rows]`` is ``q``
-    flattened to 2-D and transposed; forward only."""
+                   out_dtype) -> tuple[jax.Array, jax.Array]:
+    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as `activation`); forward only."""
     if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
         raise ValueError(f"activation_fp8: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
-    outs = forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation, out_dtype=out_dtype,
-                   transpose=transpose)
-    return (outs[0].reshape(_out_shape(x.shape, activation)),) + outs[1:]
+    y, amax = forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation, out_dtype=out_dtype)
+    return y.reshape(_out_shape(x.shape, activation)), amax

@@ -431,6 +431,10 @@ def _quantize_operand(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | N
     return q, q_t, scale, _next_state(role, meta, scale, _reduce_max(observed, spec.reduce_axes))
 
 
+def _swap(a: jax.Array) -> jax.Array:
+    return jnp.swapaxes(a, -1, -2)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_matmul(x, w, meta, spec):
     """``x [*b, M, K] @ w [*b, K, N]`` in FP8. The cotangent of ``meta`` is the next meta."""
@@ -478,9 +482,9 @@ def _fp8_prologue_matmul(x, prologue, w, meta, spec):
 
 def _fp8_prologue_matmul_fwd(x, prologue, w, meta, spec):
     x_scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
-    x_q, x_q_t, observed = prologue.fp8(x, x_scale, spec.fwd_dtype)
+    x_q, observed = prologue.fp8(x, x_scale, spec.fwd_dtype)
     x_state = _next_state("input", meta, x_scale, _reduce_max(observed, spec.reduce_axes))
-    out, residuals = _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec)
+    out, residuals = _quantized_input_matmul_fwd(x_q, _swap(x_q), x_scale, x_state, w, meta, spec)
     # The prologue's backward needs only its inputs (the kernels recompute what they need).
     return out, (x, prologue, residuals)
 

@@ -141,12 +141,10 @@ def _check(op: str, x, activation_type, bias) -> str:
 
 @backend.register("activation_fp8", backend.REFERENCE)
 def activation_fp8_reference(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation_type: str,
-                             out_dtype: DTypeLike, transpose: bool) -> tuple[jax.Array, ...]:
+                             out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """The ``"xla"`` implementation of `activation_fp8` (``scale`` a float32 scalar of shape ``()``)."""
     y = activation_reference(x.astype(jnp.float32), bias, activation_type=activation_type)
-    q = saturate_cast(y * scale.astype(jnp.float32), out_dtype)
-    q_t = (jnp.swapaxes(q.reshape(-1, q.shape[-1]), 0, 1),) if transpose else ()
-    return (q, *q_t, jnp.max(jnp.abs(y)))
+    return saturate_cast(y * scale.astype(jnp.float32), out_dtype), jnp.max(jnp.abs(y))
 
 
 def activation_fp8(
@@ -156,22 +154,19 @@ def activation_fp8(
     *,
     scale: jax.Array,
     out_dtype: DTypeLike = jnp.float8_e4m3fn,
-    transpose: bool = False,
     implementation: str | None = None,
-) -> tuple[jax.Array, ...]:
+) -> tuple[jax.Array, jax.Array]:
     """``y = act(x + bias)`` quantized for an FP8 GEMM: ``(saturate_cast(y * scale, out_dtype), max |y|)``.
 
     Args as `activation`, plus ``scale`` (float32 scalar) and ``out_dtype`` (``float8_e4m3fn`` or
-    ``float8_e5m2``); with ``transpose`` the result is ``(q, q_t, max |y|)``, ``q_t [hidden, rows]``
-    being ``q`` flattened to 2-D and transposed (the GEMM's wgrad operand, written by the same pass).
-    The amax is of ``|y|`` before scaling. Forward only: the FP8 GEMM consuming the output owns the
-    backward, which is `activation`'s.
+    ``float8_e5m2``). The amax is of ``|y|`` before scaling. Forward only: the FP8 GEMM consuming the
+    output owns the backward, which is `activation`'s.
     """
     op = "activation_fp8"
     name = _check(op, x, activation_type, bias)
     check_fp8_output(op, scale, out_dtype)
     return backend.dispatch(op, x, bias, jnp.reshape(scale, ()), implementation=implementation,
-                            activation_type=name, out_dtype=jnp.dtype(out_dtype), transpose=bool(transpose))
+                            activation_type=name, out_dtype=jnp.dtype(out_dtype))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["bias"], meta_fields=["activation_type"])
@@ -194,10 +189,9 @@ class Activation:
         """`activation` of ``x [..., hidden]`` (``[..., 2, hidden]`` when gated), in ``x.dtype``."""
         return activation(x, self.activation_type, self.bias)
 
-    def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`activation_fp8` of ``x`` with its transpose: ``(q, q_t, max |act(x)|)``, ``q =
-        saturate_cast(act(x) * scale, out_dtype)`` (an FP8 GEMM's input and its wgrad operand)."""
-        return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype, transpose=True)
+    def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+        """`activation_fp8` of ``x``: ``(saturate_cast(act(x) * scale, out_dtype), max |act(x)|)``."""
+        return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype)
 
 
 # Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact)
@@ -217,6 +211,5 @@ def _activation_pallas(x, bias, *, activation_type: str):
 
 
 @backend.register("activation_fp8", "pallas_triton", **_KERNEL)
-def _activation_fp8_pallas(x, bias, scale, *, activation_type: str, out_dtype, transpose: bool):
-    return activation_kernels.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype,
-                                             transpose=transpose)
+def _activation_fp8_pallas(x, bias, scale, *, activation_type: str, out_dtype):
+    return activation_kernels.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype)

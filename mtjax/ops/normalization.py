@@ -216,14 +216,10 @@ class Norm:
             return rmsnorm(x, self.gamma, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
         return layernorm(x, self.gamma, self.beta, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
-    def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`layernorm_fp8` of ``x`` with its transpose: ``(q, q_t, max |norm(x)|)``, ``q =
-        saturate_cast(norm(x) * scale, out_dtype)`` (an FP8 GEMM's input) and ``q_t [hidden, rows]``
-        its 2-D transpose (the wgrad operand; an XLA transpose: the row-wise kernel writes ``q`` only)."""
-        q, amax = layernorm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,
-                                epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                                out_dtype=out_dtype)
-        return q, jnp.swapaxes(q.reshape(-1, q.shape[-1]), 0, 1), amax
+    def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
+        """`layernorm_fp8` of ``x``: ``(saturate_cast(norm(x) * scale, out_dtype), max |norm(x)|)``."""
+        return layernorm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,
+                             epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma, out_dtype=out_dtype)
 
 
 @backend.register("residual_norm", backend.REFERENCE)
