@@ -52,7 +52,7 @@ from jax import lax
 from mtjax import backend
 from mtjax.kernels import quantize as quantize_kernels
 from mtjax.kernels._common import too_small
-from mtjax.ops import Activation, Norm
+from mtjax.ops import Activation, Norm, is_gated
 
 # What can run in front of an FP8 GEMM, fused with the quantization of its input.
 Prologue = Union[Norm, Activation]
@@ -442,8 +442,18 @@ def _fp8_matmul(x, w, meta, spec):
 
 
 def _fp8_matmul_fwd(x, w, meta, spec):
-    x_q, x_q_t, x_scale, x_state = _quantize_operand("input", x, meta, spec, spec.fwd_dtype)
-    return _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec)
+    return _quantized_input_matmul_fwd(*_quantize_input(x, None, meta, spec), w, meta, spec)
+
+
+def _quantize_input(x, prologue, meta, spec):
+    """``(q, q transposed, scale, next state)`` of a GEMM's input: ``x`` cast, or ``prologue(x)``
+    written in FP8 by the prologue's kernel (under `DelayedScaling`), so it never goes through
+    memory in bf16."""
+    if prologue is None:
+        return _quantize_operand("input", x, meta, spec, spec.fwd_dtype)
+    scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
+    q, observed = prologue.fp8(x, scale, spec.fwd_dtype)
+    return q, _swap(q), scale, _next_state("input", meta, scale, _reduce_max(observed, spec.reduce_axes))
 
 
 def _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec):
@@ -459,8 +469,14 @@ def _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec):
 
 
 def _fp8_matmul_bwd(spec, residuals, g):
+    g_q, g_q_t, g_scale, g_state = _quantize_operand("output_grad", g, residuals[4], spec, spec.bwd_dtype)
+    return _quantized_grad_matmul_bwd(spec, residuals, g_q, g_q_t, g_scale, g_state)
+
+
+def _quantized_grad_matmul_bwd(spec, residuals, g_q, g_q_t, g_scale, g_state):
+    """dgrad, wgrad and the next meta from the output gradient already in FP8 (``g_q [M, N]``, its
+    transpose ``g_q_t``, quantized with ``g_scale``; ``g_state`` its role's next state)."""
     x_q_t, w_q, x_inv, w_inv, grad_meta, fwd_state = residuals
-    g_q, g_q_t, g_scale, g_state = _quantize_operand("output_grad", g, grad_meta, spec, spec.bwd_dtype)
     g_inv = 1.0 / g_scale
     # dgrad: g [M, N] . w [K, N] over N;  wgrad: x^T [K, M] . g^T [N, M] over M.
     dx = fp8_gemm(g_q, w_q, g_inv, w_inv, out_dtype=spec.x_dtype, implementation=spec.implementation)
@@ -481,10 +497,7 @@ def _fp8_prologue_matmul(x, prologue, w, meta, spec):
 
 
 def _fp8_prologue_matmul_fwd(x, prologue, w, meta, spec):
-    x_scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
-    x_q, observed = prologue.fp8(x, x_scale, spec.fwd_dtype)
-    x_state = _next_state("input", meta, x_scale, _reduce_max(observed, spec.reduce_axes))
-    out, residuals = _quantized_input_matmul_fwd(x_q, _swap(x_q), x_scale, x_state, w, meta, spec)
+    out, residuals = _quantized_input_matmul_fwd(*_quantize_input(x, prologue, meta, spec), w, meta, spec)
     # The prologue's backward needs only its inputs (the kernels recompute what they need).
     return out, (x, prologue, residuals)
 
@@ -498,6 +511,106 @@ def _fp8_prologue_matmul_bwd(spec, residuals, g):
 
 
 _fp8_prologue_matmul.defvjp(_fp8_prologue_matmul_fwd, _fp8_prologue_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fp8_mlp(x, norm, w1, activation, w2, meta1, meta2, spec1, spec2):
+    """``activation(norm(x) @ w1) @ w2`` in FP8 under `DelayedScaling` (``x [M, hidden]``, ``w1
+    [hidden, mlp]`` or ``[hidden, 2, mlp]``, ``w2 [mlp, out]``): both GEMMs with their prologues
+    fused into their FP8 inputs, and fc1's output gradient written in FP8 by the activation's
+    backward (`mtjax.ops.activation_grad_fp8`) instead of in bf16 and cast again."""
+    return _fp8_mlp_fwd(x, norm, w1, activation, w2, meta1, meta2, spec1, spec2)[0]
+
+
+def _fp8_mlp_fwd(x, norm, w1, activation, w2, meta1, meta2, spec1, spec2):
+    w1_2d = w1.reshape(w1.shape[0], -1)
+    h, gemm1 = _quantized_input_matmul_fwd(*_quantize_input(x, norm, meta1, spec1), w1_2d, meta1, spec1)
+    h = h.reshape((x.shape[0],) + w1.shape[1:])  # [M, mlp] or, gated, [M, 2, mlp]
+    y, gemm2 = _quantized_input_matmul_fwd(*_quantize_input(h, activation, meta2, spec2), w2, meta2, spec2)
+    return y, (None if norm is None else x, norm, w1.shape, gemm1, h, activation, gemm2)
+
+
+def _fp8_mlp_bwd(spec1, spec2, residuals, g):
+    x, norm, w1_shape, gemm1, h, activation, gemm2 = residuals
+    d_activation_out, dw2, next_meta2 = _fp8_matmul_bwd(spec2, gemm2, g)
+    # fc1's output gradient, quantized with fc1's output_grad scale by the activation's backward.
+    grad_meta1 = gemm1[4]
+    g_scale = _delayed_scale("output_grad", grad_meta1, spec1, spec1.bwd_dtype)
+    g_q, g_q_t, observed, d_activation = activation.fp8_grad(h, d_activation_out, g_scale, spec1.bwd_dtype)
+    g_state = _next_state("output_grad", grad_meta1, g_scale, _reduce_max(observed, spec1.reduce_axes))
+    d_fc1_input, dw1, next_meta1 = _quantized_grad_matmul_bwd(spec1, gemm1, g_q.reshape(h.shape[0], -1), g_q_t,
+                                                              g_scale, g_state)
+    if norm is None:
+        dx, d_norm = d_fc1_input, None
+    else:
+        _, norm_vjp = jax.vjp(lambda x, norm: norm(x), x, norm)
+        dx, d_norm = norm_vjp(d_fc1_input)
+    return dx, d_norm, dw1.reshape(w1_shape), d_activation, dw2, next_meta1, next_meta2
+
+
+_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
+
+
+def fuses_mlp(*arrays: jax.Array) -> bool:
+    """Whether `fp8_mlp` applies to these operands here: inside `fp8_autocast` with
+    `DelayedScaling`, and not per-device arrays of ``shard_map`` (which take `fp8_dot_general`'s
+    path, one GEMM at a time)."""
+    state = current_autocast()
+    return (state is not None and isinstance(state.recipe, DelayedScaling)
+            and not any(_varying_axes(a) for a in arrays))
+
+
+def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.Array],
+            meta2: Mapping[str, jax.Array], *, activation: Activation, norm: Norm | None = None,
+            recipe: DelayedScaling | None = None, mesh_axes: Sequence[str] = (),
+            implementation: str | None = None) -> jax.Array:
+    """``activation(norm(x) @ w1) @ w2`` with both GEMMs in FP8 (a Transformer MLP without dropout).
+
+    The same numbers as `fp8_dot_general` with ``lhs_prologue=norm`` for fc1 and
+    ``lhs_prologue=activation`` for fc2, in one ``custom_vjp`` so that the activation's backward
+    writes fc1's output gradient directly in FP8 with its transpose (`mtjax.ops.activation_grad_fp8`,
+    TransformerEngine's "dact + cast_transpose"): one pass over the MLP's widest tensor fewer.
+
+    Args:
+      x: ``[..., hidden]``.
+      w1: ``[hidden, mlp]``, or ``[hidden, 2, mlp]`` for a gated activation.
+      w2: ``[mlp, out]``.
+      meta1, meta2: the two GEMMs' delayed-scaling states (`init_meta`); differentiating gives the next ones.
+      activation: a `mtjax.ops.Activation` (its bias and type).
+      norm: a `mtjax.ops.Norm` applied to ``x`` first, or ``None``.
+      recipe: a `DelayedScaling` (default: ``DelayedScaling()``).
+      mesh_axes, implementation: as `fp8_dot_general`.
+    Returns:
+      ``[..., out]`` in the result type of the operands.
+    """
+    recipe = DelayedScaling() if recipe is None else recipe
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"fp8_mlp(recipe={recipe!r}): expected a DelayedScaling (its scales are known before "
+                        "the tensors are seen, which the fused backward needs)")
+    if not isinstance(activation, Activation) or not (norm is None or isinstance(norm, Norm)):
+        raise TypeError(f"fp8_mlp: activation must be a mtjax.ops.Activation and norm a mtjax.ops.Norm or None; "
+                        f"got {type(activation).__name__} and {type(norm).__name__}")
+    _check_meta(meta1, recipe)
+    _check_meta(meta2, recipe)
+    gated = is_gated(activation.activation_type)
+    hidden = x.shape[-1]
+    if w1.ndim != (3 if gated else 2) or w1.shape[0] != hidden or (gated and w1.shape[1] != 2):
+        expected = "[hidden, 2, mlp]" if gated else "[hidden, mlp]"
+        raise ValueError(f"fp8_mlp: w1 of shape {w1.shape} for x [..., {hidden}] and activation "
+                         f"{activation.activation_type!r}; expected {expected}")
+    if w2.ndim != 2 or w2.shape[0] != w1.shape[-1]:
+        raise ValueError(f"fp8_mlp: w2 of shape {w2.shape}; expected [mlp, out] with mlp = {w1.shape[-1]}")
+    if any(_varying_axes(a) for a in (x, w1, w2)):
+        raise ValueError("fp8_mlp: operands vary over shard_map axes; use fp8_dot_general per GEMM there")
+    reduce_axes = tuple(sorted(_bound_axes(mesh_axes))) if recipe.reduce_amax else ()
+    fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
+    h_dtype = jnp.result_type(x.dtype, w1.dtype)
+    specs = [_GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=reduce_axes,
+                       x_dtype=x_dtype, w_dtype=w.dtype, out_dtype=jnp.result_type(x_dtype, w.dtype),
+                       implementation=implementation)
+             for x_dtype, w in ((x.dtype, w1), (h_dtype, w2))]
+    out = _fp8_mlp(x.reshape(-1, hidden), norm, w1, activation, w2, meta1, meta2, *specs)
+    return out.reshape(x.shape[:-1] + w2.shape[1:])
 
 
 def _check_meta(meta: Any, recipe: Recipe) -> None:
@@ -633,7 +746,6 @@ class DotGeneral(nn.Module):
     Attributes: none: the recipe comes from `fp8_autocast`, so one model definition serves both.
     """
 
-    @nn.compact
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                  preferred_element_type: Any = None, lhs_prologue: Prologue | None = None) -> jax.Array:
         state = current_autocast()
@@ -642,11 +754,18 @@ class DotGeneral(nn.Module):
             lhs = lhs if lhs_prologue is None else lhs_prologue(lhs)
             return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type)
-        meta = self._meta(state.recipe) if isinstance(state.recipe, DelayedScaling) else None
-        return fp8_dot_general(lhs, rhs, dimension_numbers, meta, recipe=state.recipe, mesh_axes=state.mesh_axes,
-                               preferred_element_type=preferred_element_type, lhs_prologue=lhs_prologue)
+        return fp8_dot_general(lhs, rhs, dimension_numbers, self.fp8_meta(), recipe=state.recipe,
+                               mesh_axes=state.mesh_axes, preferred_element_type=preferred_element_type,
+                               lhs_prologue=lhs_prologue)
 
-    def _meta(self, recipe: DelayedScaling) -> dict[str, jax.Array]:
+    @nn.compact
+    def fp8_meta(self) -> dict[str, jax.Array] | None:
+        """This GEMM's delayed-scaling state inside `fp8_autocast` with `DelayedScaling` (``None``
+        otherwise), for `fp8_dot_general`, or for an op running several GEMMs at once (`fp8_mlp`)."""
+        state = current_autocast()
+        if state is None or not isinstance(state.recipe, DelayedScaling):
+            return None
+        recipe = state.recipe
         missing = not self.has_variable(FP8_COLLECTION, META_KEYS[0])
         if missing and not self.is_mutable_collection(FP8_COLLECTION):
             raise ValueError(

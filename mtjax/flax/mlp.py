@@ -96,23 +96,29 @@ class LayerNormMLP(nn.Module):
             # folds into the GEMM for a 2-D kernel only; with [hidden, 1, mlp] the transpose landed in
             # the optimizer's update (0.45 ms per layer of the 1.3B GPT's bf16 step on the H200).
             wi = wi[:, 0, :]
-        h = contract(fp8.DotGeneral(name="wi_dot_general"), x, wi, (x.ndim - 1,), norm)
-        if x.ndim == 3:  # [batch, length, hidden] in: the activations' logical axes are known
-            h = nn.with_logical_constraint(h, FC1_OUTPUT_AXES if num_activations == 2 else MLP_HIDDEN_AXES)
+        wi_dot, wo_dot = fp8.DotGeneral(name="wi_dot_general"), fp8.DotGeneral(name="wo_dot_general")
         wi_bias = None
         if self.use_bias:
             wi_bias = param_with_axes(self, "wi_bias", self.bias_init, (num_activations, self.intermediate_dim),
                                       self.param_dtype, self.bias_axes_1).astype(self.dtype)
-        if num_activations == 1:
-            wi_bias = None if wi_bias is None else wi_bias[0]
-        # The bias rides into the fused activation ([..., 2, mlp] and [2, mlp] when gated).
+            wi_bias = wi_bias[0] if num_activations == 1 else wi_bias
+        # The bias rides into the fused activation ([mlp], or [2, mlp] when gated).
         act = ops.Activation(wi_bias, activation)
         wo = param_with_axes(self, "wo_kernel", flat_kernel_init(self.kernel_init, 1),
-                             (self.intermediate_dim, hidden), self.param_dtype, self.kernel_axes_2)
-        wo_dot = fp8.DotGeneral(name="wo_dot_general")
-        if deterministic or self.intermediate_dropout_rate == 0.0:
+                             (self.intermediate_dim, hidden), self.param_dtype, self.kernel_axes_2).astype(self.dtype)
+        no_dropout = deterministic or self.intermediate_dropout_rate == 0.0
+        if no_dropout and fp8.fuses_mlp(x, wi, wo):
+            # Both GEMMs in one FP8 op: the activation's backward writes fc1's FP8 output gradient.
+            autocast = fp8.current_autocast()
+            y = fp8.fp8_mlp(x, wi, wo, wi_dot.fp8_meta(), wo_dot.fp8_meta(), activation=act, norm=norm,
+                            recipe=autocast.recipe, mesh_axes=autocast.mesh_axes)
+            return self._output_bias(y), (x if self.return_layernorm_output else None)
+        h = contract(wi_dot, x, wi, (x.ndim - 1,), norm)
+        if x.ndim == 3:  # [batch, length, hidden] in: the activations' logical axes are known
+            h = nn.with_logical_constraint(h, FC1_OUTPUT_AXES if num_activations == 2 else MLP_HIDDEN_AXES)
+        if no_dropout:
             # fc2 applies the activation (fused with its FP8 input under fp8_autocast).
-            y = contract(wo_dot, h, wo.astype(self.dtype), (h.ndim - 1 - (num_activations == 2),), act)
+            y = contract(wo_dot, h, wo, (h.ndim - 1 - (num_activations == 2),), act)
         else:
             h = act(h)
             if h.ndim == 3:
@@ -120,8 +126,11 @@ class LayerNormMLP(nn.Module):
             h = nn.Dropout(rate=self.intermediate_dropout_rate,
                            broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                            rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
-            y = contract(wo_dot, h, wo.astype(self.dtype), (h.ndim - 1,))
-        if self.use_bias:
-            wo_bias = param_with_axes(self, "wo_bias", self.bias_init, (hidden,), self.param_dtype, self.bias_axes_2)
-            y = y + wo_bias.astype(self.dtype)
-        return y, (x if self.return_layernorm_output else None)
+            y = contract(wo_dot, h, wo, (h.ndim - 1,))
+        return self._output_bias(y), (x if self.return_layernorm_output else None)
+
+    def _output_bias(self, y: jax.Array) -> jax.Array:
+        if not self.use_bias:
+            return y
+        wo_bias = param_with_axes(self, "wo_bias", self.bias_init, y.shape[-1:], self.param_dtype, self.bias_axes_2)
+        return y + wo_bias.astype(self.dtype)

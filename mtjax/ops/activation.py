@@ -169,6 +169,50 @@ def activation_fp8(
                             activation_type=name, out_dtype=jnp.dtype(out_dtype))
 
 
+@backend.register("activation_grad_fp8", backend.REFERENCE)
+def activation_grad_fp8_reference(x: jax.Array, bias: jax.Array | None, dy: jax.Array, scale: jax.Array, *,
+                                  activation_type: str, out_dtype: DTypeLike) -> tuple:
+    """The ``"xla"`` implementation of `activation_grad_fp8`: autodiff of `activation_reference` in
+    float32, then the cast, transpose and amax."""
+    f32 = jnp.float32
+    bias32 = None if bias is None else bias.astype(f32)
+    _, vjp = jax.vjp(lambda x, b: activation_reference(x, b, activation_type=activation_type), x.astype(f32), bias32)
+    dx, dbias = vjp(dy.astype(f32))
+    dx_q = saturate_cast(dx * scale.astype(f32), out_dtype)
+    rows = dy.size // dy.shape[-1]
+    return dx_q, dx_q.reshape(rows, -1).T, jnp.max(jnp.abs(dx)), dbias
+
+
+def activation_grad_fp8(
+    x: jax.Array,
+    dy: jax.Array,
+    activation_type: str | Sequence[str] = "gelu",
+    bias: jax.Array | None = None,
+    *,
+    scale: jax.Array,
+    out_dtype: DTypeLike = jnp.float8_e5m2,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """`activation`'s backward with its input gradient quantized for an FP8 GEMM.
+
+    Args as `activation`, plus ``dy`` (the cotangent of its output, ``[..., hidden]``), ``scale``
+    (float32 scalar) and ``out_dtype`` (``float8_e5m2`` by default: a gradient).
+    Returns:
+      ``(dx_q, dx_q_t, amax, dbias)``: ``dx_q = saturate_cast(dx * scale)`` shaped like ``x``;
+      ``dx_q_t`` that flattened to 2-D (``[rows, hidden]``, ``[rows, 2 * hidden]`` gated) and
+      transposed; ``amax = max |dx|`` (before scaling); ``dbias`` (float32, shaped like ``bias``) or
+      ``None``. This is the output gradient of the FP8 GEMM that produced ``x``, in the two layouts
+      its dgrad and wgrad read (`mtjax.fp8`'s fused MLP backward).
+    """
+    op = "activation_grad_fp8"
+    name = _check(op, x, activation_type, bias)
+    check_float(op, "dy", dy)
+    check_shape(op, "dy", dy, jax.eval_shape(lambda x: activation_reference(x, None, activation_type=name), x).shape)
+    check_fp8_output(op, scale, out_dtype)
+    return backend.dispatch(op, x, bias, dy, jnp.reshape(scale, ()), implementation=implementation,
+                            activation_type=name, out_dtype=jnp.dtype(out_dtype))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["bias"], meta_fields=["activation_type"])
 @dataclasses.dataclass(frozen=True)
 class Activation:
@@ -193,6 +237,15 @@ class Activation:
         """`activation_fp8` of ``x``: ``(saturate_cast(act(x) * scale, out_dtype), max |act(x)|)``."""
         return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype)
 
+    def fp8_grad(self, x: jax.Array, dy: jax.Array, scale: jax.Array,
+                 out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array, "Activation"]:
+        """The backward of ``self(x)`` for the cotangent ``dy``, written for an FP8 GEMM
+        (`activation_grad_fp8`): ``(dx_q, dx_q_t, max |dx|, the cotangent of self)``."""
+        dx_q, dx_q_t, amax, dbias = activation_grad_fp8(x, dy, self.activation_type, self.bias, scale=scale,
+                                                        out_dtype=out_dtype)
+        d_self = Activation(None if dbias is None else dbias.astype(self.bias.dtype), self.activation_type)
+        return dx_q, dx_q_t, amax, d_self
+
 
 # Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact)
 # and automatic selection leaves small arrays to XLA. H200, fwd+bwd at 16384x8192 bf16: bias+GELU
@@ -208,6 +261,11 @@ _KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, pre
 @backend.register("activation", "pallas_triton", **_KERNEL)
 def _activation_pallas(x, bias, *, activation_type: str):
     return activation_kernels.activation(x, bias, activation=activation_type)
+
+
+@backend.register("activation_grad_fp8", "pallas_triton", **_KERNEL)
+def _activation_grad_fp8_pallas(x, bias, dy, scale, *, activation_type: str, out_dtype):
+    return activation_kernels.activation_grad_fp8(x, bias, dy, scale, activation=activation_type, out_dtype=out_dtype)
 
 
 @backend.register("activation_fp8", "pallas_triton", **_KERNEL)

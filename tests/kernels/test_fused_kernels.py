@@ -219,6 +219,32 @@ def test_activation_fp8_matches_reference(activation):
     assert np.mean(q == q_ref) > 0.99 and np.max(np.abs(q)) == 448.0
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("rows,hidden", [((2, 64), 128), ((3, 7), 100)])  # whole 64x64 tiles, then partial ones
+def test_activation_grad_fp8_matches_reference(activation, rows, hidden):
+    """The FP8 backward against autodiff of the reference then the cast: the kernel's float32 gradient
+    formulas differ from autodiff's in the last bits, so a value on an FP8 rounding boundary may round
+    the other way (>99 % identical); its transpose is exactly its own output transposed."""
+    shape = (2, hidden) if ops.is_gated(activation) else (hidden,)
+    x = _random(0, rows + shape, jnp.bfloat16, 2.0)
+    bias = _random(1, shape, jnp.bfloat16)
+    dy = _random(2, rows + (hidden,), jnp.bfloat16)
+
+    def fn(implementation):
+        return ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1000.0),
+                                       implementation=implementation)
+
+    with override(pallas_interpret=True):
+        q, q_t, amax, dbias = fn("pallas_triton")
+    q_ref, q_t_ref, amax_ref, dbias_ref = fn("xla")
+    q, q_ref = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+    assert q.shape == x.shape and np.mean(q == q_ref) > 0.99
+    np.testing.assert_array_equal(np.asarray(q_t, np.float32), q.reshape(q_t.shape[1], -1).T)
+    np.testing.assert_array_equal(np.asarray(q_t_ref, np.float32), q_ref.reshape(q_t.shape[1], -1).T)
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
+    np.testing.assert_allclose(dbias, dbias_ref, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(dbias_ref))))
+
+
 @settings(max_examples=3)
 @given(lead=st.sampled_from([(1,), (2, 3), (3,)]), q_len=st.sampled_from([1, 5, 8]), kv_len=st.sampled_from([1, 6, 37]),
        mask_kind=st.sampled_from([None, "full", "per_batch", "shared"]), causal=st.booleans(), dtype=DTYPES,
@@ -293,10 +319,11 @@ def test_every_kernel_lowers_for_cuda():
             # gated: [..., 2, hidden / 2], bias [2, hidden / 2]
             a, b = (x.reshape(*x.shape[:-1], 2, -1), bias.reshape(2, -1)) if ops.is_gated(act) else (x, bias)
             y, vjp = jax.vjp(lambda a, b: ops.activation(a, act, b, implementation=impl), a, b)
-            out += [y, vjp(y), ops.activation_fp8(a, act, b, scale=scale, implementation=impl)]
+            out += [y, vjp(y), ops.activation_fp8(a, act, b, scale=scale, implementation=impl),
+                    ops.activation_grad_fp8(a, y, act, b, scale=scale, implementation=impl)]
         return out
 
-    assert _lower_for_cuda(activations, x, jax.ShapeDtypeStruct((4000,), bf16), scale) == 21
+    assert _lower_for_cuda(activations, x, jax.ShapeDtypeStruct((4000,), bf16), scale) == 28
 
     def softmax(logits, mask):
         y, vjp = jax.vjp(lambda l: ops.softmax(l, mask, scale=0.5, causal=True, implementation=impl), logits)
@@ -346,6 +373,16 @@ def test_activation_kernels_on_gpu(activation):
     q_ref, amax_ref = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="xla")
     np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
+    for rows, hidden in ((777, 1500), (1024, 1536)):  # partial, then whole 64x64 tiles of the FP8 backward
+        x = _random(3, (rows, 2, hidden) if ops.is_gated(activation) else (rows, hidden), jnp.bfloat16, 2.0)
+        bias = _random(4, x.shape[1:], jnp.bfloat16)
+        dy = _random(5, (rows, hidden), jnp.bfloat16)
+        got = ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1e3), implementation="pallas_triton")
+        want = ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1e3), implementation="xla")
+        assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32).reshape(rows, -1).T)
+        np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-3, atol=1e-3 * float(np.max(np.abs(want[3]))))
 
 
 @pytest.mark.gpu
