@@ -148,3 +148,18 @@ def test_variant_settings_are_checked_and_labelled():
     for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", ""):
         with pytest.raises(ValueError, match="--variant"):
             variants.parse(bad)
+
+
+def test_measure_steps_threads_the_state_through_back_to_back_steps():
+    """Each sample dispatches ``steps_per_sample`` steps, threading the state, and blocks once."""
+    calls = []
+
+    def step(state, batch):
+        calls.append(batch)
+        return state + 1, {"loss": state}
+
+    t, (state, aux) = timing.measure_steps(step, 0, [10, 20], warmup=2, runs=3, steps_per_sample=2)
+    assert state == 8 and aux == {"loss": 7} and t.runs == 3
+    assert calls == [10, 20, 10, 20, 10, 20, 10, 20]  # 2 warm-ups, then 3 samples of 2 steps
+    with pytest.raises(ValueError, match="steps_per_sample=0"):
+        timing.measure_steps(step, 0, [1], steps_per_sample=0)
