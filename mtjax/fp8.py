@@ -25,8 +25,10 @@ end of the previous one) means all micro-batches of a step quantize with one sca
 `accumulate_gradients` combines their meta exactly by an elementwise max.
 
 Each GEMM operand is cast once with its transpose and amax (`cast_transpose`, a Pallas kernel on
-GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`fp8_gemm`). On CUDA, compile
-FP8 steps with `compiler_options()` (Triton GEMM fusions off: every FP8 GEMM stays on cuBLASLt).
+GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`fp8_gemm`). A norm or an
+activation in front of a GEMM writes its FP8 input directly (``lhs_prologue``), and an MLP's two
+GEMMs run as one op (`fp8_mlp`) whose activation backward writes fc1's FP8 output gradient. On CUDA,
+compile FP8 steps with `compiler_options()` (Triton GEMM fusions off: every FP8 GEMM stays on cuBLASLt).
 
 Limitation: one `DotGeneral` instance must run once per differentiated function (``nn.scan`` and
 ``nn.remat`` are fine): cotangents of a meta read twice would be summed.
