@@ -76,6 +76,11 @@ class ActSpec:
     def grid(self) -> tuple[int, int]:
         return pl.cdiv(self.m, self.block_m), pl.cdiv(self.hidden, self.block_n)
 
+    @property
+    def exact(self) -> bool:
+        """Whether tiles cover the output exactly, so loads and stores need no masks."""
+        return self.m % self.block_m == 0 and self.hidden % self.block_n == 0
+
 
 def tile(hidden: int) -> tuple[int, int, int]:
     """``(block_m, block_n, num_warps)``: tiles of 8192 output elements, at most 2048 wide."""
@@ -207,8 +212,7 @@ def _backward_fp8_kernel(*refs, spec: ActSpec, out_fp8):
     dy_ref, scale_ref, dx_ref, dxt_ref, amax_ref = refs[:5]
     dbias_ref = refs[5] if spec.has_bias else None
     rows, cols, mask = _indices(spec)
-    exact = spec.m % spec.block_m == 0 and spec.hidden % spec.block_n == 0
-    mask = None if exact else mask  # whole tiles: unmasked loads and stores
+    mask = None if spec.exact else mask
     halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
     dy = _load(dy_ref.at[rows[:, None], cols[None, :]], mask)
     grads = _input_grads(spec, halves, dy)  # 0 where masked: dy loads as 0 there

@@ -42,7 +42,7 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import flax.linen as nn
@@ -407,6 +407,14 @@ class _GemmSpec:
     out_dtype: Any
     implementation: str | None
 
+    @classmethod
+    def build(cls, recipe: Recipe, reduce_axes: Sequence[str], x_dtype: Any, w_dtype: Any, out_dtype: Any,
+              implementation: str | None) -> "_GemmSpec":
+        """The spec of a GEMM under ``recipe``, its FP8 dtypes from the recipe's format."""
+        fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
+        return cls(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=tuple(sorted(reduce_axes)),
+                   x_dtype=x_dtype, w_dtype=w_dtype, out_dtype=out_dtype, implementation=implementation)
+
 
 def _delayed_scale(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dtype: Any) -> jax.Array:
     """The scale a role quantizes with under `DelayedScaling`: known before the tensor is seen."""
@@ -416,8 +424,16 @@ def _delayed_scale(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dt
                          recipe.margin)
 
 
-def _next_state(role: str, meta: Mapping[str, jax.Array], scale: jax.Array, observed: jax.Array) -> dict:
-    return {f"{role}_amax_history": roll_amax_history(meta[f"{role}_amax_history"], observed), f"{role}_scale": scale}
+def _delayed_cast(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dtype: Any,
+                  cast: Callable[[jax.Array], tuple]) -> tuple:
+    """``(q, q transposed, scale, the role's next state, *extra)`` under `DelayedScaling`: the scale
+    comes from the role's history, ``cast(scale) -> (q, q transposed, amax, *extra)`` writes the FP8
+    tensor (a cast_transpose, or a kernel fused with the op producing it), and its amax, max-reduced
+    over ``spec.reduce_axes``, enters the next state."""
+    scale = _delayed_scale(role, meta, spec, dtype)
+    q, q_t, observed, *extra = cast(scale)
+    history = roll_amax_history(meta[f"{role}_amax_history"], _reduce_max(observed, spec.reduce_axes))
+    return (q, q_t, scale, {f"{role}_amax_history": history, f"{role}_scale": scale}, *extra)
 
 
 def _quantize_operand(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | None, spec: _GemmSpec,
@@ -428,9 +444,7 @@ def _quantize_operand(role: str, x: jax.Array, meta: Mapping[str, jax.Array] | N
         scale = compute_scale(amax(x, spec.reduce_axes), jnp.float32(1.0), fp8_max(dtype))
         q, q_t, _ = cast_transpose(x, scale, dtype)
         return q, q_t, scale, {}
-    scale = _delayed_scale(role, meta, spec, dtype)
-    q, q_t, observed = cast_transpose(x, scale, dtype)
-    return q, q_t, scale, _next_state(role, meta, scale, _reduce_max(observed, spec.reduce_axes))
+    return _delayed_cast(role, meta, spec, dtype, lambda scale: cast_transpose(x, scale, dtype))
 
 
 def _swap(a: jax.Array) -> jax.Array:
@@ -453,9 +467,12 @@ def _quantize_input(x, prologue, meta, spec):
     memory in bf16."""
     if prologue is None:
         return _quantize_operand("input", x, meta, spec, spec.fwd_dtype)
-    scale = _delayed_scale("input", meta, spec, spec.fwd_dtype)
-    q, observed = prologue.fp8(x, scale, spec.fwd_dtype)
-    return q, _swap(q), scale, _next_state("input", meta, scale, _reduce_max(observed, spec.reduce_axes))
+
+    def cast(scale):
+        q, observed = prologue.fp8(x, scale, spec.fwd_dtype)
+        return q, _swap(q), observed
+
+    return _delayed_cast("input", meta, spec, spec.fwd_dtype, cast)
 
 
 def _quantized_input_matmul_fwd(x_q, x_q_t, x_scale, x_state, w, meta, spec):
@@ -507,9 +524,16 @@ def _fp8_prologue_matmul_fwd(x, prologue, w, meta, spec):
 def _fp8_prologue_matmul_bwd(spec, residuals, g):
     x, prologue, gemm_residuals = residuals
     d_operand, dw, next_meta = _fp8_matmul_bwd(spec, gemm_residuals, g)
+    return (*_prologue_bwd(x, prologue, d_operand), dw, next_meta)
+
+
+def _prologue_bwd(x, prologue, d_out):
+    """``(dx, d_prologue)``: the prologue's own backward from its saved input (``prologue`` None: the
+    identity)."""
+    if prologue is None:
+        return d_out, None
     _, prologue_vjp = jax.vjp(lambda x, prologue: prologue(x), x, prologue)
-    dx, d_prologue = prologue_vjp(d_operand)
-    return dx, d_prologue, dw, next_meta
+    return prologue_vjp(d_out)
 
 
 _fp8_prologue_matmul.defvjp(_fp8_prologue_matmul_fwd, _fp8_prologue_matmul_bwd)
@@ -536,17 +560,12 @@ def _fp8_mlp_bwd(spec1, spec2, residuals, g):
     x, norm, w1_shape, gemm1, h, activation, gemm2 = residuals
     d_activation_out, dw2, next_meta2 = _fp8_matmul_bwd(spec2, gemm2, g)
     # fc1's output gradient, quantized with fc1's output_grad scale by the activation's backward.
-    grad_meta1 = gemm1[4]
-    g_scale = _delayed_scale("output_grad", grad_meta1, spec1, spec1.bwd_dtype)
-    g_q, g_q_t, observed, d_activation = activation.fp8_grad(h, d_activation_out, g_scale, spec1.bwd_dtype)
-    g_state = _next_state("output_grad", grad_meta1, g_scale, _reduce_max(observed, spec1.reduce_axes))
+    g_q, g_q_t, g_scale, g_state, d_activation = _delayed_cast(
+        "output_grad", gemm1[4], spec1, spec1.bwd_dtype,
+        lambda scale: activation.fp8_grad(h, d_activation_out, scale, spec1.bwd_dtype))
     d_fc1_input, dw1, next_meta1 = _quantized_grad_matmul_bwd(spec1, gemm1, g_q.reshape(h.shape[0], -1), g_q_t,
                                                               g_scale, g_state)
-    if norm is None:
-        dx, d_norm = d_fc1_input, None
-    else:
-        _, norm_vjp = jax.vjp(lambda x, norm: norm(x), x, norm)
-        dx, d_norm = norm_vjp(d_fc1_input)
+    dx, d_norm = _prologue_bwd(x, norm, d_fc1_input)
     return dx, d_norm, dw1.reshape(w1_shape), d_activation, dw2, next_meta1, next_meta2
 
 
@@ -604,12 +623,9 @@ def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.
         raise ValueError(f"fp8_mlp: w2 of shape {w2.shape}; expected [mlp, out] with mlp = {w1.shape[-1]}")
     if any(_varying_axes(a) for a in (x, w1, w2)):
         raise ValueError("fp8_mlp: operands vary over shard_map axes; use fp8_dot_general per GEMM there")
-    reduce_axes = tuple(sorted(_bound_axes(mesh_axes))) if recipe.reduce_amax else ()
-    fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
+    reduce_axes = _bound_axes(mesh_axes) if recipe.reduce_amax else ()
     h_dtype = jnp.result_type(x.dtype, w1.dtype)
-    specs = [_GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=reduce_axes,
-                       x_dtype=x_dtype, w_dtype=w.dtype, out_dtype=jnp.result_type(x_dtype, w.dtype),
-                       implementation=implementation)
+    specs = [_GemmSpec.build(recipe, reduce_axes, x_dtype, w.dtype, jnp.result_type(x_dtype, w.dtype), implementation)
              for x_dtype, w in ((x.dtype, w1), (h_dtype, w2))]
     out = _fp8_mlp(x.reshape(-1, hidden), norm, w1, activation, w2, meta1, meta2, *specs)
     return out.reshape(x.shape[:-1] + w2.shape[1:])
@@ -699,9 +715,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     else:  # free axes lead, the prologue's own trailing axes ([k] or [2, k]) stay
         x = lhs.reshape((m,) + lhs.shape[len(lhs_free):])
     w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(batch + (k, n))
-    fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
-    spec = _GemmSpec(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=tuple(sorted(reduce_axes)),
-                     x_dtype=operand.dtype, w_dtype=rhs.dtype, out_dtype=result.dtype, implementation=implementation)
+    spec = _GemmSpec.build(recipe, reduce_axes, operand.dtype, rhs.dtype, result.dtype, implementation)
     if lhs_prologue is None:
         out = _fp8_matmul(x, w, meta, spec)
     elif isinstance(recipe, CurrentScaling):  # its scale needs the prologue's amax first: two passes anyway

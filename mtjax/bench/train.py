@@ -14,8 +14,9 @@ variants run side by side in one process:
 Model FLOPs per token are the preset's ``flops_per_token(seq)`` (6·N + causal attention) for all
 four, so MFU and speed-ups compare the same work. Each variant is compiled, timed with the state
 threaded through as in training (median of 6 samples of 3 steps dispatched back to back), and
-reported (one line on stderr) before the next starts, so a run cut short keeps what it measured; ``--profile DIR`` adds each step's per-op device time
-(`mtjax.bench.profile`), from a second compilation of the step without CUDA graphs.
+reported (one line on stderr) before the next starts, so a run cut short keeps what it measured;
+``--profile DIR`` adds each step's per-op device time (`mtjax.bench.profile`), from a second
+compilation of the step without CUDA graphs.
 """
 
 from __future__ import annotations

@@ -112,25 +112,22 @@ class LayerNormMLP(nn.Module):
             autocast = fp8.current_autocast()
             y = fp8.fp8_mlp(x, wi, wo, wi_dot.fp8_meta(), wo_dot.fp8_meta(), activation=act, norm=norm,
                             recipe=autocast.recipe, mesh_axes=autocast.mesh_axes)
-            return self._output_bias(y), (x if self.return_layernorm_output else None)
-        h = contract(wi_dot, x, wi, (x.ndim - 1,), norm)
-        if x.ndim == 3:  # [batch, length, hidden] in: the activations' logical axes are known
-            h = nn.with_logical_constraint(h, FC1_OUTPUT_AXES if num_activations == 2 else MLP_HIDDEN_AXES)
-        if no_dropout:
-            # fc2 applies the activation (fused with its FP8 input under fp8_autocast).
-            y = contract(wo_dot, h, wo, (h.ndim - 1 - (num_activations == 2),), act)
         else:
-            h = act(h)
-            if h.ndim == 3:
-                h = nn.with_logical_constraint(h, MLP_HIDDEN_AXES)
-            h = nn.Dropout(rate=self.intermediate_dropout_rate,
-                           broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
-                           rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
-            y = contract(wo_dot, h, wo, (h.ndim - 1,))
-        return self._output_bias(y), (x if self.return_layernorm_output else None)
-
-    def _output_bias(self, y: jax.Array) -> jax.Array:
-        if not self.use_bias:
-            return y
-        wo_bias = param_with_axes(self, "wo_bias", self.bias_init, y.shape[-1:], self.param_dtype, self.bias_axes_2)
-        return y + wo_bias.astype(self.dtype)
+            h = contract(wi_dot, x, wi, (x.ndim - 1,), norm)
+            if x.ndim == 3:  # [batch, length, hidden] in: the activations' logical axes are known
+                h = nn.with_logical_constraint(h, FC1_OUTPUT_AXES if num_activations == 2 else MLP_HIDDEN_AXES)
+            if no_dropout:
+                # fc2 applies the activation (fused with its FP8 input under fp8_autocast).
+                y = contract(wo_dot, h, wo, (h.ndim - 1 - (num_activations == 2),), act)
+            else:
+                h = act(h)
+                if h.ndim == 3:
+                    h = nn.with_logical_constraint(h, MLP_HIDDEN_AXES)
+                h = nn.Dropout(rate=self.intermediate_dropout_rate,
+                               broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                               rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
+                y = contract(wo_dot, h, wo, (h.ndim - 1,))
+        if self.use_bias:
+            wo_bias = param_with_axes(self, "wo_bias", self.bias_init, (hidden,), self.param_dtype, self.bias_axes_2)
+            y = y + wo_bias.astype(self.dtype)
+        return y, (x if self.return_layernorm_output else None)
