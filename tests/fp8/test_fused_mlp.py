@@ -81,18 +81,11 @@ def test_fused_mlp_matches_the_gemms_one_at_a_time(activation, with_norm, implem
     assert float(got[6][0]["output_grad_amax_history"][0]) > 0  # fc1's gradient amax came from the fused backward
 
 
-def test_layernorm_mlp_runs_the_fused_op_without_dropout(monkeypatch):
+def test_layernorm_mlp_runs_the_fused_op_without_dropout(spy):
     """Under delayed scaling without active dropout the module runs `fp8_mlp` (the activation's FP8
     backward is traced once per gradient); its variables are the same `wi_dot_general`/`wo_dot_general`
     metas as the unfused path's, which dropout takes, so one checkpoint serves both."""
-    calls = []
-    original = activation_ops.activation_grad_fp8
-
-    def spy(*args, **kwargs):
-        calls.append(args[2])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(activation_ops, "activation_grad_fp8", spy)
+    calls = spy(activation_ops, "activation_grad_fp8", lambda args, kwargs: args[2])
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     model = LayerNormMLP(intermediate_dim=48, activations=("gelu",), intermediate_dropout_rate=0.1, use_bias=True)
     with fp8.fp8_autocast(recipe=DELAYED):
@@ -117,6 +110,8 @@ def test_fp8_mlp_rejects_bad_operands():
         fp8.fp8_mlp(x, w1[None], w2, *metas, activation=act, norm=norm, recipe=DELAYED)
     with pytest.raises(ValueError, match=r"w2 of shape .* \[mlp, out\]"):
         fp8.fp8_mlp(x, w1, w2.T, *metas, activation=act, norm=norm, recipe=DELAYED)
+    with pytest.raises(TypeError, match="activation must be a mtjax.ops.Activation"):
+        fp8.fp8_mlp(x, w1, w2, *metas, activation="gelu", norm=norm, recipe=DELAYED)
     with pytest.raises(TypeError, match="DelayedScaling"):
         fp8.fp8_mlp(x, w1, w2, None, None, activation=act, recipe=fp8.CurrentScaling())
     with pytest.raises(ValueError, match="amax_history"):

@@ -120,17 +120,9 @@ def test_lhs_prologue_validation():
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):
+def fused_calls(spy):
     """Counts the calls of the fused norm + FP8 cast op while the modules are traced."""
-    calls = []
-    original = normalization.layernorm_fp8
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("layernorm_type"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(normalization, "layernorm_fp8", spy)
-    return calls
+    return spy(normalization, "layernorm_fp8", lambda args, kwargs: kwargs.get("layernorm_type"))
 
 
 X = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 32), np.float32))
@@ -182,18 +174,11 @@ def test_layernorm_mlp_fc1_uses_the_fused_norm(fused_calls):
     assert rel_err(out, out_ref) < 1e-4
 
 
-def test_layernorm_mlp_fc2_takes_its_input_from_the_fused_activation(monkeypatch):
+def test_layernorm_mlp_fc2_takes_its_input_from_the_fused_activation(spy, monkeypatch):
     """Without active dropout fc2 applies the activation as its prologue (under delayed scaling:
     `activation_fp8` writes its FP8 input); the numbers are those of activation-then-FP8-GEMM through
     the same module. With dropout active the activation runs on its own, then dropout, then fc2."""
-    calls = []
-    original = activation_ops.activation_fp8
-
-    def spy(*args, **kwargs):
-        calls.append(args[1])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(activation_ops, "activation_fp8", spy)
+    calls = spy(activation_ops, "activation_fp8", lambda args, kwargs: args[1])
     model = LayerNormMLP(intermediate_dim=64, activations=("silu", "linear"), intermediate_dropout_rate=0.1)
 
     def run():
@@ -205,7 +190,8 @@ def test_layernorm_mlp_fc2_takes_its_input_from_the_fused_activation(monkeypatch
 
     out, variables = run()
     assert calls == ["swiglu"] * 3  # init, gradient, apply
-    with monkeypatch.context() as patch:  # the same module, the activation applied before the FP8 GEMM
+    with monkeypatch.context() as patch:  # the same module, one GEMM at a time, each prologue applied first
+        patch.setattr(fp8, "fuses_mlp", lambda *arrays: False)
         patch.setattr(fp8, "_fp8_prologue_matmul", lambda x, p, w, meta, spec: fp8._fp8_matmul(p(x), w, meta, spec))
         out_ref, _ = run()
     assert rel_err(out, out_ref) < 1e-4

@@ -112,6 +112,12 @@ def test_residual_norm_and_fp8_ops_run_their_references():
     (lambda x, g: ops.activation_fp8(x, "gelu", scale=jnp.float32(1.0), out_dtype=F32), ValueError, "out_dtype"),
     (lambda x, g: ops.activation_fp8(x, "swish", scale=jnp.float32(1.0)), ValueError, "activation_type"),
     (lambda x, g: ops.activation_fp8(x[:, None], "swiglu", scale=jnp.float32(1.0)), ValueError, r"x .*\[\.\.\., 2, hidden\]"),
+    (lambda x, g: ops.activation_grad_fp8(x, x[:, :4], "gelu", scale=jnp.float32(1.0)), ValueError, "dy"),
+    (lambda x, g: ops.activation_grad_fp8(x, x.astype(jnp.int32), "gelu", scale=jnp.float32(1.0)), TypeError, "dy"),
+    (lambda x, g: ops.activation_grad_fp8(x, x, "gelu", scale=jnp.float32(1.0), out_dtype=F32), ValueError,
+     "out_dtype"),
+    (lambda x, g: ops.activation_grad_fp8(x, x, "gelu", scale=jnp.ones(2)), ValueError, "scale"),
+    (lambda x, g: ops.activation_grad_fp8(x, x, "gelu", g[:4], scale=jnp.float32(1.0)), ValueError, "bias"),
 ])
 def test_bad_arguments_raise_naming_the_argument(call, error, match):
     with pytest.raises(error, match=match):
