@@ -107,14 +107,16 @@ def forward_tile(n: int) -> tuple[int, int]:
 def backward_tile(n: int) -> tuple[int, int]:
     """``(block_m, num_warps)`` of the backward kernel (it keeps ~6 row-sized f32 tensors live).
 
-    H200 sweep (16384 rows, bf16, 264 or 528 programs): 1024 wide, 8 rows x 8 warps ran 0.104 ms
-    against 0.158 ms for 4 x 16; 8192 and 12288 wide, one row x 16 warps was best of 8/16/32.
+    H200 sweeps (16384 rows, bf16, 264 or 528 programs): 1024 wide, 8 rows x 8 warps ran 0.104 ms
+    against 0.158 ms for 4 x 16; 2048 wide, 2 rows x 4 warps ran 0.133 ms against 0.136 for 2 x 8
+    and 0.198 for 2 x 16 (2026-12-03); 8192 and 12288 wide, one row x 16 warps was best of 8/16/32.
     """
     n_pad = next_power_of_2(n)
     if n_pad <= 1024:
         return 8192 // n_pad, 8
-    block_m = max(1, 4096 // n_pad)
-    return block_m, min(16, max(4, block_m * n_pad // 256))
+    if n_pad == 2048:
+        return 2, 4
+    return 1, 16
 
 
 def _spec(m, n, *, tile, **flags) -> NormSpec:

@@ -46,6 +46,8 @@ class GPTConfig:
       rope_group_method: ``"alternate"`` (half-split, Llama/NeoX) or ``"consecutive"`` (interleaved, GPT-J).
       tie_embeddings: the output layer is the transposed token embedding.
       use_bias: biases in the projections.
+      fuse_qkv_params: one Q/K/V kernel (one GEMM) instead of three (three GEMMs, no split of their
+        output and no concatenate of its gradient).
       dropout_rate: embedding, hidden and MLP-intermediate dropout.
       attention_dropout: attention-probability dropout.
       window_size: sliding-window attention ``(left, right)``; None: full causal.
@@ -74,6 +76,7 @@ class GPTConfig:
     rope_group_method: str = "alternate"
     tie_embeddings: bool = True
     use_bias: bool = False
+    fuse_qkv_params: bool = True
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
     window_size: tuple[int, int] | None = None
@@ -201,7 +204,8 @@ class GPT(nn.Module):
             layernorm_epsilon=cfg.layernorm_epsilon, zero_centered_gamma=cfg.zero_centered_gamma,
             hidden_dropout=cfg.dropout_rate, attention_dropout=cfg.attention_dropout,
             intermediate_dropout=cfg.dropout_rate, mha_kernel_init=init, mlp_kernel_init=init,
-            mlp_activations=cfg.activations, use_bias=cfg.use_bias, layer_type=TransformerLayerType.ENCODER,
+            mlp_activations=cfg.activations, use_bias=cfg.use_bias, fuse_qkv_params=cfg.fuse_qkv_params,
+            layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
             window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, dtype=cfg.dtype,

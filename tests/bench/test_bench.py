@@ -105,7 +105,8 @@ def test_complete_fills_ratios():
 
 
 def test_profile_summary_of_a_gpu_trace():
-    """The parser reads kernel lanes (CUDA streams) of the device process, per step, by HLO op."""
+    """The parser reads kernel lanes (CUDA streams) of the device process, per step, by HLO op; an op
+    is named after its first kernel that is not a memset (cuBLAS clears its workspace first)."""
     trace = {"traceEvents": [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
@@ -114,13 +115,17 @@ def test_profile_summary_of_a_gpu_trace():
         {"ph": "X", "pid": 1, "tid": 7, "name": "sm90_xmma_gemm_bf16", "dur": 3000.0, "args": {"hlo_op": "dot.1"}},
         {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "dur": 1000.0, "args": {"hlo_op": "add_fusion"}},
         {"ph": "X", "pid": 1, "tid": 7, "name": "cudnn_fmha_fwd", "dur": 2000.0, "args": {}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "Memset 3", "dur": 200.0, "args": {"hlo_op": "custom-call.2"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90_tst_256x128", "dur": 800.0, "args": {"hlo_op": "custom-call.2"}},
         {"ph": "X", "pid": 1, "tid": 8, "name": "dot.1", "dur": 3000.0, "args": {}},
         {"ph": "X", "pid": 2, "tid": 1, "name": "host work", "dur": 9000.0, "args": {}},
     ]}
     summary = profile.summarize(trace, steps=2)
-    assert summary["device_ms_per_step"] == pytest.approx(3.0)
-    assert summary["by_category_ms"] == pytest.approx({"gemm": 1.5, "attention": 1.0, "fusion": 0.5})
+    assert summary["device_ms_per_step"] == pytest.approx(3.5)
+    assert summary["by_category_ms"] == pytest.approx({"gemm": 1.9, "attention": 1.0, "fusion": 0.5, "copy": 0.1})
     assert summary["top_ops_ms"][0]["op"] == "dot.1"
+    assert [(t["op"], t["category"]) for t in summary["top_ops_ms"] if t["op"] == "custom-call.2"] == [
+        ("custom-call.2", "gemm")]
 
 
 def test_flax_fp8_peer_updates_its_scaling_state():

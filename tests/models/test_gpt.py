@@ -36,7 +36,7 @@ def _param_count(cfg, seq=8):
 @pytest.mark.parametrize("overrides", [
     {},
     dict(position_embedding="learned", tie_embeddings=False, use_bias=True, layernorm_type="layernorm",
-         activations=("gelu",), num_kv_heads=None, scan_layers=False),
+         activations=("gelu",), num_kv_heads=None, scan_layers=False, fuse_qkv_params=False),
 ])
 def test_num_params_matches_init(overrides):
     cfg = dataclasses.replace(TINY, **overrides)
