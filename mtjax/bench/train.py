@@ -135,16 +135,18 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
         holder["state"], metrics = step(holder["state"], batch)
         return metrics
 
+    hlo_text = step.as_text()
     # A profiler that cannot attach (no CUPTI in a VM) must not cost the measurements.
     try:
-        summary = profile.profile(once, out_dir=out_dir, label=label)
+        summary = profile.profile(once, out_dir=out_dir, label=label, hlo_text=hlo_text)
     except Exception as err:  # noqa: BLE001
         return holder["state"], {"profile_error": repr(err)}
     print(profile.format_summary(label, summary, top=40), file=sys.stderr, flush=True)
     # The optimized HLO beside the trace names what each fusion in the top ops computes.
     with open(os.path.join(out_dir, f"{label}.hlo.txt"), "w") as f:
-        f.write(step.as_text())
-    return holder["state"], {"profile_ms": summary["by_category_ms"], "profile_top_ops_ms": summary["top_ops_ms"]}
+        f.write(hlo_text)
+    return holder["state"], {"profile_ms": summary["by_category_ms"], "profile_top_ops_ms": summary["top_ops_ms"],
+                             "profile_by_source_ms": summary["by_source_ms"]}
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,

@@ -128,6 +128,29 @@ def test_profile_summary_of_a_gpu_trace():
         ("custom-call.2", "gemm")]
 
 
+def test_profile_by_source_folds_layers():
+    """With the optimized HLO, time adds up per emitting JAX operation across layers."""
+    hlo = (
+        '  %fusion.1 = bf16[4,8]{1,0} fusion(%p0), kind=kLoop, metadata={op_name="jit(step)/layers_0/mlp/add"}\n'
+        '  ROOT %fusion.2 = bf16[4,8]{1,0} fusion(%p1), kind=kLoop, metadata={op_name="jit(step)/layers_11/mlp/add"}\n'
+        '  %dot.3 = bf16[4,4]{1,0} dot(%a, %b), metadata={op_name="jit(step)/head/dot_general"}\n'
+    )
+    sources = profile.op_sources(hlo)
+    assert sources == {"fusion.1": "jit(step)/layers_*/mlp/add", "fusion.2": "jit(step)/layers_*/mlp/add",
+                       "dot.3": "jit(step)/head/dot_general"}
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "dur": 1000.0, "args": {"hlo_op": "fusion.1"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "dur": 3000.0, "args": {"hlo_op": "fusion.2"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90", "dur": 2000.0, "args": {"hlo_op": "dot.3"}},
+    ]}
+    summary = profile.summarize(trace, steps=1, sources=sources)
+    assert summary["by_source_ms"] == pytest.approx({"jit(step)/layers_*/mlp/add": 4.0, "jit(step)/head/dot_general": 2.0})
+    assert list(summary["by_source_ms"]) == ["jit(step)/layers_*/mlp/add", "jit(step)/head/dot_general"]
+    assert "layers_*/mlp/add" in profile.format_summary("step", summary)
+
+
 def test_flax_fp8_peer_updates_its_scaling_state():
     model = peers.FlaxGPT(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mlp_dim=64, fp8=True)
     tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 64)
