@@ -79,6 +79,12 @@ def reduce_tile_maxima(tile_maxima: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.max(tile_maxima))
 
 
+def check_fp8_dtype(op: str, out_dtype) -> None:
+    """Raise ``ValueError`` naming ``op`` unless ``out_dtype`` is one of `FP8_DTYPES`."""
+    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
+        raise ValueError(f"{op}: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
+
+
 def saturate_cast(x: jax.Array, dtype) -> jax.Array:
     """Clip to the finite range of the FP8 ``dtype`` and cast (no inf/NaN from overflow)."""
     limit = fp8_max(dtype)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import (FP8_DTYPES, check_size, interpret, next_power_of_2, reduce_tile_maxima,
+from mtjax.kernels._common import (check_fp8_dtype, check_size, interpret, next_power_of_2, reduce_tile_maxima,
                                    saturate_cast, unsupported)
 
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -306,8 +306,7 @@ def activation_grad_fp8(x: jax.Array, bias: jax.Array | None, dy: jax.Array, sca
     """`backward_fp8` over the layouts of `activation`: ``x [..., hidden]`` (``[..., 2, hidden]``
     gated) and ``dy [..., hidden]`` give ``(dx_q`` shaped like x, ``dx_q`` flattened to 2-D and
     transposed, ``max |dx|``, ``dbias`` shaped like bias``)``."""
-    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
-        raise ValueError(f"activation_grad_fp8: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
+    check_fp8_dtype("activation_grad_fp8", out_dtype)
     dx_q, dx_q_t, amax, dbias = backward_fp8(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]),
                                              scale, activation=activation, out_dtype=out_dtype)
     return dx_q.reshape(x.shape), dx_q_t, amax, None if bias is None else dbias.reshape(bias.shape)
@@ -316,7 +315,6 @@ def activation_grad_fp8(x: jax.Array, bias: jax.Array | None, dy: jax.Array, sca
 def activation_fp8(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation: str,
                    out_dtype) -> tuple[jax.Array, jax.Array]:
     """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as `activation`); forward only."""
-    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
-        raise ValueError(f"activation_fp8: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
+    check_fp8_dtype("activation_fp8", out_dtype)
     y, amax = forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation, out_dtype=out_dtype)
     return y.reshape(_out_shape(x.shape, activation)), amax

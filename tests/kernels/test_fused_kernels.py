@@ -136,6 +136,23 @@ def test_norm_kernels_walk_several_row_blocks_per_program(hidden):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_kernel_entry_points_reject_a_non_fp8_out_dtype():
+    from mtjax.kernels import activation as act_kernels
+    from mtjax.kernels import layer_norm as norm_kernels
+
+    x, one = jnp.ones((2, 8), jnp.bfloat16), jnp.float32(1.0)
+    calls = {
+        "norm_fp8": lambda: norm_kernels.norm_fp8(x, jnp.ones(8), None, one, rms=True, epsilon=1e-6,
+                                                  zero_centered_gamma=False, out_dtype=jnp.bfloat16),
+        "activation_fp8": lambda: act_kernels.activation_fp8(x, None, one, activation="gelu", out_dtype=jnp.int8),
+        "activation_grad_fp8": lambda: act_kernels.activation_grad_fp8(x, None, x, one, activation="gelu",
+                                                                       out_dtype=jnp.int8),
+    }
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=f"{op}: out_dtype=.*accepted: float8_e4m3fn, float8_e5m2"):
+            call()
+
+
 @pytest.mark.parametrize("kind, out_dtype", [("layernorm", jnp.float8_e4m3fn), ("rmsnorm", jnp.float8_e5m2)])
 def test_norm_fp8_matches_reference(kind, out_dtype):
     x = _random(0, (13, 300), jnp.bfloat16, 3.0)
