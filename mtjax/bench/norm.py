@@ -203,7 +203,9 @@ def sweep(copy_gbps: float, hidden_sizes=(2048, 8192, 12288), tokens: int = 1638
         (x, dy, g, b), *_ = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
         n_pad = norm_kernels.next_power_of_2(hidden)
         options = {("fwd", max(1, e // n_pad), w, p) for e in (4096, 16384) for w in (8, 16) for p in (264, 528)}
-        options |= {("bwd", max(1, e // n_pad), w, p) for e in (2048, 8192) for w in (8, 16) for p in (264, 528)}
+        # The backward at 2048 wide: 2 rows x 4 warps (4096 elements) won on the H200, so both are candidates.
+        options |= {("bwd", max(1, e // n_pad), w, p) for e in (2048, 4096, 8192) for w in (4, 8, 16)
+                    for p in (264, 528)}
         for label, block_m, warps, programs in sorted(options, key=str):
             if label == "fwd":
                 fn = jax.jit(lambda x, g, b, tile=(block_m, warps), programs=programs: norm_kernels.forward(
