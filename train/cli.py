@@ -276,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, setup: _Setup) -> int:
     import jax
+    import jax.numpy as jnp
     from tqdm import tqdm
 
     from mtjax import fp8
@@ -294,13 +295,16 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                                          warmup_steps=run_config.warmup_steps, clip_norm=args.clip_norm,
                                          weight_decay=args.weight_decay)
     micro_batch_shape = (run_config.batch_size // run_config.grad_accum, run_config.seq_len)
-    abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules)
+    # A model computing in a narrower dtype than its f32 weights reads a copy kept in that dtype.
+    compute_dtype = None if jnp.dtype(config.dtype) == jnp.dtype(config.param_dtype) else config.dtype
+    abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules,
+                                    compute_dtype=compute_dtype)
     if setup.resume_from is not None:
         state, meta = checkpointer.restore(abstract, setup.resume_from)
         position = meta["data"]["position"]
     else:
         state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
-                                 mesh=mesh, rules=rules)
+                                 mesh=mesh, rules=rules, compute_dtype=compute_dtype)
         position = 0
     state_sharding = tree_shardings(abstract)
     options = fp8.compiler_options() if run_config.fp8 else None

@@ -1,7 +1,14 @@
 """`TrainState`: everything a training run carries from step to step, as one pytree.
 
 Parameters are kept in ``param_dtype`` (f32 master weights); the model computes in its ``dtype``
-(bf16 on GPUs). With a mesh, every leaf is laid out by the logical-axis annotations of the model
+(bf16 on GPUs). With ``compute_dtype`` the state also carries ``compute_params``, the master weights'
+matrices already cast to the model's compute dtype (Megatron's and TransformerEngine's bf16 model
+weights beside f32 main weights): the forward pass then reads 2 bytes per weight instead of
+casting 4 to 2 every step, the weight gradients stay in that dtype until the optimizer's fused
+update reads them, and that update writes the next copy. The model sees the same values either
+way (its modules cast every matrix to their compute dtype before using it); what can move is
+rounding: a weight used twice (a tied embedding) has its two bf16 gradient terms summed in bf16
+rather than float32, and XLA may round a GEMM's float32 gradient at another point. With a mesh, every leaf is laid out by the logical-axis annotations of the model
 (``nn.with_logical_partitioning``) mapped through the logical rules; optimizer moments inherit
 their parameter's layout.
 """
@@ -28,6 +35,8 @@ class TrainState:
     Attributes:
       step: int32 scalar, the number of optimizer updates done.
       params: the model's ``"params"`` collection (f32 master weights).
+      compute_params: ``params`` with every floating matrix (``ndim >= 2``) in the compute dtype
+        (`compute_copy`), the leaves the model computes with; ``None``: the model reads ``params``.
       fp8_meta: the model's ``"fp8_meta"`` collection (FP8 delayed-scaling state); ``{}`` without FP8.
       opt_state: the optax optimizer state.
       rng: a raw ``uint32[2]`` PRNG key, split every step (dropout).
@@ -38,16 +47,41 @@ class TrainState:
     fp8_meta: Any
     opt_state: Any
     rng: jax.Array
+    compute_params: Any = None
 
     def variables(self) -> dict[str, Any]:
         """The variables to ``model.apply`` with."""
-        variables = {"params": self.params}
+        variables = {"params": self.params if self.compute_params is None else self.compute_params}
         if self.fp8_meta:
             variables[FP8_COLLECTION] = self.fp8_meta
         return variables
 
 
-def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_shape: tuple[int, int]):
+# The logical axis of a scanned layer stack (`mtjax.models`): a stacked vector is still a vector.
+STACKED_AXIS = "layers"
+
+
+def compute_copy(params: Any, dtype: Any) -> Any:
+    """``params`` with every floating matrix (kernels, embeddings, bias tables) cast to ``dtype``;
+    vectors (norm scales, biases) stay as they are, since the modules use some of them in float32.
+
+    Pass the boxed parameters (``nn.Partitioned``, as ``model.init`` returns them): the boxes are
+    kept, hence the logical axes, and a scanned stack's leading ``"layers"`` axis does not count, so
+    stacked norm scales stay vectors. Unboxed leaves count every dimension.
+    """
+    def cast(leaf: Any) -> Any:
+        boxed = isinstance(leaf, nn.Partitioned)
+        value = leaf.value if boxed else leaf
+        names = leaf.names if boxed else (None,) * value.ndim
+        if sum(name != STACKED_AXIS for name in names) >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
+            value = value.astype(dtype)
+        return leaf.replace_boxed(value) if boxed else value
+
+    return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_shape: tuple[int, int],
+             compute_dtype: Any):
     def init(rng: jax.Array) -> TrainState:
         params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
         variables = model.init({"params": params_rng, "dropout": dropout_rng},
@@ -55,7 +89,8 @@ def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_sh
         params = variables["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           fp8_meta=variables.get(FP8_COLLECTION, {}), opt_state=optimizer.init(params),
-                          rng=state_rng)
+                          rng=state_rng,
+                          compute_params=None if compute_dtype is None else compute_copy(params, compute_dtype))
 
     return init
 
@@ -67,7 +102,8 @@ def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
 
 def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
                          batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
-                         rules: LogicalRules | None = None, rng_seed: int = 0) -> TrainState:
+                         rules: LogicalRules | None = None, compute_dtype: Any = None,
+                         rng_seed: int = 0) -> TrainState:
     """The `TrainState` as ``jax.ShapeDtypeStruct`` leaves with their ``.sharding``.
 
     Without ``mesh`` every leaf is on the first device.
@@ -75,7 +111,7 @@ def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformati
     What `init_train_state` creates and what `mtjax.train.checkpoint.Checkpointer.restore` restores
     into (which is how a checkpoint moves to another mesh or device count).
     """
-    boxed = jax.eval_shape(_init_fn(model, optimizer, batch_shape), jax.random.PRNGKey(rng_seed))
+    boxed = jax.eval_shape(_init_fn(model, optimizer, batch_shape, compute_dtype), jax.random.PRNGKey(rng_seed))
     abstract = nn.meta.unbox(boxed)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -88,7 +124,7 @@ def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformati
 
 def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
                      batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
-                     rules: LogicalRules | None = None) -> TrainState:
+                     rules: LogicalRules | None = None, compute_dtype: Any = None) -> TrainState:
     """A fresh `TrainState`, each leaf created directly in its sharding.
 
     Args:
@@ -97,11 +133,14 @@ def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, 
       rng: a raw PRNG key (``jax.random.PRNGKey(seed)``).
       batch_shape: ``(batch, seq)`` of the token batches (only the shape matters).
       mesh, rules: lay the state out on ``mesh`` by the logical-axis ``rules``.
+      compute_dtype: also keep ``compute_params``, the matrices in this dtype (the model's ``dtype``,
+        e.g. bf16; any other would change what the model computes). ``None``: no copy.
     """
-    init = _init_fn(model, optimizer, batch_shape)
+    init = _init_fn(model, optimizer, batch_shape, compute_dtype)
     if mesh is None:
         return jax.jit(lambda r: nn.meta.unbox(init(r)))(rng)
-    abstract = abstract_train_state(model, optimizer, batch_shape, mesh=mesh, rules=rules)
+    abstract = abstract_train_state(model, optimizer, batch_shape, mesh=mesh, rules=rules,
+                                    compute_dtype=compute_dtype)
     shardings = tree_shardings(abstract)
     with use_mesh(mesh, rules):
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)

@@ -92,14 +92,18 @@ def make_train_step(
         raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
     _check_sharding_args("make_train_step", mesh, rules, state_sharding)
 
-    def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any]:
-        def loss_of(variables: dict[str, Any]) -> jax.Array:
-            logits = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng})
-            return loss_fn(logits, batch)
-
-        return jax.value_and_grad(loss_of)(variables)
-
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any]:
+            def loss_of(variables: dict[str, Any]) -> jax.Array:
+                logits = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng})
+                return loss_fn(logits, batch)
+
+            loss, grads = jax.value_and_grad(loss_of)(variables)
+            # Gradients of a compute_params copy come in its dtype: the master weights' dtype is what
+            # micro-batches accumulate in and what the optimizer reads (the cast fuses into its update).
+            grads["params"] = jax.tree.map(lambda g, p: g.astype(p.dtype), grads["params"], state.params)
+            return loss, grads
+
         rng, step_rng = jax.random.split(state.rng)
         variables = state.variables()
         if grad_accum_steps == 1:
@@ -122,9 +126,14 @@ def make_train_step(
         grads, new_fp8_meta = fp8.split_gradients(grads)
         param_grads = grads["params"]
         updates, opt_state = optimizer.update(param_grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        compute_params = state.compute_params
+        if compute_params is not None:
+            compute_params = jax.tree.map(lambda p, c: p.astype(c.dtype), params, compute_params)
         new_state = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
+            params=params,
+            compute_params=compute_params,
             fp8_meta=new_fp8_meta if state.fp8_meta else state.fp8_meta,
             opt_state=opt_state,
             rng=rng,

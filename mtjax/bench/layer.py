@@ -49,8 +49,8 @@ def _variants(shape: dict, settings: Sequence[Setting]) -> list[tuple[str, str |
     """``(implementation, peer, ceiling, module, apply, context, xla_options)`` per variant, ordered as in
     the train suite."""
     mtjax_rows = []
-    # Model settings (GPTConfig fields) have no meaning for one layer.
-    for fp8, setting in mtjax_variants([s for s in settings if not s.model]):
+    # Model and train-state settings have no meaning for one layer.
+    for fp8, setting in mtjax_variants([s for s in settings if not (s.model or s.train)]):
         layer = _mtjax_layer(shape)
         mtjax_rows.append((label(fp8, setting), peers.FP8_PEER if fp8 else "flax",
                            "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", layer,

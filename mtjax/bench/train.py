@@ -86,11 +86,15 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
     from mtjax.train.state import init_train_state
     from mtjax.train.step import make_train_step
 
-    model = GPT(dataclasses.replace(config, **setting.model))
+    config = dataclasses.replace(config, **setting.model)
+    model = GPT(config)
     opt = optimizer()
+    # As `mtjax train` does: a bf16 model reads a bf16 copy of its f32 weights.
+    narrower = jnp.dtype(config.dtype) != jnp.dtype(config.param_dtype)
+    compute_dtype = config.dtype if narrower and setting.train.get("compute_params", True) else None
     return Variant(
         label(fp8, setting), peers.FP8_PEER if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
-        init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape),
+        init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape, compute_dtype=compute_dtype),
         step=make_train_step(model, opt),
         context=lambda: mtjax_context(fp8, setting),
         xla_options=mtjax_xla_options(fp8, setting),

@@ -4,7 +4,9 @@
 choices forced through `mtjax.config.override`; ``--variant xla_gpu_enable_triton_gemm=false``
 adds rows compiled with that XLA option (``Lowered.compile(compiler_options=...)``, so one process
 compares several); ``--variant scan_layers=false`` (any `mtjax.models.GPTConfig` field) changes
-the trained model (train suite only: the layer suite skips such settings). Rows are labelled
+the trained model and ``--variant compute_params=false`` trains without the compute-dtype copy of
+the weights (`mtjax.train.state.compute_copy`) (both train suite only: the layer suite skips such
+settings). Rows are labelled
 ``"mtjax [activation=xla,layernorm=xla]"``; the peers always run with defaults, so each such row
 shows what the setting does to a whole layer or train step.
 """
@@ -28,18 +30,22 @@ class Setting:
       kernels: ``{op: implementation}`` forced while tracing.
       xla_options: XLA compiler options (``{"xla_gpu_...": value}``) for this row's compilation.
       model: `mtjax.models.GPTConfig` fields overridden (``{"scan_layers": False}``), train suite only.
+      train: train-state options (`TRAIN_OPTIONS`: ``{"compute_params": False}``), train suite only.
     """
 
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    train: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
-        items = {**self.kernels, **self.xla_options, **self.model}
+        items = {**self.kernels, **self.xla_options, **self.model, **self.train}
         return ",".join(f"{k}={_text(v)}" for k, v in sorted(items.items()))
 
 
 DEFAULT = Setting()
+# compute_params: keep the weights' compute-dtype copy in the train state (default true).
+TRAIN_OPTIONS = ("compute_params",)
 
 
 def _text(value: Any) -> str:
@@ -65,7 +71,7 @@ def parse(spec: str) -> Setting:
     from mtjax.models import GPTConfig
 
     model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    kernels, options, model = {}, {}, {}
+    kernels, options, model, train = {}, {}, {}, {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or not value:
@@ -79,13 +85,15 @@ def parse(spec: str) -> Setting:
             kernels[key] = value
         elif key in model_fields:
             model[key] = _value(value)
+        elif key in TRAIN_OPTIONS:
+            train[key] = _value(value)
         else:
-            raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option "
-                             f"nor a GPTConfig field {sorted(model_fields)}")
-    if not kernels and not options and not model:
-        raise ValueError(f"--variant {spec!r}: expected op=implementation, xla_option=value or "
-                         "config_field=value, comma-separated")
-    return Setting(kernels, options, model)
+            raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option, "
+                             f"a GPTConfig field {sorted(model_fields)} nor a train option {TRAIN_OPTIONS}")
+    if not (kernels or options or model or train):
+        raise ValueError(f"--variant {spec!r}: expected op=implementation, xla_option=value, "
+                         "config_field=value or train_option=value, comma-separated")
+    return Setting(kernels, options, model, train)
 
 
 def label(fp8: bool, setting: Setting) -> str:

@@ -173,6 +173,8 @@ def test_variant_settings_are_checked_and_labelled():
     model = variants.parse("scan_layers=false,remat_policy=dots")
     assert model.model == {"scan_layers": False, "remat_policy": "dots"} and not model.kernels
     assert variants.label(False, model) == "mtjax [remat_policy=dots,scan_layers=false]"
+    train = variants.parse("compute_params=false")
+    assert train.train == {"compute_params": False} and variants.label(False, train) == "mtjax [compute_params=false]"
     for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", ""):
         with pytest.raises(ValueError, match="--variant"):
             variants.parse(bad)

@@ -1,11 +1,13 @@
 """The train step: learning, metrics, gradient accumulation, sharding, the eval step, bad arguments."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from mtjax.fp8 import DelayedScaling, fp8_autocast
+from mtjax.models import GPT, gpt_config
 from mtjax.sharding import MeshConfig, logical_axis_rules
 from mtjax.train.data import PackedDataset
 from mtjax.train.state import abstract_train_state, init_train_state
@@ -22,12 +24,14 @@ def batches():
     return [data.batch(i, BATCH) for i in range(6)]
 
 
-def _run(model, optimizer, batches, steps, **step_kwargs):
+def _run(model, optimizer, batches, steps, compute_dtype=None, **step_kwargs):
     mesh = step_kwargs.get("mesh")
     rules = step_kwargs.get("rules")
-    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ), mesh=mesh, rules=rules)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ), mesh=mesh, rules=rules,
+                             compute_dtype=compute_dtype)
     if mesh is not None:
-        abstract = abstract_train_state(model, optimizer, (BATCH, SEQ), mesh=mesh, rules=rules)
+        abstract = abstract_train_state(model, optimizer, (BATCH, SEQ), mesh=mesh, rules=rules,
+                                        compute_dtype=compute_dtype)
         step_kwargs["state_sharding"] = jax.tree.map(lambda a: a.sharding, abstract)
     train_step = make_train_step(model, optimizer, **step_kwargs)
     metrics = []
@@ -69,6 +73,36 @@ def test_sharded_step_matches_one_device(batches, reference):
                rules=logical_axis_rules(config), grad_accum_steps=2)
     assert run[0].params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
     _assert_matches(run, reference)
+
+
+def test_compute_copy_of_the_weights_changes_no_number(batches):
+    """A bf16 GPT reading the state's bf16 copy of its weights computes what it computes from the f32
+    master weights (its modules cast them to bf16 themselves): same losses, same updated master
+    weights; the copy tracks them (matrices only) and is sharded like them."""
+    model = GPT(gpt_config("tiny", vocab_size=264, dtype=jnp.bfloat16, tie_embeddings=False))
+    optimizer = optax.adam(1e-2)
+    plain, plain_metrics = _run(model, optimizer, batches, 3)
+    assert plain.compute_params is None
+    state, metrics = _run(model, optimizer, batches, 3, compute_dtype=jnp.bfloat16)
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
+    # The updates (~1e-2 per step here) agree to 1e-6: the two programs' weight gradients may differ
+    # in where XLA rounds a GEMM's float32 result (the gradient's bf16 dtype now reaches the update).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), state.params, plain.params)
+    copy = state.compute_params
+    assert copy["token_embed"]["embedding"].dtype == copy["logits_dense"]["kernel"].dtype == jnp.bfloat16
+    assert copy["final_norm"]["scale"].dtype == jnp.float32  # vectors stay as they are
+    assert copy["layers"]["mlp"]["scale"].dtype == jnp.float32  # a scanned stack's norm scales too
+    jax.tree.map(lambda c, p: np.testing.assert_array_equal(c, p.astype(c.dtype)), copy, state.params)
+
+    # A weight used twice (TinyLM's tied embedding) has its two bf16 gradient terms summed in bf16,
+    # not float32: close, not equal. Sharded, with micro-batches accumulated in float32.
+    model = TinyLM(dtype=jnp.bfloat16, dropout_rate=0.0)
+    _, tied_metrics = _run(model, optimizer, batches, 3)
+    config = MeshConfig(dp=4, tp=2)
+    sharded, sharded_metrics = _run(model, optimizer, batches, 3, compute_dtype=jnp.bfloat16, mesh=config.make_mesh(),
+                                    rules=logical_axis_rules(config), grad_accum_steps=2)
+    assert sharded.compute_params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
+    np.testing.assert_allclose([m["loss"] for m in sharded_metrics], [m["loss"] for m in tied_metrics], rtol=1e-3)
 
 
 def test_fp8_meta_is_updated_and_accumulated_by_max(batches):
