@@ -28,6 +28,11 @@ class LayerNormMLP(nn.Module):
     Other activations use ``wi_kernel [hidden, 1, intermediate_dim]``.
     Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``.
 
+    ``residual``: ``inputs`` is a sublayer's output still to be added to the residual stream
+    ``residual``; the norm then runs on ``inputs + residual``, the add and the norm in one kernel
+    (`mtjax.ops.residual_norm`: one pass over the stream instead of an add and a norm, forward and
+    backward), and the call returns ``(output, layernorm_output, inputs + residual)``.
+
     Attributes:
       intermediate_dim: width of the hidden layer.
       activations: TransformerEngine-style tuple or a name accepted by `mtjax.ops.activation`.
@@ -71,21 +76,27 @@ class LayerNormMLP(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, deterministic: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    def __call__(self, inputs: jax.Array, deterministic: bool = False, residual: jax.Array | None = None,
+                 ) -> tuple[jax.Array, ...]:
         activation = ops.canonical_activation(self.activations)
         num_activations = 2 if ops.is_gated(activation) else 1
         if self.intermediate_dim < 1:
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
+        if residual is not None and not self.enable_layernorm:
+            raise ValueError("LayerNormMLP: residual= needs enable_layernorm=True (it is added in the norm's kernel)")
         hidden = inputs.shape[-1]
         x = inputs.astype(self.dtype)
-        norm = None
+        norm = new_residual = None
         if self.enable_layernorm:
             norm = norm_with_params(
                 self, hidden, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
                 zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
                 ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, param_dtype=self.param_dtype,
             )
-            if self.return_layernorm_output:  # else fc1 applies it (fused with its FP8 input under fp8_autocast)
+            if residual is not None:
+                new_residual, x = norm.with_residual(x, residual)
+                norm = None
+            elif self.return_layernorm_output:  # else fc1 applies it (fused with its FP8 input under fp8_autocast)
                 x, norm = norm(x), None
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
                              (hidden, num_activations, self.intermediate_dim), self.param_dtype, self.kernel_axes_1)
@@ -130,4 +141,5 @@ class LayerNormMLP(nn.Module):
         if self.use_bias:
             wo_bias = param_with_axes(self, "wo_bias", self.bias_init, (hidden,), self.param_dtype, self.bias_axes_2)
             y = y + wo_bias.astype(self.dtype)
-        return y, (x if self.return_layernorm_output else None)
+        ln_out = x if self.return_layernorm_output else None
+        return (y, ln_out) if residual is None else (y, ln_out, new_residual)

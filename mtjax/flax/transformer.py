@@ -73,6 +73,9 @@ class TransformerLayer(nn.Module):
       rotary_pos_emb_windows: ``(min_timescale, max_timescale)``.
       rotary_pos_emb_group_method: ``"consecutive"`` or ``"alternate"``.
       fuse_qkv_params: fused QKV / KV kernels.
+      fuse_residual_norm: add the attention output to the residual stream in the MLP's norm kernel
+        (`mtjax.ops.residual_norm`) instead of a separate add (not with
+        ``apply_residual_connection_post_layernorm``, whose residual is the normed input).
       scale_attn_logits: scale logits by ``1 / sqrt(head_dim)``.
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
       window_size: sliding-window self-attention ``(left, right)``.
@@ -112,6 +115,7 @@ class TransformerLayer(nn.Module):
     rotary_pos_emb_windows: tuple[float, float] = (1.0, 10000.0)
     rotary_pos_emb_group_method: str = "consecutive"
     fuse_qkv_params: bool = True
+    fuse_residual_norm: bool = True
     scale_attn_logits: bool = True
     scaled_query_init: bool = False
     window_size: tuple[int, int] | None = None
@@ -193,9 +197,9 @@ class TransformerLayer(nn.Module):
             logits_soft_cap=self.logits_soft_cap, name="self_attention", **attention,
         )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
           decode=decode, deterministic=deterministic)
-        x = residual_add(x, inputs, ln_out)
-
+        branch, residual = x, inputs  # the stream is inputs + dropout(x) from here
         if is_decoder:
+            x = residual_add(branch, residual, ln_out)
             has_padding = encoder_decoder_mask is not None or encoder_segment_ids is not None
             if (segment_ids is None) != (encoder_segment_ids is None):
                 raise ValueError("TransformerLayer: pass segment_ids and encoder_segment_ids together")
@@ -204,9 +208,12 @@ class TransformerLayer(nn.Module):
                 name="encoder_decoder_attention", **attention,
             )(x, encoded, encoder_decoder_mask, q_segment_ids=segment_ids, kv_segment_ids=encoder_segment_ids,
               deterministic=deterministic)
-            x = residual_add(y, x, ln_out)
+            branch, residual = y, x
 
-        z, ln_out = LayerNormMLP(
+        fuse = self.fuse_residual_norm and not self.apply_residual_connection_post_layernorm
+        if not fuse:
+            x = residual_add(branch, residual, ln_out)
+        mlp = LayerNormMLP(
             intermediate_dim=self.mlp_hidden_size, activations=self.mlp_activations,
             intermediate_dropout_rate=self.intermediate_dropout,
             intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
@@ -215,7 +222,13 @@ class TransformerLayer(nn.Module):
             kernel_init=self.mlp_kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
             dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
-        )(x, deterministic=deterministic)
+        )
+        if fuse:  # the add happens in the MLP's norm kernel, which returns the new stream
+            z, ln_out, x = mlp(hidden_dropout(branch, deterministic=deterministic), deterministic=deterministic,
+                               residual=residual)
+            x = nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+        else:
+            z, ln_out = mlp(x, deterministic=deterministic)
         z = residual_add(z, x, ln_out)
 
         if self.output_layernorm:

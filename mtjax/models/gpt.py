@@ -48,6 +48,8 @@ class GPTConfig:
       use_bias: biases in the projections.
       fuse_qkv_params: one Q/K/V kernel (one GEMM) instead of three (three GEMMs, no split of their
         output and no concatenate of its gradient).
+      fuse_residual_norm: add each attention output to the residual stream in the MLP's norm kernel
+        (`mtjax.flax.TransformerLayer.fuse_residual_norm`).
       dropout_rate: embedding, hidden and MLP-intermediate dropout.
       attention_dropout: attention-probability dropout.
       window_size: sliding-window attention ``(left, right)``; None: full causal.
@@ -77,6 +79,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     use_bias: bool = False
     fuse_qkv_params: bool = True
+    fuse_residual_norm: bool = True
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
     window_size: tuple[int, int] | None = None
@@ -205,6 +208,7 @@ class GPT(nn.Module):
             hidden_dropout=cfg.dropout_rate, attention_dropout=cfg.attention_dropout,
             intermediate_dropout=cfg.dropout_rate, mha_kernel_init=init, mlp_kernel_init=init,
             mlp_activations=cfg.activations, use_bias=cfg.use_bias, fuse_qkv_params=cfg.fuse_qkv_params,
+            fuse_residual_norm=cfg.fuse_residual_norm,
             layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,

@@ -216,6 +216,11 @@ class Norm:
             return rmsnorm(x, self.gamma, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
         return layernorm(x, self.gamma, self.beta, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
+    def with_residual(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`residual_norm`: ``(x + residual, norm(x + residual))`` in one pass."""
+        return residual_norm(x, residual, self.gamma, self.beta, layernorm_type=self.layernorm_type,
+                             epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+
     def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
         """`layernorm_fp8` of ``x``: ``(saturate_cast(norm(x) * scale, out_dtype), max |norm(x)|)``."""
         return layernorm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,

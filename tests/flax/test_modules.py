@@ -295,6 +295,36 @@ def test_transformer_layer_wiring(post_ln):
     close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_residual_fused_into_the_mlp_norm():
+    """``LayerNormMLP(branch, residual=r)`` is the MLP of ``branch + r`` and returns that sum; a pre-LN
+    layer fusing its attention residual there matches the unfused layer, values and gradients."""
+    branch, stream = rand(0, (2, 5, 16)), rand(1, (2, 5, 16))
+    mlp = LayerNormMLP(intermediate_dim=32, intermediate_dropout_rate=0.0, return_layernorm_output=True)
+    p = init_params(mlp, stream)
+    y, ln, new_stream = mlp.apply({"params": p}, branch, residual=stream, deterministic=True)
+    y_ref, ln_ref = mlp.apply({"params": p}, branch + stream, deterministic=True)
+    close(new_stream, branch + stream, rtol=1e-6)
+    close(y, y_ref, rtol=1e-5, atol=1e-6)
+    close(ln, ln_ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="enable_layernorm"):
+        LayerNormMLP(intermediate_dim=32, enable_layernorm=False).init(jax.random.key(0), branch, residual=stream)
+
+    x = rand(2, (2, 5, 16))
+    fused = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                             attention_dropout=0.0, intermediate_dropout=0.0, mlp_activations=("gelu",))
+    unfused = fused.clone(fuse_residual_norm=False)
+    p = init_params(fused, x, deterministic=True)
+
+    def loss(layer, p, x):
+        return jnp.sum(jnp.sin(layer.apply({"params": p}, x, deterministic=True)))
+
+    close(fused.apply({"params": p}, x, deterministic=True), unfused.apply({"params": p}, x, deterministic=True),
+          rtol=1e-5, atol=1e-6)
+    grads = jax.grad(loss, argnums=(1, 2))(fused, p, x)
+    grads_ref = jax.grad(loss, argnums=(1, 2))(unfused, p, x)
+    jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-5), grads, grads_ref)
+
+
 def test_decoder_layer_cross_attention():
     x, enc = rand(0, (2, 4, 16)), rand(1, (2, 6, 16))
     layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, num_gqa_groups=2,
