@@ -178,7 +178,10 @@ class MultiHeadAttention(nn.Module):
     ``inputs_kv=None`` (or ``inputs_kv is inputs_q``) is self-attention: the input norm feeds Q, K and V;
     otherwise (cross-attention) only the query input is normed. Inputs are ``[batch, length, hidden]``;
     the output ``[batch, q_len, hidden]``; ``layernorm_output`` is the normed query input when
-    ``return_layernorm_output`` (else None).
+    ``return_layernorm_output`` (else None). ``residual=stream`` (keyword): ``inputs_q`` is a sublayer
+    output still to be added to the residual stream; the input norm runs on ``inputs_q + stream``
+    with the add in its kernel (`mtjax.ops.residual_norm`; needs ``input_layernorm``), and the call
+    returns ``(output, layernorm_output, inputs_q + stream)``.
 
     Parameters: self-attention without GQA and ``fuse_qkv_params``: ``qkv`` (``kernel [hidden, 3, heads,
     head_dim]``); with GQA or cross-attention: ``query`` + ``kv`` (``[hidden, 2, kv_heads, head_dim]``);
@@ -255,8 +258,10 @@ class MultiHeadAttention(nn.Module):
                  bias: jax.Array | None = None, *, q_segment_ids: jax.Array | None = None,
                  kv_segment_ids: jax.Array | None = None, q_positions: jax.Array | None = None,
                  kv_positions: jax.Array | None = None, decode: bool = False,
-                 deterministic: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                 deterministic: bool = False, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
         owner = "MultiHeadAttention"
+        if residual is not None and not self.input_layernorm:
+            raise ValueError(f"{owner}: residual= needs input_layernorm=True (it is added in the input norm's kernel)")
         groups = check_heads(owner, self.head_dim, self.num_attention_heads, self.num_gqa_groups)
         check_choice(owner, "attn_mask_type", self.attn_mask_type, ops.MASK_TYPES)
         check_choice(owner, "rotary_pos_emb_group_method", self.rotary_pos_emb_group_method, ROTARY_GROUP_METHODS)
@@ -272,21 +277,22 @@ class MultiHeadAttention(nn.Module):
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
+        # `stream`: [inputs_q + residual] when a residual is given (the projection's norm adds it), else [].
         if self_attention and self.fuse_qkv_params and groups == heads:
-            qkv, ln_out = LayerNormDenseGeneral(
+            qkv, ln_out, *stream = LayerNormDenseGeneral(
                 features=(3, heads, self.head_dim), kernel_init=self._query_init(fused_qkv=True),
                 kernel_axes=("embed", None, "heads", "head_dim"), bias_axes=(None, "heads", "head_dim"),
                 return_layernorm_output=self.return_layernorm_output, name="qkv", **norm, **dense,
-            )(inputs_q)
+            )(inputs_q, residual)
             # jnp.split, not indexing: its transpose is one concatenate of the three gradients where
             # three indexings transpose to zero pads and adds.
             query, key, value = (t[:, :, 0] for t in jnp.split(qkv, 3, axis=2))
         else:
-            query, ln_out = LayerNormDenseGeneral(
+            query, ln_out, *stream = LayerNormDenseGeneral(
                 features=(heads, self.head_dim), kernel_init=self._query_init(fused_qkv=False),
                 kernel_axes=("embed", "heads", "head_dim"), bias_axes=("heads", "head_dim"),
                 return_layernorm_output=self.return_layernorm_output or self_attention, name="query", **norm, **dense,
-            )(inputs_q)
+            )(inputs_q, residual)
             kv_inputs = ln_out if self_attention else inputs_kv
             if self.fuse_qkv_params:
                 kv = DenseGeneral(
@@ -342,7 +348,7 @@ class MultiHeadAttention(nn.Module):
             bias_axes=("embed",), name="out", **dense,
         )(out)
         out = nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)
-        return out, (ln_out if self.return_layernorm_output else None)
+        return (out, ln_out if self.return_layernorm_output else None, *stream)
 
     def _cache_index(self, key: jax.Array) -> nn.Variable | None:
         """The cache position variable, or None while `init` creates the cache (a plain causal pass)."""

@@ -85,6 +85,10 @@ class LayerNormDenseGeneral(nn.Module):
     Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``
     (the residual branch of ``apply_residual_connection_post_layernorm`` needs it).
 
+    ``residual``: ``inputs`` is a sublayer's output still to be added to the residual stream
+    ``residual``; the norm runs on ``inputs + residual`` with the add in its kernel
+    (`mtjax.ops.residual_norm`), and the call returns ``(output, layernorm_output, inputs + residual)``.
+
     Attributes:
       features, axis, use_bias, kernel_init, bias_init, kernel_axes, bias_axes: as `DenseGeneral`
         (``use_bias`` defaults to False, as TransformerEngine).
@@ -116,9 +120,12 @@ class LayerNormDenseGeneral(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        if residual is not None and not self.enable_layernorm:
+            raise ValueError("LayerNormDenseGeneral: residual= needs enable_layernorm=True "
+                             "(it is added in the norm's kernel)")
         x = inputs.astype(self.dtype)
-        norm = None
+        norm = new_residual = None
         if self.enable_layernorm:
             norm = norm_with_params(
                 self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,
@@ -126,12 +133,17 @@ class LayerNormDenseGeneral(nn.Module):
                 ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, param_dtype=self.param_dtype,
             )
             # The GEMM applies the norm itself (fused with its FP8 input under fp8_autocast) unless
-            # the normalized input is wanted as well or the projection contracts other axes.
-            if self.return_layernorm_output or _input_axes(type(self).__name__, self.axis, x.ndim) != (x.ndim - 1,):
+            # the normalized input is wanted as well, the projection contracts other axes, or a
+            # residual is added first (then the norm kernel also writes the new stream).
+            if residual is not None:
+                new_residual, x = norm.with_residual(x, residual)
+                norm = None
+            elif self.return_layernorm_output or _input_axes(type(self).__name__, self.axis, x.ndim) != (x.ndim - 1,):
                 x, norm = norm(x), None
         y = project(
             self, x, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
             kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,
             dtype=self.dtype, param_dtype=self.param_dtype, lhs_norm=norm,
         )
-        return y, (x if self.return_layernorm_output else None)
+        ln_out = x if self.return_layernorm_output else None
+        return (y, ln_out) if residual is None else (y, ln_out, new_residual)

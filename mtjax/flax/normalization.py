@@ -62,11 +62,19 @@ class LayerNorm(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [..., hidden]`` -> normalized ``[..., hidden]`` in ``dtype``."""
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``x [..., hidden]`` -> normalized ``[..., hidden]`` in ``dtype``.
+
+        With ``residual`` (a residual stream ``x`` is still to be added to), normalizes ``x + residual``
+        with the add in the norm's kernel (`mtjax.ops.residual_norm`) and returns
+        ``(normalized, x + residual)``.
+        """
         norm = norm_with_params(
             self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,
             zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
             ln_bias_init=self.bias_init, ln_bias_axes=self.bias_axes, param_dtype=self.param_dtype,
         )
-        return norm(x.astype(self.dtype))
+        if residual is None:
+            return norm(x.astype(self.dtype))
+        new_residual, y = norm.with_residual(x.astype(self.dtype), residual)
+        return y, new_residual

@@ -34,10 +34,15 @@ class TransformerLayer(nn.Module):
     which gives the original (BERT) post-LN block ``y = norm(x + attn(x)); out = norm(y + mlp(y))``.
 
     ``__call__(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None, *, segment_ids=None,
-    encoder_segment_ids=None, positions=None, deterministic=False, decode=False)``: ``inputs [batch, length,
-    hidden_size]``; masks are boolean keep-masks ``[batch|1, heads|1, q_len, kv_len]``; ``segment_ids
-    [batch, length]`` (0 = padding) restrict attention to the own segment (packing); ``positions [batch,
-    length]`` feed the rotary embedding. Returns ``[batch, length, hidden_size]``.
+    encoder_segment_ids=None, positions=None, deterministic=False, decode=False, residual=None)``: ``inputs
+    [batch, length, hidden_size]``; masks are boolean keep-masks ``[batch|1, heads|1, q_len, kv_len]``;
+    ``segment_ids [batch, length]`` (0 = padding) restrict attention to the own segment (packing);
+    ``positions [batch, length]`` feed the rotary embedding. Returns ``[batch, length, hidden_size]``.
+
+    Residual adds across blocks (pre-LN only): with ``defer_residual_add`` a block returns
+    ``(branch, stream)``, its output being ``branch + stream``; the next block takes them as
+    ``(inputs=branch, residual=stream)`` and forms the sum in its attention's norm kernel
+    (`mtjax.ops.residual_norm`), as a final ``LayerNorm(...)(branch, residual=stream)`` does.
 
     Sub-modules: ``self_attention``, ``encoder_decoder_attention`` (DECODER), ``mlp``, ``relpos_bias``
     (``enable_relative_embedding``), ``output_layernorm``.
@@ -76,6 +81,7 @@ class TransformerLayer(nn.Module):
       fuse_residual_norm: add the attention output to the residual stream in the MLP's norm kernel
         (`mtjax.ops.residual_norm`) instead of a separate add (not with
         ``apply_residual_connection_post_layernorm``, whose residual is the normed input).
+      defer_residual_add: return ``(branch, stream)`` instead of their sum (see above; pre-LN only).
       scale_attn_logits: scale logits by ``1 / sqrt(head_dim)``.
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
       window_size: sliding-window self-attention ``(left, right)``.
@@ -116,6 +122,7 @@ class TransformerLayer(nn.Module):
     rotary_pos_emb_group_method: str = "consecutive"
     fuse_qkv_params: bool = True
     fuse_residual_norm: bool = True
+    defer_residual_add: bool = False
     scale_attn_logits: bool = True
     scaled_query_init: bool = False
     window_size: tuple[int, int] | None = None
@@ -153,14 +160,21 @@ class TransformerLayer(nn.Module):
     def __call__(self, inputs: jax.Array, encoded: jax.Array | None = None, attention_mask: jax.Array | None = None,
                  encoder_decoder_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
                  encoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 deterministic: bool = False, decode: bool = False) -> jax.Array:
+                 deterministic: bool = False, decode: bool = False, residual: jax.Array | None = None,
+                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
         head_dim = self._validate()
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
             raise ValueError(f"TransformerLayer: inputs has shape {inputs.shape}; expected [batch, length, {self.hidden_size}]")
+        if (residual is not None or self.defer_residual_add) and (
+                self.output_layernorm or self.apply_residual_connection_post_layernorm):
+            raise ValueError("TransformerLayer: residual= and defer_residual_add need a pre-LN block "
+                             "(output_layernorm=False, apply_residual_connection_post_layernorm=False)")
         is_decoder = self.layer_type == TransformerLayerType.DECODER
         if is_decoder and encoded is None:
             raise ValueError("TransformerLayer: layer_type=DECODER needs `encoded` (the encoder output)")
         inputs = nn.with_logical_constraint(inputs.astype(self.dtype), BATCH_LENGTH_EMBED)
+        if residual is not None:
+            residual = nn.with_logical_constraint(residual.astype(self.dtype), BATCH_LENGTH_EMBED)
         attention = dict(
             head_dim=head_dim, num_attention_heads=self.num_attention_heads, num_gqa_groups=self.num_gqa_groups,
             attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
@@ -189,14 +203,17 @@ class TransformerLayer(nn.Module):
             bidirectional = self.self_attn_mask_type not in ("causal", "padding_causal")
             bias = relpos(inputs.shape[1], inputs.shape[1], bidirectional)
 
-        x, ln_out = MultiHeadAttention(
+        # With a residual, the block's input stream is inputs + residual, formed in the attention's norm.
+        x, ln_out, *stream = MultiHeadAttention(
             input_layernorm=not self.output_layernorm, attn_mask_type=self.self_attn_mask_type,
             attn_bias_type=self.self_attn_bias_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
             rotary_pos_emb_windows=self.rotary_pos_emb_windows,
             rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, window_size=self.window_size,
             logits_soft_cap=self.logits_soft_cap, name="self_attention", **attention,
         )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
-          decode=decode, deterministic=deterministic)
+          decode=decode, deterministic=deterministic, residual=residual)
+        if stream:
+            inputs = nn.with_logical_constraint(stream[0], BATCH_LENGTH_EMBED)
         branch, residual = x, inputs  # the stream is inputs + dropout(x) from here
         if is_decoder:
             x = residual_add(branch, residual, ln_out)
@@ -229,6 +246,8 @@ class TransformerLayer(nn.Module):
             x = nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
         else:
             z, ln_out = mlp(x, deterministic=deterministic)
+        if self.defer_residual_add:
+            return hidden_dropout(z, deterministic=deterministic), x
         z = residual_add(z, x, ln_out)
 
         if self.output_layernorm:

@@ -8,6 +8,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from mtjax import ops
 from mtjax.flax import TransformerLayer
@@ -47,10 +48,15 @@ def check_stack_config(config: Any, positive_ints: Sequence[str]) -> None:
 
 
 class _StackedLayer(TransformerLayer):
-    """`TransformerLayer` with positional arguments and the ``(carry, output)`` result ``nn.scan`` wants."""
+    """`TransformerLayer` with positional arguments and the ``(carry, output)`` result ``nn.scan`` wants.
 
-    def __call__(self, x, segment_ids, positions, deterministic, decode):  # noqa: D102
-        y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic, decode=decode)
+    The carry is the stream, or with ``defer_residual_add`` the pair ``(branch, stream)`` whose sum
+    the stream is (``stream`` ``None`` before an unrolled stack's first layer)."""
+
+    def __call__(self, carry, segment_ids, positions, deterministic, decode):  # noqa: D102
+        x, residual = carry if self.defer_residual_add else (carry, None)
+        y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
+                             decode=decode, residual=residual)
         return y, None
 
 
@@ -60,7 +66,11 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
     """Runs ``num_layers`` ``TransformerLayer(**layer)`` on ``x``; call from a compact method.
 
     Parameters are ``layers/...`` with a leading layer axis when scanned, ``layers_{i}/...`` otherwise.
+    With ``layer["defer_residual_add"]`` each layer adds the previous one's output branch to the
+    stream in its attention's norm kernel, and the result is the pair ``(branch, stream)`` whose sum
+    is the stack's output (a scanned stack starts from ``(x, zeros)``, so its first norm adds zeros).
     """
+    defer = layer.get("defer_residual_add", False)
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={remat_policy!r} is not supported; accepted: {', '.join(REMAT_POLICIES)}")
     block = _StackedLayer
@@ -76,8 +86,10 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = stack(name="layers", **layer)(x, segment_ids, positions, deterministic, decode)
-        return x
+        carry = (x, jnp.zeros_like(x)) if defer else x
+        carry, _ = stack(name="layers", **layer)(carry, segment_ids, positions, deterministic, decode)
+        return carry
+    carry = (x, None) if defer else x
     for i in range(num_layers):
-        x, _ = block(name=f"layers_{i}", **layer)(x, segment_ids, positions, deterministic, decode)
-    return x
+        carry, _ = block(name=f"layers_{i}", **layer)(carry, segment_ids, positions, deterministic, decode)
+    return carry

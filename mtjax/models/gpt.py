@@ -50,6 +50,9 @@ class GPTConfig:
         output and no concatenate of its gradient).
       fuse_residual_norm: add each attention output to the residual stream in the MLP's norm kernel
         (`mtjax.flax.TransformerLayer.fuse_residual_norm`).
+      fuse_residual_across_layers: add each MLP output to the stream in the next layer's attention
+        norm kernel (and the last one in the final norm's): the layers pass ``(branch, stream)``
+        (`mtjax.flax.TransformerLayer.defer_residual_add`). Off by default until measured on a GPU.
       dropout_rate: embedding, hidden and MLP-intermediate dropout.
       attention_dropout: attention-probability dropout.
       window_size: sliding-window attention ``(left, right)``; None: full causal.
@@ -80,6 +83,7 @@ class GPTConfig:
     use_bias: bool = False
     fuse_qkv_params: bool = True
     fuse_residual_norm: bool = True
+    fuse_residual_across_layers: bool = False
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
     window_size: tuple[int, int] | None = None
@@ -208,7 +212,7 @@ class GPT(nn.Module):
             hidden_dropout=cfg.dropout_rate, attention_dropout=cfg.attention_dropout,
             intermediate_dropout=cfg.dropout_rate, mha_kernel_init=init, mlp_kernel_init=init,
             mlp_activations=cfg.activations, use_bias=cfg.use_bias, fuse_qkv_params=cfg.fuse_qkv_params,
-            fuse_residual_norm=cfg.fuse_residual_norm,
+            fuse_residual_norm=cfg.fuse_residual_norm, defer_residual_add=cfg.fuse_residual_across_layers,
             layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
@@ -218,9 +222,14 @@ class GPT(nn.Module):
         x = apply_layers(x, layer=layer, num_layers=cfg.num_layers, scan_layers=cfg.scan_layers,
                          remat_policy=cfg.remat_policy, segment_ids=segment_ids, positions=positions,
                          deterministic=deterministic, decode=decode)
-        x = LayerNorm(epsilon=cfg.layernorm_epsilon, layernorm_type=cfg.layernorm_type,
-                      zero_centered_gamma=cfg.zero_centered_gamma, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                      name="final_norm")(x)
+        final_norm = LayerNorm(epsilon=cfg.layernorm_epsilon, layernorm_type=cfg.layernorm_type,
+                               zero_centered_gamma=cfg.zero_centered_gamma, dtype=cfg.dtype,
+                               param_dtype=cfg.param_dtype, name="final_norm")
+        if cfg.fuse_residual_across_layers:
+            branch, stream = x
+            x, _ = final_norm(branch, residual=stream)
+        else:
+            x = final_norm(x)
         if cfg.tie_embeddings:
             # In the compute dtype, as the Dense branch: a float32 result would make both backward GEMMs
             # of this (tokens x hidden x vocab) product run in float32 on float32 copies.

@@ -325,6 +325,48 @@ def test_residual_fused_into_the_mlp_norm():
     jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-5), grads, grads_ref)
 
 
+def test_residual_added_in_the_attention_norm_and_deferred():
+    """``LayerNorm``, ``LayerNormDenseGeneral`` and ``MultiHeadAttention`` take ``residual=`` (their norm
+    adds it and they return the sum); a layer with ``defer_residual_add`` returns (branch, stream)
+    summing to the plain layer's output, and the next layer takes them as (inputs, residual)."""
+    branch, stream = rand(0, (2, 5, 16)), rand(1, (2, 5, 16))
+    norm = LayerNorm()
+    p = init_params(norm, stream)
+    y, new_stream = norm.apply({"params": p}, branch, residual=stream)
+    close(new_stream, branch + stream, rtol=1e-6)
+    close(y, norm.apply({"params": p}, branch + stream), rtol=1e-5, atol=1e-6)
+    dense = LayerNormDenseGeneral(features=(4, 8), return_layernorm_output=True)
+    p = init_params(dense, stream)
+    y, ln, new_stream = dense.apply({"params": p}, branch, stream)
+    y_ref, ln_ref = dense.apply({"params": p}, branch + stream)
+    close(y, y_ref, rtol=1e-5, atol=1e-6)
+    close(ln, ln_ref, rtol=1e-5, atol=1e-6)
+    close(new_stream, branch + stream, rtol=1e-6)
+    for groups in (4, 2):  # the fused QKV projection, and GQA's query + kv projections
+        mha = MultiHeadAttention(head_dim=4, num_attention_heads=4, num_gqa_groups=groups, attn_mask_type="causal")
+        p = init_params(mha, stream, deterministic=True)
+        out, _, new_stream = mha.apply({"params": p}, branch, deterministic=True, residual=stream)
+        close(out, mha.apply({"params": p}, branch + stream, deterministic=True)[0], rtol=1e-5, atol=1e-6)
+        close(new_stream, branch + stream, rtol=1e-6)
+    with pytest.raises(ValueError, match="input_layernorm"):
+        MultiHeadAttention(head_dim=4, num_attention_heads=4, input_layernorm=False).init(
+            jax.random.key(0), branch, residual=stream)
+
+    kwargs = dict(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                  intermediate_dropout=0.0, mlp_activations=("gelu",))
+    plain, deferred = TransformerLayer(**kwargs), TransformerLayer(**kwargs, defer_residual_add=True)
+    x = rand(2, (2, 5, 16))
+    p1, p2 = init_params(plain, x, deterministic=True), init_params(plain, rand(3, (2, 5, 16)), deterministic=True)
+    expected = plain.apply({"params": p2}, plain.apply({"params": p1}, x, deterministic=True), deterministic=True)
+    b1, s1 = deferred.apply({"params": p1}, x, deterministic=True)
+    close(b1 + s1, plain.apply({"params": p1}, x, deterministic=True), rtol=1e-5, atol=1e-6)
+    b2, s2 = deferred.apply({"params": p2}, b1, deterministic=True, residual=s1)
+    close(b2 + s2, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="pre-LN"):
+        TransformerLayer(**kwargs, output_layernorm=True, defer_residual_add=True).init(
+            jax.random.key(0), x, deterministic=True)
+
+
 def test_decoder_layer_cross_attention():
     x, enc = rand(0, (2, 4, 16)), rand(1, (2, 6, 16))
     layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, num_gqa_groups=2,

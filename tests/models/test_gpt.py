@@ -88,6 +88,33 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients(tiny):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g, g_remat)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_residual_adds_across_layers_change_no_result(tiny, scan_layers):
+    """``fuse_residual_across_layers``: the layers pass (branch, stream) and each norm adds them; the
+    same parameters give the same logits, gradients, and KV-cache decoding."""
+    _, params = tiny
+    if not scan_layers:
+        params = {k: v for k, v in params.items() if k != "layers"} | {
+            f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(TINY.num_layers)}
+    base = dataclasses.replace(TINY, scan_layers=scan_layers, remat_policy="dots")
+    plain, fused = GPT(base), GPT(dataclasses.replace(base, fuse_residual_across_layers=True))
+    toks = tokens(2, (2, 8))
+    np.testing.assert_allclose(fused.apply({"params": params}, toks), plain.apply({"params": params}, toks),
+                               rtol=1e-5, atol=1e-5)
+
+    def loss(m):
+        return lambda p: jnp.mean(m.apply({"params": p}, toks) ** 2)
+
+    grads, grads_ref = (jax.jit(jax.grad(loss(m)))(params) for m in (fused, plain))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, grads_ref)
+    cache = jax.jit(functools.partial(fused.init, decode=True))(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    step = jax.jit(lambda c, t: fused.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
+    first, mutated = step(cache, toks[:, :4])
+    second, _ = step(mutated["cache"], toks[:, 4:5])
+    np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), plain.apply({"params": params}, toks[:, :5]),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_loss_falls_on_a_tiny_batch(tiny):
     model, params = tiny
     toks = tokens(2, (4, 16))
