@@ -1,7 +1,8 @@
 """Checkpoints with orbax: async, atomic, keep-the-last-K, restorable onto another mesh.
 
-Each checkpoint (one folder per step) holds two items: ``state``, the whole `TrainState` (params,
-FP8 meta, optimizer state, step, RNG) written as sharded arrays, and ``meta``, a JSON dict with the
+Each checkpoint (one folder per step) holds two items: ``state``, the `TrainState` (params, FP8
+meta, optimizer state, step, RNG; not ``compute_params``, the compute-dtype copy of the weights,
+which a restore derives from the params again) written as sharded arrays, and ``meta``, a JSON dict with the
 data iterator's position and the run's configuration (what ``mtjax generate`` needs to rebuild the
 model and tokenizer). Orbax writes into a temporary folder and renames it when complete, so a run
 killed during a save restores from the last complete checkpoint. A restore lays the arrays out as
@@ -52,7 +53,8 @@ class Checkpointer:
         """
         if not force and (self.save_every is None or step % self.save_every):
             return False
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state.replace(compute_params=None)),
+                                  meta=ocp.args.JsonSave(meta))
         return self._manager.save(step, args=args, force=force)
 
     def latest_step(self) -> int | None:
@@ -67,12 +69,19 @@ class Checkpointer:
 
         Args:
           abstract_state: `mtjax.train.state.abstract_train_state` for the mesh to restore onto
-            (its leaves' ``.sharding`` decide where each array goes).
+            (its leaves' ``.sharding`` decide where each array goes). With ``compute_params`` the
+            copy is rebuilt from the restored params, whether or not the run that saved kept one.
         """
         step = self._resolve(step)
+        copy = abstract_state.compute_params
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=_pytree_restore(abstract_state), meta=ocp.args.JsonRestore()))
-        return restored.state, restored.meta
+            state=_pytree_restore(abstract_state.replace(compute_params=None)), meta=ocp.args.JsonRestore()))
+        state = restored.state
+        if copy is not None:
+            cast = jax.jit(lambda params: jax.tree.map(lambda p, c: p.astype(c.dtype), params, copy),
+                           out_shardings=jax.tree.map(lambda c: c.sharding, copy))
+            state = state.replace(compute_params=cast(state.params))
+        return state, restored.meta
 
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
         """Only the ``meta`` item of checkpoint ``step`` (default: the latest)."""

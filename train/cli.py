@@ -296,7 +296,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                                          weight_decay=args.weight_decay)
     micro_batch_shape = (run_config.batch_size // run_config.grad_accum, run_config.seq_len)
     # A model computing in a narrower dtype than its f32 weights reads a copy kept in that dtype.
-    compute_dtype = None if jnp.dtype(config.dtype) == jnp.dtype(config.param_dtype) else config.dtype
+    narrower = jnp.dtype(config.dtype).itemsize < jnp.dtype(config.param_dtype).itemsize
+    compute_dtype = config.dtype if narrower else None
     abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules,
                                     compute_dtype=compute_dtype)
     if setup.resume_from is not None:

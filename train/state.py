@@ -25,6 +25,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from mtjax.fp8 import FP8_COLLECTION
+from mtjax.models import LAYERS_AXIS
 from mtjax.sharding import LogicalRules, logical_shardings, named_sharding, tree_shardings, use_mesh
 
 
@@ -35,8 +36,9 @@ class TrainState:
     Attributes:
       step: int32 scalar, the number of optimizer updates done.
       params: the model's ``"params"`` collection (f32 master weights).
-      compute_params: ``params`` with every floating matrix (``ndim >= 2``) in the compute dtype
-        (`compute_copy`), the leaves the model computes with; ``None``: the model reads ``params``.
+      compute_params: ``params`` with its matrices in the compute dtype (`compute_copy`), the leaves
+        the model computes with; ``None``: the model reads ``params``. Not checkpointed: a restore
+        rebuilds it from ``params``.
       fp8_meta: the model's ``"fp8_meta"`` collection (FP8 delayed-scaling state); ``{}`` without FP8.
       opt_state: the optax optimizer state.
       rng: a raw ``uint32[2]`` PRNG key, split every step (dropout).
@@ -57,31 +59,42 @@ class TrainState:
         return variables
 
 
-# The logical axis of a scanned layer stack (`mtjax.models`): a stacked vector is still a vector.
-STACKED_AXIS = "layers"
-
-
 def compute_copy(params: Any, dtype: Any) -> Any:
-    """``params`` with every floating matrix (kernels, embeddings, bias tables) cast to ``dtype``;
-    vectors (norm scales, biases) stay as they are, since the modules use some of them in float32.
+    """``params`` with every floating leaf of two or more dimensions (kernels, embeddings, bias tables,
+    multi-axis biases such as ``[heads, head_dim]``) cast to ``dtype``, which `mtjax.flax` modules
+    cast to their compute dtype before use anyway; vectors (norm scales, 1-D biases) stay as they
+    are, since the norms use their scales in float32.
 
     Pass the boxed parameters (``nn.Partitioned``, as ``model.init`` returns them): the boxes are
-    kept, hence the logical axes, and a scanned stack's leading ``"layers"`` axis does not count, so
-    stacked norm scales stay vectors. Unboxed leaves count every dimension.
+    kept, hence the logical axes, and a scanned stack's leading `mtjax.models.LAYERS_AXIS` does not
+    count, so stacked norm scales stay vectors. Unboxed leaves count every dimension.
     """
     def cast(leaf: Any) -> Any:
         boxed = isinstance(leaf, nn.Partitioned)
         value = leaf.value if boxed else leaf
         names = leaf.names if boxed else (None,) * value.ndim
-        if sum(name != STACKED_AXIS for name in names) >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
+        if sum(name != LAYERS_AXIS for name in names) >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
             value = value.astype(dtype)
         return leaf.replace_boxed(value) if boxed else value
 
     return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def _check_compute_dtype(model: nn.Module, compute_dtype: Any) -> None:
+    """A copy in another dtype than the model computes in would change what it computes."""
+    if compute_dtype is None:
+        return
+    model_dtype = getattr(getattr(model, "config", model), "dtype", None)  # GPT(config) or a module's dtype
+    if not jnp.issubdtype(compute_dtype, jnp.floating) or (
+            model_dtype is not None and jnp.dtype(model_dtype) != jnp.dtype(compute_dtype)):
+        raise ValueError(f"compute_dtype={jnp.dtype(compute_dtype).name}: expected the model's compute dtype "
+                         f"({'a floating dtype' if model_dtype is None else jnp.dtype(model_dtype).name}) or None")
+
+
 def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_shape: tuple[int, int],
              compute_dtype: Any):
+    _check_compute_dtype(model, compute_dtype)
+
     def init(rng: jax.Array) -> TrainState:
         params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
         variables = model.init({"params": params_rng, "dropout": dropout_rng},
@@ -106,7 +119,7 @@ def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformati
                          rng_seed: int = 0) -> TrainState:
     """The `TrainState` as ``jax.ShapeDtypeStruct`` leaves with their ``.sharding``.
 
-    Without ``mesh`` every leaf is on the first device.
+    Without ``mesh`` every leaf is on the first device. ``compute_dtype`` as `init_train_state`.
 
     What `init_train_state` creates and what `mtjax.train.checkpoint.Checkpointer.restore` restores
     into (which is how a checkpoint moves to another mesh or device count).

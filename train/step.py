@@ -176,6 +176,17 @@ def make_eval_step(
                        in_shardings=(state_sharding, batch_sharding(mesh, rules)), out_shardings=None)
 
 
+# Parameter names of `mtjax.flax`'s norms (and biases, any name ending in "bias"): no weight decay.
+NORM_PARAM_NAMES = ("scale", "ln_bias")
+
+
+def decays(path: tuple, param: jax.Array) -> bool:
+    """Whether `make_optimizer` decays the parameter at ``path`` (a key path): a matrix that is
+    neither a norm parameter nor a bias."""
+    name = str(getattr(path[-1], "key", path[-1])) if path else ""
+    return param.ndim >= 2 and name not in NORM_PARAM_NAMES and not name.endswith("bias")
+
+
 def make_optimizer(
     learning_rate: float,
     *,
@@ -189,7 +200,8 @@ def make_optimizer(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with global-norm clipping and linear warmup then cosine decay; returns (optimizer, schedule).
 
-    Weight decay applies to matrices only (not to biases and norm scales), the GPT-2/3 convention.
+    Weight decay applies to matrices only, not to biases and norm scales (the GPT-2/3 convention):
+    by name (`decays`), since a scanned stack's stacked norm scales are matrices by shape.
     """
     if learning_rate <= 0 or not 0 <= warmup_steps < total_steps:
         raise ValueError(
@@ -200,7 +212,7 @@ def make_optimizer(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
         decay_steps=total_steps, end_value=learning_rate * min_learning_rate_ratio)
     adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+                        mask=lambda params: jax.tree_util.tree_map_with_path(decays, params))
     chain = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
     return optax.chain(*chain, adamw), schedule
 

@@ -90,7 +90,7 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
     model = GPT(config)
     opt = optimizer()
     # As `mtjax train` does: a bf16 model reads a bf16 copy of its f32 weights.
-    narrower = jnp.dtype(config.dtype) != jnp.dtype(config.param_dtype)
+    narrower = jnp.dtype(config.dtype).itemsize < jnp.dtype(config.param_dtype).itemsize
     compute_dtype = config.dtype if narrower and setting.train.get("compute_params", True) else None
     return Variant(
         label(fp8, setting), peers.FP8_PEER if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",

@@ -87,6 +87,8 @@ def parse(spec: str) -> Setting:
             model[key] = _value(value)
         elif key in TRAIN_OPTIONS:
             train[key] = _value(value)
+            if not isinstance(train[key], bool):
+                raise ValueError(f"--variant {spec!r}: {key}={value!r}; expected true or false")
         else:
             raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option, "
                              f"a GPTConfig field {sorted(model_fields)} nor a train option {TRAIN_OPTIONS}")

@@ -79,8 +79,9 @@ class LayerNormDenseGeneral(nn.Module):
     """LayerNorm/RMSNorm of the last axis followed by a `DenseGeneral` (e.g. the QKV projection).
 
     Under `mtjax.fp8.fp8_autocast` with delayed scaling, the norm writes the FP8 input of the GEMM
-    and its amax in one pass (`mtjax.ops.layernorm_fp8`); with ``return_layernorm_output`` (or a
-    projection over other axes than the last) the norm runs on its own first.
+    and its amax in one pass (`mtjax.ops.layernorm_fp8`); with ``return_layernorm_output``, a
+    ``residual`` (added in the norm's kernel) or a projection over other axes than the last, the
+    norm runs on its own first and writes the compute dtype.
 
     Returns ``(output, layernorm_output)``; the second is ``None`` unless ``return_layernorm_output``
     (the residual branch of ``apply_residual_connection_post_layernorm`` needs it).

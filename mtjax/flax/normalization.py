@@ -67,7 +67,8 @@ class LayerNorm(nn.Module):
 
         With ``residual`` (a residual stream ``x`` is still to be added to), normalizes ``x + residual``
         with the add in the norm's kernel (`mtjax.ops.residual_norm`) and returns
-        ``(normalized, x + residual)``.
+        ``(normalized, x + residual)``: the output first, as every module with ``residual=`` returns
+        it (`mtjax.ops.residual_norm` itself returns the new stream first).
         """
         norm = norm_with_params(
             self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,

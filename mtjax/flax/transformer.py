@@ -247,7 +247,7 @@ class TransformerLayer(nn.Module):
         else:
             z, ln_out = mlp(x, deterministic=deterministic)
         if self.defer_residual_add:
-            return hidden_dropout(z, deterministic=deterministic), x
+            return nn.with_logical_constraint(hidden_dropout(z, deterministic=deterministic), BATCH_LENGTH_EMBED), x
         z = residual_add(z, x, ln_out)
 
         if self.output_layernorm:

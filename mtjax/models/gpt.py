@@ -52,7 +52,9 @@ class GPTConfig:
         (`mtjax.flax.TransformerLayer.fuse_residual_norm`).
       fuse_residual_across_layers: add each MLP output to the stream in the next layer's attention
         norm kernel (and the last one in the final norm's): the layers pass ``(branch, stream)``
-        (`mtjax.flax.TransformerLayer.defer_residual_add`). Off by default until measured on a GPU.
+        (`mtjax.flax.TransformerLayer.defer_residual_add`); with remat each layer
+        saves both as its input (one more activation per layer). Off by default: 0.8 ms faster on
+        the H200's bf16 1.3B step, the FP8 step not yet timed.
       dropout_rate: embedding, hidden and MLP-intermediate dropout.
       attention_dropout: attention-probability dropout.
       window_size: sliding-window attention ``(left, right)``; None: full causal.

@@ -175,7 +175,7 @@ def test_variant_settings_are_checked_and_labelled():
     assert variants.label(False, model) == "mtjax [remat_policy=dots,scan_layers=false]"
     train = variants.parse("compute_params=false")
     assert train.train == {"compute_params": False} and variants.label(False, train) == "mtjax [compute_params=false]"
-    for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", ""):
+    for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", "", "compute_params=no"):
         with pytest.raises(ValueError, match="--variant"):
             variants.parse(bad)
 

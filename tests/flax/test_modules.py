@@ -26,6 +26,12 @@ def init_params(module, *args, **kwargs):
     return meta.unbox(module.init(jax.random.key(0), *args, **kwargs)["params"])
 
 
+def perturbed(params, seed=0):
+    """``params`` plus noise, so norm scales are not ones and biases not zeros."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([a + rand(seed * 1000 + i, a.shape, 0.1) for i, a in enumerate(leaves)])
+
+
 def close(a, b, rtol=RTOL, atol=ATOL):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
 
@@ -300,7 +306,7 @@ def test_residual_fused_into_the_mlp_norm():
     layer fusing its attention residual there matches the unfused layer, values and gradients."""
     branch, stream = rand(0, (2, 5, 16)), rand(1, (2, 5, 16))
     mlp = LayerNormMLP(intermediate_dim=32, intermediate_dropout_rate=0.0, return_layernorm_output=True)
-    p = init_params(mlp, stream)
+    p = perturbed(init_params(mlp, stream))
     y, ln, new_stream = mlp.apply({"params": p}, branch, residual=stream, deterministic=True)
     y_ref, ln_ref = mlp.apply({"params": p}, branch + stream, deterministic=True)
     close(new_stream, branch + stream, rtol=1e-6)
@@ -313,7 +319,7 @@ def test_residual_fused_into_the_mlp_norm():
     fused = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                              attention_dropout=0.0, intermediate_dropout=0.0, mlp_activations=("gelu",))
     unfused = fused.clone(fuse_residual_norm=False)
-    p = init_params(fused, x, deterministic=True)
+    p = perturbed(init_params(fused, x, deterministic=True))
 
     def loss(layer, p, x):
         return jnp.sum(jnp.sin(layer.apply({"params": p}, x, deterministic=True)))
@@ -331,12 +337,12 @@ def test_residual_added_in_the_attention_norm_and_deferred():
     summing to the plain layer's output, and the next layer takes them as (inputs, residual)."""
     branch, stream = rand(0, (2, 5, 16)), rand(1, (2, 5, 16))
     norm = LayerNorm()
-    p = init_params(norm, stream)
+    p = perturbed(init_params(norm, stream))
     y, new_stream = norm.apply({"params": p}, branch, residual=stream)
     close(new_stream, branch + stream, rtol=1e-6)
     close(y, norm.apply({"params": p}, branch + stream), rtol=1e-5, atol=1e-6)
     dense = LayerNormDenseGeneral(features=(4, 8), return_layernorm_output=True)
-    p = init_params(dense, stream)
+    p = perturbed(init_params(dense, stream))
     y, ln, new_stream = dense.apply({"params": p}, branch, stream)
     y_ref, ln_ref = dense.apply({"params": p}, branch + stream)
     close(y, y_ref, rtol=1e-5, atol=1e-6)
@@ -344,7 +350,7 @@ def test_residual_added_in_the_attention_norm_and_deferred():
     close(new_stream, branch + stream, rtol=1e-6)
     for groups in (4, 2):  # the fused QKV projection, and GQA's query + kv projections
         mha = MultiHeadAttention(head_dim=4, num_attention_heads=4, num_gqa_groups=groups, attn_mask_type="causal")
-        p = init_params(mha, stream, deterministic=True)
+        p = perturbed(init_params(mha, stream, deterministic=True))
         out, _, new_stream = mha.apply({"params": p}, branch, deterministic=True, residual=stream)
         close(out, mha.apply({"params": p}, branch + stream, deterministic=True)[0], rtol=1e-5, atol=1e-6)
         close(new_stream, branch + stream, rtol=1e-6)
@@ -356,7 +362,8 @@ def test_residual_added_in_the_attention_norm_and_deferred():
                   intermediate_dropout=0.0, mlp_activations=("gelu",))
     plain, deferred = TransformerLayer(**kwargs), TransformerLayer(**kwargs, defer_residual_add=True)
     x = rand(2, (2, 5, 16))
-    p1, p2 = init_params(plain, x, deterministic=True), init_params(plain, rand(3, (2, 5, 16)), deterministic=True)
+    p1, p2 = (perturbed(meta.unbox(plain.init(jax.random.key(seed), x, deterministic=True)["params"]), seed)
+              for seed in (1, 2))
     expected = plain.apply({"params": p2}, plain.apply({"params": p1}, x, deterministic=True), deterministic=True)
     b1, s1 = deferred.apply({"params": p1}, x, deterministic=True)
     close(b1 + s1, plain.apply({"params": p1}, x, deterministic=True), rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -70,6 +71,32 @@ def test_restore_onto_another_mesh_and_one_device(tmp_path, setup, dataset):
         assert restored.params["w1"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
         assert len(restored.params["w1"].sharding.device_set) == config.num_devices
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
+
+
+def test_the_compute_copy_is_not_saved_and_is_rebuilt_on_restore(tmp_path, setup, dataset):
+    """``compute_params`` stays out of the checkpoint; a restore derives it from the params, so states
+    with and without the copy restore from the same checkpoint, onto another mesh too."""
+    _, optimizer = setup
+    model = TinyLM(dtype=jnp.bfloat16)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ), compute_dtype=jnp.bfloat16)
+    state, _ = _train(state, make_train_step(model, optimizer), DataIterator(dataset, BATCH), 2)
+    with Checkpointer(tmp_path, save_every=1) as checkpointer:
+        checkpointer.save(2, state, {"data": {}})
+    config = MeshConfig(dp=4, tp=2)
+    mesh, rules = config.make_mesh(), logical_axis_rules(config)
+    for compute_dtype in (jnp.bfloat16, None):
+        abstract = abstract_train_state(model, optimizer, (BATCH, SEQ), mesh=mesh, rules=rules,
+                                        compute_dtype=compute_dtype)
+        with Checkpointer(tmp_path) as checkpointer:
+            restored, _ = checkpointer.restore(abstract)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(state.params))
+        if compute_dtype is None:
+            assert restored.compute_params is None
+            continue
+        for leaf, target in zip(jax.tree.leaves(restored.compute_params), jax.tree.leaves(abstract.compute_params)):
+            assert leaf.sharding == target.sharding and leaf.dtype == target.dtype
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.compute_params),
+                     jax.device_get(state.compute_params))
 
 
 def test_resume_is_exact(tmp_path, setup, dataset):
