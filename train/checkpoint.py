@@ -19,7 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from mtjax.train.state import TrainState
+from mtjax.train.state import TrainState, cast_like
 
 
 class Checkpointer:
@@ -78,8 +78,8 @@ class Checkpointer:
             state=_pytree_restore(abstract_state.replace(compute_params=None)), meta=ocp.args.JsonRestore()))
         state = restored.state
         if copy is not None:
-            cast = jax.jit(lambda params: jax.tree.map(lambda p, c: p.astype(c.dtype), params, copy),
-                           out_shardings=jax.tree.map(lambda c: c.sharding, copy))
+            shardings = jax.tree.map(lambda c: c.sharding, copy)
+            cast = jax.jit(lambda params: cast_like(params, copy), out_shardings=shardings)
             state = state.replace(compute_params=cast(state.params))
         return state, restored.meta
 

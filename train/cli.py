@@ -276,7 +276,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, setup: _Setup) -> int:
     import jax
-    import jax.numpy as jnp
     from tqdm import tqdm
 
     from mtjax import fp8
@@ -285,7 +284,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     from mtjax.train.checkpoint import PreemptionWatcher
     from mtjax.train.data import DataIterator
     from mtjax.train.distributed import global_batch, process_rows
-    from mtjax.train.state import abstract_train_state, batch_sharding, init_train_state
+    from mtjax.train.state import abstract_train_state, batch_sharding, compute_dtype_for, init_train_state
     from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, throughput
 
     run_config, preset, mesh, rules, checkpointer = setup.config, setup.preset, setup.mesh, setup.rules, setup.checkpointer
@@ -295,9 +294,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                                          warmup_steps=run_config.warmup_steps, clip_norm=args.clip_norm,
                                          weight_decay=args.weight_decay)
     micro_batch_shape = (run_config.batch_size // run_config.grad_accum, run_config.seq_len)
-    # A model computing in a narrower dtype than its f32 weights reads a copy kept in that dtype.
-    narrower = jnp.dtype(config.dtype).itemsize < jnp.dtype(config.param_dtype).itemsize
-    compute_dtype = config.dtype if narrower else None
+    compute_dtype = compute_dtype_for(config.dtype, config.param_dtype)
     abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules,
                                     compute_dtype=compute_dtype)
     if setup.resume_from is not None:

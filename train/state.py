@@ -8,9 +8,9 @@ casting 4 to 2 every step, the weight gradients stay in that dtype until the opt
 update reads them, and that update writes the next copy. The model sees the same values either
 way (its modules cast every matrix to their compute dtype before using it); what can move is
 rounding: a weight used twice (a tied embedding) has its two bf16 gradient terms summed in bf16
-rather than float32, and XLA may round a GEMM's float32 gradient at another point. With a mesh, every leaf is laid out by the logical-axis annotations of the model
-(``nn.with_logical_partitioning``) mapped through the logical rules; optimizer moments inherit
-their parameter's layout.
+rather than float32, and XLA may round a GEMM's float32 gradient at another point. With a mesh,
+every leaf is laid out by the logical-axis annotations of the model (``nn.with_logical_partitioning``)
+mapped through the logical rules; optimizer moments inherit their parameter's layout.
 """
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ def compute_copy(params: Any, dtype: Any) -> Any:
         return leaf.replace_boxed(value) if boxed else value
 
     return jax.tree.map(cast, params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def cast_like(params: Any, copy: Any) -> Any:
+    """``params`` cast leaf by leaf to the dtypes of ``copy`` (a `compute_copy` of the same tree, or
+    its abstract shapes): the copy brought up to date with ``params``."""
+    return jax.tree.map(lambda p, c: p.astype(c.dtype), params, copy)
+
+
+def compute_dtype_for(dtype: Any, param_dtype: Any) -> Any:
+    """The ``compute_dtype`` `mtjax train` and the train bench use: the model's ``dtype`` when it is
+    narrower than its ``param_dtype`` (bf16 compute of f32 weights), else ``None`` (no copy)."""
+    return dtype if jnp.dtype(dtype).itemsize < jnp.dtype(param_dtype).itemsize else None
 
 
 def _check_compute_dtype(model: nn.Module, compute_dtype: Any) -> None:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from mtjax import fp8, ops
 from mtjax.sharding import LogicalRules, jit_sharded
-from mtjax.train.state import TrainState, batch_sharding
+from mtjax.train.state import TrainState, batch_sharding, cast_like
 
 Batch = Mapping[str, jax.Array]
 LossFn = Callable[[jax.Array, Batch], jax.Array]
@@ -127,13 +127,10 @@ def make_train_step(
         param_grads = grads["params"]
         updates, opt_state = optimizer.update(param_grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        compute_params = state.compute_params
-        if compute_params is not None:
-            compute_params = jax.tree.map(lambda p, c: p.astype(c.dtype), params, compute_params)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
-            compute_params=compute_params,
+            compute_params=None if state.compute_params is None else cast_like(params, state.compute_params),
             fp8_meta=new_fp8_meta if state.fp8_meta else state.fp8_meta,
             opt_state=opt_state,
             rng=rng,

@@ -83,15 +83,15 @@ def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Varia
 
 def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[int, int]) -> Variant:
     from mtjax.models import GPT
-    from mtjax.train.state import init_train_state
+    from mtjax.train.state import compute_dtype_for, init_train_state
     from mtjax.train.step import make_train_step
 
     config = dataclasses.replace(config, **setting.model)
     model = GPT(config)
     opt = optimizer()
     # As `mtjax train` does: a bf16 model reads a bf16 copy of its f32 weights.
-    narrower = jnp.dtype(config.dtype).itemsize < jnp.dtype(config.param_dtype).itemsize
-    compute_dtype = config.dtype if narrower and setting.train.get("compute_params", True) else None
+    keep_copy = setting.train.get("compute_params", True)
+    compute_dtype = compute_dtype_for(config.dtype, config.param_dtype) if keep_copy else None
     return Variant(
         label(fp8, setting), peers.FP8_PEER if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
         init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape, compute_dtype=compute_dtype),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from mtjax import fp8, ops
 from mtjax.flax._params import AxisNames, Dtype, Initializer, canonical_tuple, contract, flat_kernel_init, param_with_axes
-from mtjax.flax.normalization import norm_with_params
+from mtjax.flax.normalization import input_norm
 
 
 def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -122,25 +122,11 @@ class LayerNormDenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
-        if residual is not None and not self.enable_layernorm:
-            raise ValueError("LayerNormDenseGeneral: residual= needs enable_layernorm=True "
-                             "(it is added in the norm's kernel)")
         x = inputs.astype(self.dtype)
-        norm = new_residual = None
-        if self.enable_layernorm:
-            norm = norm_with_params(
-                self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,
-                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
-                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, param_dtype=self.param_dtype,
-            )
-            # The GEMM applies the norm itself (fused with its FP8 input under fp8_autocast) unless
-            # the normalized input is wanted as well, the projection contracts other axes, or a
-            # residual is added first (then the norm kernel also writes the new stream).
-            if residual is not None:
-                new_residual, x = norm.with_residual(x, residual)
-                norm = None
-            elif self.return_layernorm_output or _input_axes(type(self).__name__, self.axis, x.ndim) != (x.ndim - 1,):
-                x, norm = norm(x), None
+        # The GEMM applies the norm itself unless the normalized input is wanted as well or the
+        # projection contracts other axes (or a residual is added first).
+        apply_now = self.return_layernorm_output or _input_axes(type(self).__name__, self.axis, x.ndim) != (x.ndim - 1,)
+        x, norm, new_residual = input_norm(self, x, residual, apply_now=apply_now)
         y = project(
             self, x, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
             kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from mtjax import fp8, ops
 from mtjax.flax._params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
-from mtjax.flax.normalization import norm_with_params
+from mtjax.flax.normalization import input_norm
 
 MLP_HIDDEN_AXES: AxisNames = ("activation_batch", "activation_length", "activation_mlp")
 # fc1's output [batch, length, num_activations, mlp]: the pair axis of a gated activation stays whole
@@ -82,22 +82,10 @@ class LayerNormMLP(nn.Module):
         num_activations = 2 if ops.is_gated(activation) else 1
         if self.intermediate_dim < 1:
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
-        if residual is not None and not self.enable_layernorm:
-            raise ValueError("LayerNormMLP: residual= needs enable_layernorm=True (it is added in the norm's kernel)")
         hidden = inputs.shape[-1]
-        x = inputs.astype(self.dtype)
-        norm = new_residual = None
-        if self.enable_layernorm:
-            norm = norm_with_params(
-                self, hidden, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
-                zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init, scale_axes=self.scale_axes,
-                ln_bias_init=self.ln_bias_init, ln_bias_axes=self.ln_bias_axes, param_dtype=self.param_dtype,
-            )
-            if residual is not None:
-                new_residual, x = norm.with_residual(x, residual)
-                norm = None
-            elif self.return_layernorm_output:  # else fc1 applies it (fused with its FP8 input under fp8_autocast)
-                x, norm = norm(x), None
+        # fc1 applies the norm unless the normalized input is returned too (or a residual is added first).
+        x, norm, new_residual = input_norm(self, inputs.astype(self.dtype), residual,
+                                           apply_now=self.return_layernorm_output)
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
                              (hidden, num_activations, self.intermediate_dim), self.param_dtype, self.kernel_axes_1)
         wi = wi.astype(self.dtype)

@@ -36,6 +36,32 @@ def norm_with_params(module: nn.Module, hidden: int, *, layernorm_type: str, eps
                     zero_centered_gamma=zero_centered_gamma)
 
 
+def input_norm(module: nn.Module, x: jax.Array, residual: jax.Array | None, *, apply_now: bool,
+               ) -> tuple[jax.Array, ops.Norm | None, jax.Array | None]:
+    """The input norm of a fused module (`LayerNormDenseGeneral`, `LayerNormMLP`: their
+    ``enable_layernorm``, ``layernorm_type``, ``epsilon``, ... attributes) on ``x``.
+
+    Returns ``(x, norm, new_residual)``: ``norm`` is left for the module's GEMM to apply (fused with
+    its FP8 input under fp8_autocast) unless ``apply_now``, or a ``residual`` is to be added first,
+    in which case the norm kernel adds it (`mtjax.ops.residual_norm`), normalizes the sum into ``x``
+    and returns the sum as ``new_residual``.
+    """
+    if not module.enable_layernorm:
+        if residual is not None:
+            raise ValueError(f"{type(module).__name__}: residual= needs enable_layernorm=True "
+                             "(it is added in the norm's kernel)")
+        return x, None, None
+    norm = norm_with_params(
+        module, x.shape[-1], layernorm_type=module.layernorm_type, epsilon=module.epsilon,
+        zero_centered_gamma=module.zero_centered_gamma, scale_init=module.scale_init, scale_axes=module.scale_axes,
+        ln_bias_init=module.ln_bias_init, ln_bias_axes=module.ln_bias_axes, param_dtype=module.param_dtype,
+    )
+    if residual is not None:
+        new_residual, x = norm.with_residual(x, residual)
+        return x, None, new_residual
+    return (norm(x), None, None) if apply_now else (x, norm, None)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm or RMSNorm over the last axis, statistics in float32.
 
