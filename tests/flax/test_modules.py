@@ -369,6 +369,8 @@ def test_residual_added_in_the_attention_norm_and_deferred():
     close(b1 + s1, plain.apply({"params": p1}, x, deterministic=True), rtol=1e-5, atol=1e-6)
     b2, s2 = deferred.apply({"params": p2}, b1, deterministic=True, residual=s1)
     close(b2 + s2, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="residual"):  # the stream must match the branch's shape
+        deferred.apply({"params": p2}, b1, deterministic=True, residual=s1[:, :3])
     with pytest.raises(ValueError, match="pre-LN"):
         TransformerLayer(**kwargs, output_layernorm=True, defer_residual_add=True).init(
             jax.random.key(0), x, deterministic=True)
