@@ -113,9 +113,9 @@ def test_hypothesis_small_shapes(interpret, batch, q_len, kv_len, kv_heads, grou
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,options", [
-    (64, 2, {"causal": True, "segments": True}),
+    (64, 2, {"causal": True, "segments": True, "ptx_exp2": True}),
     (128, 8, {"dropout_rate": 0.1, "dropout_seed": jnp.uint32(7)}),
-    (256, 1, {"window_size": (64, 16), "logits_soft_cap": 30.0}),
+    (256, 1, {"window_size": (64, 16), "logits_soft_cap": 30.0, "ptx_exp2": True}),
 ])
 def test_lowers_for_cuda(head_dim, kv_heads, options, monkeypatch):
     """The Triton lowering of all three kernels (forward, dk/dv, dq) for an H200, on the CPU, with the
@@ -206,6 +206,8 @@ def test_kernel_argument_errors():
         fa.flash_attention(q, q.astype(jnp.bfloat16), q, scale=1.0)
     with pytest.raises(ValueError, match="together"):
         fa.flash_attention(q, q, q, jnp.ones((1, 8), jnp.int32), None, scale=1.0)
+    with pytest.raises(ValueError, match="ptx_exp2"):
+        fa.flash_attention(q, q, q, scale=1.0, interpret=True, ptx_exp2=True)
 
 
 # -------------------------------------------------------------------------------------------------- GPU, real sizes
