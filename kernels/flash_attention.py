@@ -172,13 +172,21 @@ class BlockSizes:
     dq_num_stages: int = 3
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> "BlockSizes":
-        """Defaults per head dimension. head_dim 128 is the H200 sweep's best (`mtjax.bench.attention
-        --sweep`: forward 128x128 tiles, 8 warps, 3 stages); 64 keeps the forward to 4 warps on
-        128x64 tiles; 256 halves the tiles to fit shared memory."""
+    def default(cls, head_dim: int, kv_len: int, *, banded: bool) -> "BlockSizes":
+        """The tiles measured fastest on the H200 (`mtjax.bench.attention --sweep` and the README's
+        tile table) for ``head_dim``, ``kv_len`` and whether a causal or window band is masked.
+
+        head_dim 128: the forward runs 128x64 tiles on 4 warps with 2 stages, so two programs share
+        an SM and one's softmax overlaps the other's GEMMs (causal S4096 forward 371 -> 414 TFLOP/s);
+        unbanded rows of more than 8192 keys keep 128x128 tiles on 8 warps, 3 stages (S16384: 488
+        against 425). head_dim 64: 128x64 tiles on 4 warps, 3 stages. head_dim 256 halves the tiles
+        to fit shared memory.
+        """
         if head_dim <= 64:
             return cls(block_k=64, num_warps=4)
         if head_dim <= 128:
+            if banded or kv_len <= 8192:
+                return cls(block_k=64, num_warps=4, num_stages=2)
             return cls()
         return cls(block_q=64, block_k=64, num_warps=8, num_stages=2,
                    dkdv_block_q=32, dkdv_block_k=64, dkdv_num_warps=8, dkdv_num_stages=1,
@@ -579,7 +587,7 @@ def flash_attention(
       dropout_rate: probability of dropping an attention weight (kept ones scale by ``1 / (1 - rate)``).
       dropout_seed: uint32 scalar; the mask is ``_common.dropout_keep(seed, (b * heads + h) * q_len + i, j)``,
         recomputed by every kernel, never stored.
-      block_sizes: tiles and launch parameters; default `BlockSizes.for_head_dim`.
+      block_sizes: tiles and launch parameters; default `BlockSizes.default`.
       interpret: run the kernels in Pallas interpret mode (any backend, e.g. CPU tests).
       ptx_exp2: compute the exponentials with PTX ``fma`` + ``ex2.approx.ftz`` inline assembly (NVIDIA
         only); ``None``: when the default backend lowers for ``cuda`` and ``interpret`` is off.
@@ -602,9 +610,11 @@ def flash_attention(
     if dropout_rate > 0.0 and dropout_seed is None:
         raise ValueError("flash_attention: dropout_rate > 0 needs dropout_seed")
     segments = q_segment_ids is not None
-    blocks = (block_sizes or BlockSizes.for_head_dim(head_dim)).clamp(q_len, kv_len)
+    mask = MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments)
+    banded = mask.lo is not None or mask.hi is not None
+    blocks = (block_sizes or BlockSizes.default(head_dim, kv_len, banded=banded)).clamp(q_len, kv_len)
     st = _Static(
-        mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
+        mask=mask,
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
         ptx_exp2=(not interpret and backend.platform() == "cuda") if ptx_exp2 is None else bool(ptx_exp2),

@@ -6,7 +6,7 @@ forward+backward. The ``mtjax`` row is the implementation the default selection 
 (named in ``extra["chosen"]``), so its time is that implementation's; the peer of every mtjax row is cuDNN.
 
 ``python -m mtjax.bench.attention --sweep`` times block-size candidates of the kernel on the headline
-case (how `kernels.flash_attention.BlockSizes.for_head_dim` was tuned).
+case (how `kernels.flash_attention.BlockSizes.default` was tuned).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ CASES = (
     Case(1, 16384, 32, 32, 128, False),
 )
 QUICK_CASES = (Case(1, 128, 2, 1, 64, True),)
+# Each sample spans at least this long: on the H200, 2 ms samples of a 1.4 ms kernel moved by up to
+# 25 % between rounds of one process (clocks settling), far more than the differences being measured.
+SAMPLE_S = 20e-3
 # XLA materialises the logits (and is 10x slower): timed on the headline and the short cases only.
 XLA_CASES = (HEADLINE, Case(16, 1024, 32, 32, 128, True), Case(16, 1024, 32, 32, 128, False)) + QUICK_CASES
 
@@ -108,7 +111,8 @@ def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
         peer = "cudnn" if "cudnn" in implementations else None
         timings = {}
         for implementation in implementations:
-            timings[implementation] = measure(_function(case, implementation, backward), inputs, runs=runs)
+            timings[implementation] = measure(_function(case, implementation, backward), inputs, runs=runs,
+                                              min_sample_s=SAMPLE_S)
             label = implementation if implementation in ("cudnn", "xla") else f"mtjax {implementation}"
             rows.append(row("attention", name, label, timings[implementation], flops=flops,
                             peer=None if implementation == "cudnn" else peer, ceiling="bf16_gemm_tflops", **extra))
@@ -124,13 +128,13 @@ def run(quick: bool) -> list[dict]:
 
 def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
     """TFLOP/s of block-size candidates (forward alone, then forward+backward), printed as a table."""
-    base = fa.BlockSizes.for_head_dim(case.head_dim)
+    base = fa.BlockSizes.default(case.head_dim, case.seq, banded=case.causal)
     forward = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
-               for bq, bk, w, s in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
-                                    (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4))]
+               for bq, bk, w, s in ((128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                                    (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 2), (128, 32, 4, 4))]
     backward = ([dict(dkdv_block_q=bq, dkdv_block_k=bk, dkdv_num_warps=w, dkdv_num_stages=s)
-                 for bq, bk, w, s in ((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
-                                      (128, 128, 8, 2), (32, 64, 4, 4))]
+                 for bq, bk, w, s in ((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+                                      (64, 128, 8, 3), (128, 128, 8, 2), (32, 64, 4, 4))]
                 + [dict(dq_block_q=bq, dq_block_k=bk, dq_num_warps=w, dq_num_stages=s)
                    for bq, bk, w, s in ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2),
                                         (128, 32, 4, 4))])
@@ -141,7 +145,7 @@ def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
             blocks = dataclasses.replace(base, **changes)
             label = ("fwd+bwd " if backward_pass else "fwd ") + " ".join(f"{k}={v}" for k, v in changes.items())
             try:
-                t = measure(_function(case, None, backward_pass, blocks), inputs, runs=5).median
+                t = measure(_function(case, None, backward_pass, blocks), inputs, runs=5, min_sample_s=SAMPLE_S).median
                 results.append((label, t * 1e3, case.flops(backward_pass) / t / 1e12))
             except Exception as err:  # noqa: BLE001  (a candidate that does not compile, e.g. out of shared memory)
                 results.append((label + f"  FAILED {type(err).__name__}: {str(err)[:120]}", float("nan"), float("nan")))
