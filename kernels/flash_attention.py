@@ -174,20 +174,23 @@ class BlockSizes:
     @classmethod
     def default(cls, head_dim: int, kv_len: int, *, banded: bool) -> "BlockSizes":
         """The tiles measured fastest on the H200 (`mtjax.bench.attention --sweep` and the README's
-        tile table) for ``head_dim``, ``kv_len`` and whether a causal or window band is masked.
+        tile notes) for ``head_dim``, ``kv_len`` and whether a causal or window band is masked.
 
-        head_dim 128: the forward runs 128x64 tiles on 4 warps with 2 stages, so two programs share
-        an SM and one's softmax overlaps the other's GEMMs (causal S4096 forward 371 -> 414 TFLOP/s);
-        unbanded rows of more than 8192 keys keep 128x128 tiles on 8 warps, 3 stages (S16384: 488
-        against 425). head_dim 64: 128x64 tiles on 4 warps, 3 stages. head_dim 256 halves the tiles
-        to fit shared memory.
+        Four warps and two stages let two programs share an SM, so one's softmax runs under the
+        other's GEMMs. head_dim 128: the forward on 128x64 tiles (causal S4096 371 -> 414 TFLOP/s),
+        except unbanded rows of more than 8192 keys, which keep 128x128 tiles on 8 warps, 3 stages
+        (S16384: 488 against 425); dk/dv on 64x64 tiles (fwd+bwd +2 %). head_dim 64: the forward
+        on 128x64 tiles, 3 stages; dk/dv and dq on 64x64 tiles (fwd+bwd 278 -> 307). head_dim 256
+        halves the tiles to fit shared memory.
         """
+        two_per_sm = dict(dkdv_block_q=64, dkdv_block_k=64, dkdv_num_warps=4, dkdv_num_stages=2)
         if head_dim <= 64:
-            return cls(block_k=64, num_warps=4)
+            return cls(block_k=64, num_warps=4, **two_per_sm,
+                       dq_block_q=64, dq_block_k=64, dq_num_warps=4, dq_num_stages=2)
         if head_dim <= 128:
             if banded or kv_len <= 8192:
-                return cls(block_k=64, num_warps=4, num_stages=2)
-            return cls()
+                return cls(block_k=64, num_warps=4, num_stages=2, **two_per_sm)
+            return cls(**two_per_sm)
         return cls(block_q=64, block_k=64, num_warps=8, num_stages=2,
                    dkdv_block_q=32, dkdv_block_k=64, dkdv_num_warps=8, dkdv_num_stages=1,
                    dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=1)

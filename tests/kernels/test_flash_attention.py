@@ -219,11 +219,13 @@ def test_kernel_argument_errors():
     (128, {"mask_type": "no_mask"}),
     (128, {"mask_type": "padding_causal", "segments": True, "window_size": (200, 0), "logits_soft_cap": 20.0}),
     (128, {"mask_type": "causal", "dropout_rate": 0.2, "dropout_rng": jax.random.key(2)}),
+    (128, {"mask_type": "no_mask", "lengths": (300, 9000)}),  # over 8192 keys: the 128x128 forward tiles
     (256, {"mask_type": "causal"}),
 ])
 def test_gpu_real_sizes(head_dim, options):
     options = dict(options)
-    batch, q_len, kv_len, heads, kv_heads = 2, 1000, 1000, 8, 2
+    batch, heads, kv_heads = 2, 8, 2
+    q_len, kv_len = options.pop("lengths", (1000, 1000))
     q, k, v, do = _inputs(7, batch, q_len, kv_len, heads, kv_heads, head_dim, jnp.bfloat16)
     if options.pop("segments", False):
         ids = _segments(8, batch, q_len, 4)
