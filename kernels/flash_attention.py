@@ -150,7 +150,7 @@ def _row(x):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiles and Triton launch parameters of the three kernels.
+    """Tiles and Triton launch parameters of the three kernels (the field defaults: head_dim 128).
 
     Attributes:
       block_q, block_k, num_warps, num_stages: the forward kernel.
@@ -159,38 +159,35 @@ class BlockSizes:
     """
 
     block_q: int = 128
-    block_k: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
     dkdv_block_q: int = 64
-    dkdv_block_k: int = 128
-    dkdv_num_warps: int = 8
-    dkdv_num_stages: int = 3
+    dkdv_block_k: int = 64
+    dkdv_num_warps: int = 4
+    dkdv_num_stages: int = 2
     dq_block_q: int = 128
     dq_block_k: int = 64
     dq_num_warps: int = 8
     dq_num_stages: int = 3
 
     @classmethod
-    def default(cls, head_dim: int, kv_len: int, *, banded: bool) -> "BlockSizes":
+    def default(cls, head_dim: int) -> "BlockSizes":
         """The tiles measured fastest on the H200 (`mtjax.bench.attention --sweep` and the README's
-        tile notes) for ``head_dim``, ``kv_len`` and whether a causal or window band is masked.
+        tile notes) for ``head_dim``.
 
         Four warps and two stages let two programs share an SM, so one's softmax runs under the
-        other's GEMMs. head_dim 128: the forward on 128x64 tiles (causal S4096 371 -> 414 TFLOP/s),
-        except unbanded rows of more than 8192 keys, which keep 128x128 tiles on 8 warps, 3 stages
-        (S16384: 488 against 425); dk/dv on 64x64 tiles (fwd+bwd +2 %). head_dim 64: the forward
-        on 128x64 tiles, 3 stages; dk/dv and dq on 64x64 tiles (fwd+bwd 278 -> 307). head_dim 256
-        halves the tiles to fit shared memory.
+        other's GEMMs. head_dim 128: the forward on 128x64 tiles (causal S4096 371 -> 414 TFLOP/s;
+        128x128 tiles on 8 warps were faster only on unmasked rows of 16384 keys, 488 against 425,
+        and asked for 288 KB of shared memory once a masked tail loop joined the unmasked one);
+        dk/dv on 64x64 tiles (fwd+bwd +2 %). head_dim 64: the forward on 128x64 tiles, 3 stages;
+        dk/dv and dq on 64x64 tiles (fwd+bwd 278 -> 307). head_dim 256 halves the tiles to fit
+        shared memory.
         """
-        two_per_sm = dict(dkdv_block_q=64, dkdv_block_k=64, dkdv_num_warps=4, dkdv_num_stages=2)
         if head_dim <= 64:
-            return cls(block_k=64, num_warps=4, **two_per_sm,
-                       dq_block_q=64, dq_block_k=64, dq_num_warps=4, dq_num_stages=2)
+            return cls(num_stages=3, dq_block_q=64, dq_num_warps=4, dq_num_stages=2)
         if head_dim <= 128:
-            if banded or kv_len <= 8192:
-                return cls(block_k=64, num_warps=4, num_stages=2, **two_per_sm)
-            return cls(**two_per_sm)
+            return cls()
         return cls(block_q=64, block_k=64, num_warps=8, num_stages=2,
                    dkdv_block_q=32, dkdv_block_k=64, dkdv_num_warps=8, dkdv_num_stages=1,
                    dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=1)
@@ -613,11 +610,9 @@ def flash_attention(
     if dropout_rate > 0.0 and dropout_seed is None:
         raise ValueError("flash_attention: dropout_rate > 0 needs dropout_seed")
     segments = q_segment_ids is not None
-    mask = MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments)
-    banded = mask.lo is not None or mask.hi is not None
-    blocks = (block_sizes or BlockSizes.default(head_dim, kv_len, banded=banded)).clamp(q_len, kv_len)
+    blocks = (block_sizes or BlockSizes.default(head_dim)).clamp(q_len, kv_len)
     st = _Static(
-        mask=mask,
+        mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
         ptx_exp2=(not interpret and backend.platform() == "cuda") if ptx_exp2 is None else bool(ptx_exp2),

@@ -128,7 +128,7 @@ def run(quick: bool) -> list[dict]:
 
 def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
     """TFLOP/s of block-size candidates (forward alone, then forward+backward), printed as a table."""
-    base = fa.BlockSizes.default(case.head_dim, case.seq, banded=case.causal)
+    base = fa.BlockSizes.default(case.head_dim)
     forward = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
                for bq, bk, w, s in ((128, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                     (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 2), (128, 32, 4, 4))]
