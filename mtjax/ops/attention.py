@@ -195,7 +195,7 @@ def attention(
 
 # --------------------------------------------------------------------------------------------------
 # Kernels. Priorities from the H200 measurements (`python -m mtjax.bench.attention`, README table):
-# cuDNN beat the Triton kernel at every benchmarked shape (ours 0.71-0.85x), so cuDNN (20) goes first
+# cuDNN beat the Triton kernel at every benchmarked shape (ours 0.72-0.94x), so cuDNN (20) goes first
 # where it applies; the kernel (10) takes what cuDNN declines and every Triton-capable plugin platform.
 # --------------------------------------------------------------------------------------------------
 
