@@ -609,16 +609,18 @@ def flash_attention(
         raise ValueError(f"flash_attention: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
     if dropout_rate > 0.0 and dropout_seed is None:
         raise ValueError("flash_attention: dropout_rate > 0 needs dropout_seed")
+    if ptx_exp2 and interpret:
+        raise ValueError("flash_attention: ptx_exp2=True is PTX inline assembly; interpret mode cannot run it")
+    if ptx_exp2 is None:
+        ptx_exp2 = not interpret and backend.platform() == "cuda"
     segments = q_segment_ids is not None
     blocks = (block_sizes or BlockSizes.default(head_dim)).clamp(q_len, kv_len)
     st = _Static(
         mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
-        ptx_exp2=(not interpret and backend.platform() == "cuda") if ptx_exp2 is None else bool(ptx_exp2),
+        ptx_exp2=bool(ptx_exp2),
     )
-    if st.ptx_exp2 and interpret:
-        raise ValueError("flash_attention: ptx_exp2=True is PTX inline assembly; interpret mode cannot run it")
     # Pad the sequences to whole blocks; the kernels mask the key tail and padded queries are dropped.
     q_pad = -q_len % blocks.q_multiple
     kv_pad = -kv_len % blocks.kv_multiple
