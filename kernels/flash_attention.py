@@ -29,7 +29,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mtjax import backend
 from mtjax.kernels._common import MAX_ELEMENTS, dropout_keep
 
 LOG2E = math.log2(math.e)
@@ -173,16 +172,14 @@ class BlockSizes:
 
     @classmethod
     def default(cls, head_dim: int) -> "BlockSizes":
-        """The tiles measured fastest on the H200 (`mtjax.bench.attention --sweep` and the README's
-        tile notes) for ``head_dim``.
+        """The tiles measured fastest on the H200 for ``head_dim`` (`mtjax.bench.attention --sweep`
+        and A/B runs; the README's attention section has the numbers).
 
         Four warps and two stages let two programs share an SM, so one's softmax runs under the
-        other's GEMMs. head_dim 128: the forward on 128x64 tiles (causal S4096 371 -> 414 TFLOP/s;
-        128x128 tiles on 8 warps were faster only on unmasked rows of 16384 keys, 488 against 425,
-        and asked for 288 KB of shared memory once a masked tail loop joined the unmasked one);
-        dk/dv on 64x64 tiles (fwd+bwd +2 %). head_dim 64: the forward on 128x64 tiles, 3 stages;
-        dk/dv and dq on 64x64 tiles (fwd+bwd 278 -> 307). head_dim 256 halves the tiles to fit
-        shared memory.
+        other's GEMMs: the forward on 128x64 tiles and dk/dv on 64x64 (and dq on 64x64 at head_dim
+        64, whose forward keeps 3 stages). 128x128 forward tiles on 8 warps were faster only on
+        unmasked rows of 16384 keys, and asked for more shared memory than the H200 has once a
+        masked key tail joined the loop. head_dim 256 uses 64-row forward tiles, 32x64 dk/dv and 64x32 dq.
         """
         if head_dim <= 64:
             return cls(num_stages=3, dq_block_q=64, dq_num_warps=4, dq_num_stages=2)
@@ -235,15 +232,14 @@ def _logits2(q, k, st: _Static):
     return (st.soft_cap * LOG2E) * jnp.tanh(s * (st.scale / st.soft_cap)), 1.0
 
 
-def _exp2_shifted(s, c: float, shift, st: _Static):
+def _exp2_shifted(s, c: float, shift, ptx: bool):
     """``exp2(s * c - shift)`` (``shift`` broadcast against ``s``).
 
-    With ``st.ptx_exp2`` each element is one PTX ``fma`` and one ``ex2.approx.ftz``: jnp.exp2 lowers
-    to libdevice's ``__nv_exp2f``, whose denormal handling adds a compare and two multiplies around
-    the MUFU instruction (results below 2^-126, which flush to zero here, are no weight a bf16 or
-    f32 softmax keeps). On the H200 this took the head_dim-64 forward from 268 to 302-315 TFLOP/s.
+    With ``ptx`` each element is one PTX ``fma`` and one ``ex2.approx.ftz``: jnp.exp2 lowers to
+    libdevice's ``__nv_exp2f``, whose denormal handling adds a compare and two multiplies around the
+    MUFU instruction. Results below 2^-126 flush to zero, which no bf16 or f32 softmax weight notices.
     """
-    if not st.ptx_exp2:
+    if not ptx:
         return jnp.exp2((s if c == 1.0 else s * c) - shift)
     c_bits = struct.unpack("<I", struct.pack("<f", c))[0]
     [p] = pltriton.elementwise_inline_asm(
@@ -263,8 +259,8 @@ def _soft_cap_grad(ds, s2, st: _Static):
 
 def _for_blocks(bounds, body, carry):
     """Run ``body(edge, block, carry)`` over ``[full_hi, hi)`` and ``[lo, full_lo)`` with masks, then
-    over ``[full_lo, full_hi)`` without. The masked edges go first: a program then ends in its long
-    unmasked loop, and the H200 forward ran 398 -> 416 TFLOP/s (causal, 128x64 tiles) for it."""
+    over ``[full_lo, full_hi)`` without. The masked edges go first, so a program ends in its long
+    unmasked loop: faster on the H200 (README, attention)."""
     lo, full_lo, full_hi, hi = bounds
     carry = lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
     carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
@@ -336,7 +332,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static, num_q_blocks: int):
         m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # c > 0: the max of the scaled row
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
         alpha = jnp.exp2(m - m_safe)
-        p = _exp2_shifted(s, c, m_safe[:, None], st)
+        p = _exp2_shifted(s, c, m_safe[:, None], st.ptx_exp2)
         l = l * alpha + jnp.sum(p, axis=1)  # the normaliser counts dropped entries too
         p = _dropout(p, seed_ref, row_ids, (k0 + jnp.arange(block_k))[None, :], st)
         v = v_ref[pl.ds(k0, block_k), :]
@@ -413,7 +409,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _St
             s_t, c = _logits2(k, q, st)  # [keys, queries]
             q_seg = q_seg_ref[pl.ds(q0, block_q)][None, :] if st.mask.segments else None
             keep_t = st.mask.keep((q0 + jnp.arange(block_q))[None, :], cols, q_seg, kv_seg, edge=edge)
-            p_t = _exp2_shifted(s_t, c, lse[None, :], st)
+            p_t = _exp2_shifted(s_t, c, lse[None, :], st.ptx_exp2)
             if keep_t is not None:
                 p_t = jnp.where(keep_t, p_t, 0.0)
             row_ids = _dropout_rows(batch_index, first_head + g, num_heads, (q0 + jnp.arange(block_q))[None, :], st)
@@ -453,7 +449,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         s, c = _logits2(q, k, st)
         kv_seg = kv_seg_ref[pl.ds(k0, block_k)] if st.mask.segments else None
         keep = st.mask.keep(rows, (k0 + jnp.arange(block_k))[None, :], q_seg, _row(kv_seg), edge=edge)
-        p = _exp2_shifted(s, c, lse[:, None], st)
+        p = _exp2_shifted(s, c, lse[:, None], st.ptx_exp2)
         if keep is not None:
             p = jnp.where(keep, p, 0.0)
         dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -589,8 +585,9 @@ def flash_attention(
         recomputed by every kernel, never stored.
       block_sizes: tiles and launch parameters; default `BlockSizes.default`.
       interpret: run the kernels in Pallas interpret mode (any backend, e.g. CPU tests).
-      ptx_exp2: compute the exponentials with PTX ``fma`` + ``ex2.approx.ftz`` inline assembly (NVIDIA
-        only); ``None``: when the default backend lowers for ``cuda`` and ``interpret`` is off.
+      ptx_exp2: compute the softmax probabilities' exponentials with PTX ``fma`` + ``ex2.approx.ftz``
+        inline assembly (NVIDIA only); ``None``: wherever the lowering platform is ``cuda`` (through
+        `jax.lax.platform_dependent`), never in interpret mode.
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``; rows that see no key are zeros.
     """
@@ -611,15 +608,12 @@ def flash_attention(
         raise ValueError("flash_attention: dropout_rate > 0 needs dropout_seed")
     if ptx_exp2 and interpret:
         raise ValueError("flash_attention: ptx_exp2=True is PTX inline assembly; interpret mode cannot run it")
-    if ptx_exp2 is None:
-        ptx_exp2 = not interpret and backend.platform() == "cuda"
     segments = q_segment_ids is not None
     blocks = (block_sizes or BlockSizes.default(head_dim)).clamp(q_len, kv_len)
     st = _Static(
         mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
-        ptx_exp2=bool(ptx_exp2),
     )
     # Pad the sequences to whole blocks; the kernels mask the key tail and padded queries are dropped.
     q_pad = -q_len % blocks.q_multiple
@@ -634,5 +628,15 @@ def flash_attention(
         q_segment_ids = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, q_pad)))
         kv_segment_ids = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, kv_pad)))
     seed = None if dropout_rate == 0.0 else jnp.asarray(dropout_seed, jnp.uint32)
-    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, seed, st)
+    args = (q, k, v, q_segment_ids, kv_segment_ids, seed)
+
+    def attend(ptx: bool):
+        return lambda *args: _flash(*args, dataclasses.replace(st, ptx_exp2=ptx))
+
+    if ptx_exp2 is None and not interpret:
+        # Decided per lowering platform, as kernel selection is: an export for cuda from a CPU host
+        # gets the PTX, a rocm or plugin lowering (a Triton that takes no PTX) the libdevice form.
+        out = lax.platform_dependent(*args, cuda=attend(True), default=attend(False))
+    else:
+        out = attend(bool(ptx_exp2))(*args)
     return out[:, :q_len] if q_pad else out

@@ -98,6 +98,46 @@ def test_bfloat16(interpret):
     assert_matches_reference(q, k, v, do, rtol=2e-2, mask_type="causal")
 
 
+# Tiles far smaller than the sequences, so every program loops over several masked and unmasked
+# blocks (the clamp above leaves the tests' short sequences one tile long otherwise).
+MULTI_BLOCK = fa.BlockSizes(block_q=32, block_k=16, dkdv_block_q=16, dkdv_block_k=32, dq_block_q=32, dq_block_k=16)
+MULTI_BLOCK_CASES = {
+    # name: (q_len, kv_len, heads, kv_heads, kernel options, segments)
+    "causal_key_tail": (70, 70, 2, 2, {"causal": True}, False),
+    "causal_q_shorter": (40, 90, 2, 1, {"causal": True}, False),
+    "causal_q_longer": (90, 40, 2, 2, {"causal": True}, False),
+    "window_both_edges": (80, 80, 2, 2, {"window_size": (20, 10)}, False),
+    "segments_window_gqa": (64, 75, 4, 2, {"causal": True, "window_size": (24, -1)}, True),
+    "no_mask_key_tail": (33, 75, 2, 2, {}, False),
+}
+
+
+@pytest.mark.parametrize("case", MULTI_BLOCK_CASES)
+def test_multi_block_matches_reference(case):
+    q_len, kv_len, heads, kv_heads, options, segments = MULTI_BLOCK_CASES[case]
+    q, k, v, do = _inputs(len(case) + 11, 1, q_len, kv_len, heads, kv_heads, 16)
+    ids = (_segments(4, 1, q_len), _segments(5, 1, kv_len)) if segments else (None, None)
+    causal = options.get("causal", False)
+    reference_mask = ("padding_causal" if causal else "padding") if segments else ("causal" if causal else "no_mask")
+
+    def kernel(q, k, v):
+        return fa.flash_attention(q, k, v, *ids, scale=0.25, block_sizes=MULTI_BLOCK, interpret=True, **options)
+
+    def reference(q, k, v):
+        return ops.attention(q, k, v, q_segment_ids=ids[0], kv_segment_ids=ids[1], scale=0.25,
+                             mask_type=reference_mask, window_size=options.get("window_size"), implementation="xla")
+
+    def out_and_grads(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(do))
+
+    got = jax.jit(lambda: out_and_grads(kernel)).lower().compile(_CPU_COMPILE_OPTIONS)()
+    want = out_and_grads(reference)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(1.0, np.abs(b).max()), err_msg=name)
+
+
 @settings(max_examples=4)
 @given(
     batch=st.integers(1, 2), q_len=st.integers(1, 40), kv_len=st.integers(1, 40), kv_heads=st.sampled_from([1, 2]),
@@ -113,8 +153,8 @@ def test_hypothesis_small_shapes(interpret, batch, q_len, kv_len, kv_heads, grou
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,options", [
-    (64, 2, {"causal": True, "segments": True, "ptx_exp2": True}),
-    (128, 8, {"dropout_rate": 0.1, "dropout_seed": jnp.uint32(7)}),
+    (64, 2, {"causal": True, "segments": True}),  # ptx_exp2=None: PTX, since the lowering is for cuda
+    (128, 8, {"dropout_rate": 0.1, "dropout_seed": jnp.uint32(7), "ptx_exp2": False}),
     (256, 1, {"window_size": (64, 16), "logits_soft_cap": 30.0, "ptx_exp2": True}),
 ])
 def test_lowers_for_cuda(head_dim, kv_heads, options, monkeypatch):
@@ -144,6 +184,7 @@ def test_lowers_for_cuda(head_dim, kv_heads, options, monkeypatch):
         text = jax.jit(f).trace(q, k, k, *ids).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("mtjax_flash_attention_fwd", "mtjax_flash_attention_dkdv", "mtjax_flash_attention_dq"):
         assert name in text
+    assert ("ex2.approx.ftz.f32" in text) == options.get("ptx_exp2", True)
 
 
 # -------------------------------------------------------------------------------------------------- dispatch
@@ -219,7 +260,7 @@ def test_kernel_argument_errors():
     (128, {"mask_type": "no_mask"}),
     (128, {"mask_type": "padding_causal", "segments": True, "window_size": (200, 0), "logits_soft_cap": 20.0}),
     (128, {"mask_type": "causal", "dropout_rate": 0.2, "dropout_rng": jax.random.key(2)}),
-    (128, {"mask_type": "no_mask", "lengths": (300, 9000)}),  # a long masked key tail
+    (128, {"mask_type": "no_mask", "lengths": (300, 9000)}),  # a long row with a masked key tail
     (256, {"mask_type": "causal"}),
 ])
 def test_gpu_real_sizes(head_dim, options):
