@@ -62,8 +62,9 @@ CASES = (
     Case(1, 16384, 32, 32, 128, False),
 )
 QUICK_CASES = (Case(1, 128, 2, 1, 64, True),)
-# Each sample spans at least this long: on the H200, 2 ms samples of a 1.4 ms kernel moved by up to
-# 25 % between rounds of one process (clocks settling), far more than the differences being measured.
+# Samples span at least this long (up to `timing.measure`'s 100 calls each): on the H200, samples of
+# two calls of a 1.4 ms kernel moved by up to 25 % between rounds of one process, far more than the
+# differences being measured.
 SAMPLE_S = 20e-3
 # XLA materialises the logits (and is 10x slower): timed on the headline and the short cases only.
 XLA_CASES = (HEADLINE, Case(16, 1024, 32, 32, 128, True), Case(16, 1024, 32, 32, 128, False)) + QUICK_CASES
