@@ -36,6 +36,18 @@ def test_readme_has_a_quickstart_and_stays_short():
         assert (README.parent / doc).is_file(), f"{doc} is linked but missing"
 
 
+def test_ci_runs_the_readme_commands():
+    """The README opens with the set-up and test commands, and `.ci/run` runs that test command."""
+    text = README.read_text(encoding="utf-8")
+    first = re.search(r"^```bash\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    assert first and text.index(first.group(0)) < text.index("\n## "), "the set-up commands must come first"
+    commands = [line for line in first.group(1).splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2 and "pip install" in commands[0] and "pytest" in commands[1]
+    test_command = commands[1].split("&&")[-1].strip()
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command in ci, f".ci/run does not run the README's test command {test_command!r}"
+
+
 @pytest.mark.parametrize("line,source", python_blocks(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
 def test_readme_python_block_runs(line, source):
     namespace = run_block(line, source)
