@@ -27,7 +27,7 @@ def _double_kernel(x_ref, o_ref):
 
 
 @backend.register("_test_op", "pallas_triton", requires=[backend.PALLAS_TRITON], priority=10,
-                  supports=lambda x: None if x.ndim == 2 else "2-D inputs only")
+                  unsupported=lambda x: None if x.ndim == 2 else "2-D inputs only")
 def _test_op_kernel(x):
     return pl.pallas_call(_double_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           interpret=config.pallas_interpret)(x)
@@ -83,7 +83,7 @@ def test_interpret_mode_runs_the_kernel_on_cpu():
         np.testing.assert_array_equal(jax.jit(probe_op)(jnp.ones((2, 2))), 2.0)  # automatic choice
 
 
-def test_supports_predicate_declines_unsupported_configurations():
+def test_unsupported_predicate_declines_unsupported_configurations():
     impl, why = backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2, 2))])
     assert impl.name == "xla" and "2-D inputs only" in why
     assert backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2))])[0].name == "pallas_triton"

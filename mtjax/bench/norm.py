@@ -117,11 +117,11 @@ def _fp8_case(rows, quick: bool) -> None:
     inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=1)
     scale = jnp.float32(4.0)
     fns = {
-        label: jax.jit(lambda x, g, b, impl=impl: ops.layernorm_fp8(x, g, b, scale, implementation=impl))
+        label: jax.jit(lambda x, g, b, impl=impl: ops.norm_fp8(x, g, b, scale, implementation=impl))
         for label, impl in IMPLEMENTATIONS
     }
     x, g, b = inputs[0]
-    auto = _auto("layernorm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
+    auto = _auto("norm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
                  zero_centered_gamma=False, out_dtype=jnp.dtype(jnp.float8_e4m3fn))
     _case(rows, f"layernorm+fp8 cast fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, 3 * tokens * hidden, quick, auto)
 

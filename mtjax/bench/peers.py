@@ -6,7 +6,7 @@ f32 parameters; with ``fp8=True`` every ``nn.Dense`` gets Flax's own FP8 op,
 ``flax.linen.fp8_ops.Fp8DirectDotGeneralOp``, whose delayed-scaling state lives in Flax's
 ``"_overwrite_with_gradient"`` collection (its gradient is the next state).
 
-`FlaxGPT` is the model of ANCHORS.md's "whole training step, stock Flax" measurement; `train_step`
+`FlaxGPT` is the stock-Flax model of the whole-training-step benchmark (docs/performance.md); `train_step`
 is its AdamW step.
 """
 

@@ -6,8 +6,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtjax import axes
 from mtjax import fp8
-from mtjax.flax._params import AxisNames, Dtype, Initializer, param_with_axes
+from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 
 
 class Embed(nn.Module):
@@ -29,7 +30,7 @@ class Embed(nn.Module):
     num_embeddings: int
     features: int
     embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
-    embedding_axes: AxisNames = ("vocab", "embed")
+    embedding_axes: AxisNames = (axes.VOCAB, axes.EMBED)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 

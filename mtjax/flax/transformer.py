@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import ops
-from mtjax.flax._params import BATCH_LENGTH_EMBED, Dtype, Initializer
+from mtjax.axes import BATCH_LENGTH_EMBED
+from mtjax.flax.params import Dtype, Initializer
 from mtjax.flax.attention import ROTARY_GROUP_METHODS, MultiHeadAttention, RelativePositionBiases, check_heads
 from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import LayerNorm, check_layernorm_type
-from mtjax.ops._checks import check_choice
+from mtjax.ops.checks import check_choice
 
 
 class TransformerLayerType(enum.Enum):

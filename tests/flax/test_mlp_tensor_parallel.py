@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mtjax.flax import LayerNormMLP
-from mtjax.flax._params import BATCH_LENGTH_EMBED
+from mtjax.axes import BATCH_LENGTH_EMBED
 from mtjax.sharding import MeshConfig, jit_sharded, logical_axis_rules, logical_shardings, named_sharding, shard_variables
 
 MLP = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), use_bias=True, intermediate_dropout_rate=0.0)

@@ -104,8 +104,8 @@ def test_norm_kernels_on_exact_tiles(kind):
                      (x, gamma), (0, 1), jnp.float32)
     fp8_args = (x, gamma, beta if kind == "layernorm" else None, jnp.float32(100.0))
     with override(pallas_interpret=True):
-        q, amax = ops.layernorm_fp8(*fp8_args, layernorm_type=kind, implementation="pallas_triton")
-    q_ref, amax_ref = ops.layernorm_fp8(*fp8_args, layernorm_type=kind, implementation="xla")
+        q, amax = ops.norm_fp8(*fp8_args, layernorm_type=kind, implementation="pallas_triton")
+    q_ref, amax_ref = ops.norm_fp8(*fp8_args, layernorm_type=kind, implementation="xla")
     np.testing.assert_allclose(amax, amax_ref, rtol=1e-6)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
 
@@ -161,7 +161,7 @@ def test_norm_fp8_matches_reference(kind, out_dtype):
     scale = jnp.float32(jnp.finfo(out_dtype).max / 2)  # the largest |y| (> 2) saturate
 
     def fn(*args, implementation):
-        return ops.layernorm_fp8(*args, layernorm_type=kind, out_dtype=out_dtype, implementation=implementation)
+        return ops.norm_fp8(*args, layernorm_type=kind, out_dtype=out_dtype, implementation=implementation)
 
     with override(pallas_interpret=True):
         q, amax = fn(x, gamma, beta, scale, implementation="pallas_triton")
@@ -194,7 +194,7 @@ def test_residual_norm_matches_reference(kind, x_dtype, residual_dtype, dropout_
 
     check_kernel(fn, (x, residual, gamma, beta), (0, 1, 2, 3) if beta is not None else (0, 1, 2), x_dtype)
     if dropout_rate:
-        new_residual, _ = fn(x, residual, gamma, beta, implementation="xla")
+        _, new_residual = fn(x, residual, gamma, beta, implementation="xla")
         dropped = np.mean(np.asarray(new_residual == residual.astype(residual_dtype)))
         assert abs(dropped - dropout_rate) < 0.05
 
@@ -316,7 +316,7 @@ def test_every_kernel_lowers_for_cuda():
             args = (x, g, b) if kind == "layernorm" else (x, g)
             y, vjp = jax.vjp(lambda *a: norm(*a, zero_centered_gamma=True, implementation=impl), *args)
             out += [y, vjp(y)]
-            out.append(ops.layernorm_fp8(x, g, beta, scale, layernorm_type=kind, implementation=impl))
+            out.append(ops.norm_fp8(x, g, beta, scale, layernorm_type=kind, implementation=impl))
             res, vjp = jax.vjp(lambda x, r: ops.residual_norm(x, r, g, beta, layernorm_type=kind, dropout_rate=0.1,
                                                                   dropout_rng=key, implementation=impl), x, r)
             out += [res, vjp(res)]
@@ -372,8 +372,8 @@ def test_norm_kernels_on_gpu(shape, dtype):
         x, r, g, b, dropout_rate=0.1, dropout_rng=jax.random.key(5), implementation=implementation),
         (x, residual, gamma, beta), (0, 1, 2, 3), dtype, interpret=False)
     scale = jnp.float32(100.0)
-    q, amax = ops.layernorm_fp8(x, gamma, beta, scale, implementation="pallas_triton")
-    q_ref, amax_ref = ops.layernorm_fp8(x, gamma, beta, scale, implementation="xla")
+    q, amax = ops.norm_fp8(x, gamma, beta, scale, implementation="pallas_triton")
+    q_ref, amax_ref = ops.norm_fp8(x, gamma, beta, scale, implementation="xla")
     np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
 

@@ -1,152 +1,35 @@
-"""FP8 training: formats, recipes, delayed-scaling state as Flax variables, the FP8 GEMM.
+"""The FP8 ``dot_general``: `fp8_dot_general`, the fused `fp8_mlp`, and `DotGeneral`, the linen
+module every mtjax GEMM runs in.
 
-Every mtjax GEMM runs in a `DotGeneral` submodule, called like ``lax.dot_general``. Outside
-`fp8_autocast` it is exactly that; inside, both operands are quantized to FP8 and the GEMM and its
-two backward GEMMs (dgrad, wgrad) run on FP8 tensor cores::
-
-    with fp8_autocast(recipe=DelayedScaling()):
-        variables = model.init(key, x)                 # {"params": ..., "fp8_meta": ...}
-        grads = jax.grad(loss_fn)(variables, x)        # grads["fp8_meta"] is the NEXT step's meta
-    params_and_meta, opt_state = Optimizer(optax.adamw(1e-3)).apply_gradients(variables, grads, opt_state)
-
-`fp8_autocast` is read when a function is traced: enter it inside the function you `jax.jit` (or
-around its first call); a function traced outside it stays a plain-precision function.
-
-Scale convention (as TransformerEngine): ``q = saturate_cast(x * scale)``, ``x ≈ q * scale_inv``,
-``scale = (fp8_max / amax) / 2**margin``.
-
-Delayed-scaling state ("meta"): for each GEMM and each tensor role (``input``, ``kernel``,
-``output_grad``) an ``amax_history`` (float32 ``[amax_history_len]``, most recent first) and a
-``scale`` (float32 ``[]``, the scale the last step quantized with). A step derives its scale from
-the history and the last scale (`compute_scale`), quantizes with it, and hands back as the meta's
-cotangent ("overwrite with gradient") the history rolled with this step's amax, plus the scale it
-used. Deriving the scale at the start of the step (the same number TransformerEngine computes at the
-end of the previous one) means all micro-batches of a step quantize with one scale, so
-`accumulate_gradients` combines their meta exactly by an elementwise max.
-
-Each GEMM operand is cast once with its transpose and amax (`cast_transpose`, a Pallas kernel on
-GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`fp8_gemm`). A norm or an
-activation in front of a GEMM writes its FP8 input directly (``lhs_prologue``), and an MLP's two
-GEMMs run as one op (`fp8_mlp`) whose activation backward writes fc1's FP8 output gradient. On CUDA,
-compile FP8 steps with `compiler_options()` (Triton GEMM fusions off: every FP8 GEMM stays on cuBLASLt).
-
-Limitation: one `DotGeneral` instance must run once per differentiated function (``nn.scan`` and
-``nn.remat`` are fine): cotangents of a meta read twice would be summed.
+Each GEMM operand is cast once with its transpose and amax (`mtjax.ops.cast_transpose`, a Pallas
+kernel on GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`mtjax.ops.fp8_gemm`).
+A norm or an activation in front of a GEMM writes its FP8 input directly (``lhs_prologue``), and an
+MLP's two GEMMs run as one op (`fp8_mlp`) whose activation backward writes fc1's FP8 output gradient.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import enum
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 from mtjax import backend
-from mtjax.kernels import quantize as quantize_kernels
-from mtjax.kernels._common import too_small
-from mtjax.ops import Activation, Norm, is_gated
+from mtjax.dtypes import fp8_max
+from mtjax.fp8.autocast import current_autocast
+from mtjax.fp8.recipes import RECIPE_TYPES, CurrentScaling, DelayedScaling, Recipe
+from mtjax.fp8.scaling import (FP8_COLLECTION, META_KEYS, ROLES, _bound_axes, _reduce_max, _varying_axes, amax,
+                               compute_scale, history_amax, init_meta, roll_amax_history)
+from mtjax.ops import Activation, Norm, cast_transpose, fp8_gemm, is_gated
 
 # What can run in front of an FP8 GEMM, fused with the quantization of its input.
 Prologue = Union[Norm, Activation]
-
-FP8_COLLECTION = "fp8_meta"
-
-# The tensors of one GEMM that get their own scale, in the order the meta lists them.
-ROLES = ("input", "kernel", "output_grad")
-# The delayed-scaling state of one GEMM: an amax history and a scale per role.
-META_KEYS = tuple(f"{role}_{field}" for role in ROLES for field in ("amax_history", "scale"))
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
-
-
-# --------------------------------------------------------------------------------------------------
-# Formats and recipes
-# --------------------------------------------------------------------------------------------------
-
-
-class Format(enum.Enum):
-    """Which FP8 dtypes a recipe uses: forward operands (input, kernel) and output gradients."""
-
-    E4M3 = "E4M3"  # both E4M3 (3 mantissa bits, |x| <= 448)
-    E5M2 = "E5M2"  # both E5M2 (2 mantissa bits, |x| <= 57344); E5M2 x E5M2 has no FP8 tensor-core GEMM
-    HYBRID = "HYBRID"  # E4M3 forward, E5M2 gradients (which need range more than precision)
-
-    def dtypes(self, fnuz: bool = False) -> tuple[Any, Any]:
-        """``(forward dtype, gradient dtype)``; ``fnuz=True`` gives the variants ROCm MI300 computes in."""
-        e4m3 = jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn
-        e5m2 = jnp.float8_e5m2fnuz if fnuz else jnp.float8_e5m2
-        return {Format.E4M3: (e4m3, e4m3), Format.E5M2: (e5m2, e5m2), Format.HYBRID: (e4m3, e5m2)}[self]
-
-
-def _check_int(owner: str, field: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}({field}={value!r}): expected an int >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{owner}({field}={value!r}): expected an int >= {minimum}")
-
-
-def _check_format(owner: str, value: Any) -> None:
-    if not isinstance(value, Format):
-        raise TypeError(f"{owner}(fp8_format={value!r}): expected one of {[f'Format.{f.name}' for f in Format]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DelayedScaling:
-    """Per-tensor scales from the amaxes of past steps (TransformerEngine's delayed scaling).
-
-    Attributes:
-      margin: ``scale = (fp8_max / amax) / 2**margin``; each unit halves the scale, leaving headroom.
-      amax_history_len: how many steps' amaxes each tensor keeps.
-      amax_compute_algo: ``"max"`` of the history or its ``"most_recent"`` entry.
-      fp8_format: a `Format`; ``HYBRID`` is E4M3 forward and E5M2 gradients.
-      reduce_amax: max-reduce each amax over `fp8_autocast`'s ``mesh_axes`` so replicas share a scale.
-        (Inside ``shard_map`` amaxes are always reduced over the axes the data varies over and the meta
-        does not: replicated meta must stay replicated.)
-    """
-
-    margin: int = 0
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    fp8_format: Format = Format.HYBRID
-    reduce_amax: bool = True
-
-    def __post_init__(self) -> None:
-        _check_int("DelayedScaling", "margin", self.margin, 0)
-        _check_int("DelayedScaling", "amax_history_len", self.amax_history_len, 1)
-        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(
-                f"DelayedScaling(amax_compute_algo={self.amax_compute_algo!r}): accepted: {AMAX_COMPUTE_ALGOS}"
-            )
-        _check_format("DelayedScaling", self.fp8_format)
-        if not isinstance(self.reduce_amax, bool):
-            raise TypeError(f"DelayedScaling(reduce_amax={self.reduce_amax!r}): expected True or False")
-
-
-@dataclasses.dataclass(frozen=True)
-class CurrentScaling:
-    """Per-tensor scales from each tensor's own amax in the same step (no state, one extra pass).
-
-    Attributes:
-      fp8_format: a `Format`.
-    """
-
-    fp8_format: Format = Format.HYBRID
-
-    def __post_init__(self) -> None:
-        _check_format("CurrentScaling", self.fp8_format)
-
-
-Recipe = Union[DelayedScaling, CurrentScaling]
 
 
 def _uses_fnuz() -> bool:
@@ -156,242 +39,18 @@ def _uses_fnuz() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("gfx94")
 
 
-# --------------------------------------------------------------------------------------------------
-# fp8_autocast
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Autocast:
-    """What an active `fp8_autocast` set.
-
-    Attributes:
-      recipe: the `DelayedScaling` or `CurrentScaling` recipe every FP8 GEMM uses.
-      mesh_axes: mesh axis names amaxes are max-reduced over (where bound, e.g. inside shard_map).
-    """
-
-    recipe: Recipe
-    mesh_axes: tuple[str, ...]
-
-
-_autocast: contextvars.ContextVar[Autocast | None] = contextvars.ContextVar("mtjax_fp8_autocast", default=None)
-
-
-def current_autocast() -> Autocast | None:
-    """The active `fp8_autocast` settings, or ``None`` outside it (or inside ``enabled=False``)."""
-    return _autocast.get()
-
-
-def _check_mesh_axes(mesh_axes: str | Sequence[str] | None) -> tuple[str, ...]:
-    if mesh_axes is None:
-        return ()
-    axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-    if not all(isinstance(a, str) and a for a in axes):
-        raise TypeError(f"fp8_autocast(mesh_axes={mesh_axes!r}): expected None, an axis name or a sequence of them")
-    return axes
-
-
-@contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None,
-                 mesh_axes: str | Sequence[str] | None = None) -> Iterator[None]:
-    """Run every `DotGeneral` traced inside in FP8 with ``recipe`` (default `DelayedScaling()`).
-
-    Args:
-      enabled: ``False`` turns FP8 off inside (also inside an enclosing ``fp8_autocast``).
-      recipe: `DelayedScaling` or `CurrentScaling`.
-      mesh_axes: mesh axes (e.g. ``("dp", "fsdp")``) over which amaxes are max-reduced with
-        ``lax.pmax`` where those axes are bound (inside ``shard_map``). Under plain ``jit`` with
-        sharded arrays ``jnp.max`` already is the global max, so nothing needs naming there.
-    """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected True or False")
-    recipe = DelayedScaling() if recipe is None else recipe
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        raise TypeError(f"fp8_autocast(recipe={recipe!r}): expected a DelayedScaling or CurrentScaling")
-    state = Autocast(recipe, _check_mesh_axes(mesh_axes)) if enabled else None
-    token = _autocast.set(state)
-    try:
-        yield
-    finally:
-        _autocast.reset(token)
-
-
-# --------------------------------------------------------------------------------------------------
-# Scaling: amax, scale, history, quantize
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_fp8_dtype(fn: str, dtype: Any) -> Any:
-    dtype = jnp.dtype(dtype)
-    if dtype not in [jnp.dtype(d) for d in FP8_DTYPES]:
-        raise TypeError(f"{fn}(dtype={dtype}): expected one of {[jnp.dtype(d).name for d in FP8_DTYPES]}")
-    return dtype
-
-
-def fp8_max(dtype: Any) -> float:
-    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2, 240 for E4M3 fnuz)."""
-    return float(jnp.finfo(_check_fp8_dtype("fp8_max", dtype)).max)
-
-
-def _bound_axes(mesh_axes: Sequence[str]) -> tuple[str, ...]:
-    """The axes among ``mesh_axes`` that collectives can name here (bound by shard_map or pmap)."""
-    bound = []
-    for axis in mesh_axes:
-        try:
-            lax.axis_size(axis)
-        except NameError:
-            continue
-        bound.append(axis)
-    return tuple(bound)
-
-
-def _varying_axes(x: Any) -> frozenset[str]:
-    """The shard_map axes ``x`` varies over (empty outside shard_map or without its type checks)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.11; earlier versions called it ``vma``
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _reduce_max(value: jax.Array, axes: Sequence[str]) -> jax.Array:
-    return lax.pmax(value, tuple(axes)) if axes else value
-
-
-def amax(x: jax.Array, mesh_axes: Sequence[str] = ()) -> jax.Array:
-    """``max |x|`` as float32, max-reduced over those of ``mesh_axes`` that are bound."""
-    return _reduce_max(jnp.max(jnp.abs(x)).astype(jnp.float32), _bound_axes(mesh_axes))
-
-
-def compute_scale(amax: jax.Array, scale: jax.Array, fp8_max: float, margin: int = 0) -> jax.Array:
-    """``(fp8_max / amax) / 2**margin``, or ``scale`` unchanged when amax is 0, NaN or Inf (or the
-    result would not be finite), so one bad step never leaves a bad scale behind."""
-    amax = jnp.asarray(amax, jnp.float32)
-    candidate = (jnp.float32(fp8_max) / amax) / jnp.float32(2.0**margin)
-    usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(candidate)
-    return jnp.where(usable, candidate, jnp.asarray(scale, jnp.float32))
-
-
-def roll_amax_history(history: jax.Array, amax: jax.Array) -> jax.Array:
-    """``[amax, history[0], ..., history[-2]]``; a NaN/Inf amax enters as 0 (it carries no scale)."""
-    amax = jnp.asarray(amax, jnp.float32)
-    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
-    return jnp.concatenate([amax[None], history[:-1]])
-
-
-def history_amax(history: jax.Array, amax_compute_algo: str) -> jax.Array:
-    """The amax a scale is computed from: the history's ``"max"`` or its ``"most_recent"`` entry."""
-    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-        raise ValueError(f"history_amax(amax_compute_algo={amax_compute_algo!r}): accepted: {AMAX_COMPUTE_ALGOS}")
-    return jnp.max(history) if amax_compute_algo == "max" else history[0]
-
-
-def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``saturate_cast(x * scale)`` to the FP8 ``dtype``: values beyond ±fp8_max (and ±Inf) clip to
-    ±fp8_max, never Inf; NaN stays NaN. The product is formed in float32."""
-    dtype = _check_fp8_dtype("quantize", dtype)
-    limit = fp8_max(dtype)
-    scaled = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
-    return jnp.clip(scaled, -limit, limit).astype(dtype)
-
-
-@backend.register("cast_transpose", backend.REFERENCE)
-def cast_transpose_reference(x: jax.Array, scale: jax.Array, *, out_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = quantize(x, scale, out_dtype)
-    return q, jnp.swapaxes(q, -1, -2), amax(x)
-
-
-# The Pallas kernel reads x once where XLA may run a reduce, the cast and a transpose of the cast.
-@backend.register("cast_transpose", "pallas_triton", requires=(backend.PALLAS_TRITON,), priority=10,
-                  single_device=True, prefer=too_small,
-                  supports=lambda x, scale, *, out_dtype: quantize_kernels.supported(x.shape, x.dtype, out_dtype))
-def _cast_transpose_pallas(x, scale, *, out_dtype):
-    return quantize_kernels.cast_transpose(x, scale, out_dtype)
-
-
-def cast_transpose(x: jax.Array, scale: jax.Array, dtype: Any, *,
-                   implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(q, swapaxes(q, -1, -2), max |x|)`` with ``q = quantize(x, scale, dtype)``: what an FP8 GEMM
-    and its backward need of one operand (the transpose feeds the GEMM that contracts the other
-    axis). The amax is float32, local (not reduced over mesh axes)."""
-    dtype = _check_fp8_dtype("cast_transpose", dtype)
-    if jnp.ndim(x) < 2:
-        raise ValueError(f"cast_transpose: x must have at least 2 axes; got shape {jnp.shape(x)}")
-    return backend.dispatch("cast_transpose", x, jnp.reshape(jnp.asarray(scale, jnp.float32), ()),
-                            implementation=implementation, out_dtype=jnp.dtype(dtype))
-
-
-def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-    """``q * (1 / scale)`` in ``dtype``: the inverse of `quantize` up to FP8 rounding."""
-    _check_fp8_dtype("dequantize", q.dtype)
-    return (q.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))).astype(dtype)
-
-
-def init_meta(amax_history_len: int = 1024) -> dict[str, jax.Array]:
-    """The delayed-scaling state of one GEMM before its first step: zero histories, unit scales."""
-    _check_int("init_meta", "amax_history_len", amax_history_len, 1)
-    meta = {}
-    for role in ROLES:
-        meta[f"{role}_amax_history"] = jnp.zeros((amax_history_len,), jnp.float32)
-        meta[f"{role}_scale"] = jnp.ones((), jnp.float32)
-    return meta
-
 
 def compiler_options(platform: str | None = None) -> dict[str, Any]:
     """XLA options for a jitted step whose GEMMs run in FP8 on ``platform`` (default: jax's backend).
 
     On CUDA GPUs Triton GEMM fusions are switched off, so XLA hands every FP8 dot to cuBLASLt's FP8
-    GEMM (dequantization scales folded in) instead of autotuning Triton fusions for each shape. On
-    an H200 (jax 0.11.2) the 1.3B GPT train step under `fp8_autocast` then compiled in 2 s instead of
-    163 s, and the dense FP8 GEMMs all ran on cuBLASLt, at or above the speed of the Triton choice.
-    Elsewhere (CPU, ROCm, PJRT plugins: not measured): none. Pass to ``jax.jit(...,
-    compiler_options=...)``; ``make_train_step`` and ``mtjax train --fp8`` do.
+    GEMM (dequantization scales folded in) instead of autotuning Triton fusions for each shape: the
+    step compiles far faster and its FP8 GEMMs run at least as fast (docs/performance.md).
+    Elsewhere (CPU, ROCm, PJRT plugins): none. Pass to ``jax.jit(..., compiler_options=...)``;
+    ``make_train_step`` and ``mtjax train --fp8`` do.
     """
     return {"xla_gpu_enable_triton_gemm": False} if (platform or backend.platform()) == "cuda" else {}
 
-
-# --------------------------------------------------------------------------------------------------
-# The scaled FP8 GEMM (op "fp8_gemm") and fp8_dot_general
-# --------------------------------------------------------------------------------------------------
-
-
-def _accumulator_dtype(out_dtype: Any) -> Any:
-    # The GEMM writes bf16 directly when that is the output (no f32 round trip through memory);
-    # float16 would overflow before the scales shrink the result, so it goes through float32.
-    return jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
-
-
-@backend.register("fp8_gemm", backend.REFERENCE)
-def fp8_gemm_reference(a, b, a_scale_inv, b_scale_inv, *, out_dtype):
-    # dot_general on the float8 operands themselves: XLA turns this into cuBLASLt's FP8 GEMM (it
-    # does not rewrite "dequantize, then a bf16 dot"); contracting the last axis of both is the
-    # layout FP8 tensor cores take without a transpose. The dequantization scale multiplies the
-    # GEMM's output in its own dtype, so XLA's GEMM rewriter folds it into cuBLASLt's scale operand
-    # instead of running an elementwise pass over the result (a convert in between would stop it).
-    # For bf16 this rounds the scale to bf16 (relative error at most 2**-9, far below E4M3's 2**-4).
-    batch = tuple(range(a.ndim - 2))
-    dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
-    accumulator = _accumulator_dtype(out_dtype)
-    out = lax.dot_general(a, b, dims, preferred_element_type=accumulator)
-    return (out * (a_scale_inv * b_scale_inv).astype(accumulator)).astype(out_dtype)
-
-
-def fp8_gemm(a: jax.Array, b: jax.Array, a_scale_inv: jax.Array, b_scale_inv: jax.Array, *,
-             out_dtype: Any, implementation: str | None = None) -> jax.Array:
-    """``(a @ b^T) * a_scale_inv * b_scale_inv``, the GEMM every FP8 dot reduces to.
-
-    Args:
-      a: float8 ``[*batch, M, K]``.
-      b: float8 ``[*batch, N, K]`` (both contract over their last axis).
-      a_scale_inv, b_scale_inv: float32 scalars, ``1 / scale`` of each operand.
-      out_dtype: dtype of the ``[*batch, M, N]`` result.
-      implementation: ``"xla"`` (XLA's cuBLASLt FP8 GEMM on GPUs) or a registered kernel.
-    """
-    for name, x in (("a", a), ("b", b)):
-        if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
-            raise TypeError(f"fp8_gemm: {name} has dtype {x.dtype}; expected a float8 dtype")
-    if a.ndim < 2 or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"fp8_gemm: a {a.shape} and b {b.shape} must be [*batch, M, K] and [*batch, N, K]")
-    return backend.dispatch("fp8_gemm", a, b, a_scale_inv, b_scale_inv, implementation=implementation,
-                            out_dtype=jnp.dtype(out_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -670,13 +329,13 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         ``lhs [..., 2, hidden]`` when gated). ``dimension_numbers`` then refer to its output, which
         must be contracted over its last axis alone, with no batch axes. Under `DelayedScaling` the
         prologue's kernel writes the FP8 input of the GEMM and its amax directly
-        (`mtjax.ops.layernorm_fp8`, `mtjax.ops.activation_fp8`), so its bf16 output never goes
+        (`mtjax.ops.norm_fp8`, `mtjax.ops.activation_fp8`), so its bf16 output never goes
         through memory; its backward is the prologue's own.
     Returns:
       the ``lax.dot_general`` result in ``preferred_element_type`` or the operands' result type.
     """
     recipe = DelayedScaling() if recipe is None else recipe
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    if not isinstance(recipe, RECIPE_TYPES):
         raise TypeError(f"fp8_dot_general(recipe={recipe!r}): expected a DelayedScaling or CurrentScaling")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -742,6 +401,7 @@ def _check_lhs_prologue(fn: str, lhs: jax.Array, dimension_numbers: Any,
     return operand
 
 
+
 # --------------------------------------------------------------------------------------------------
 # The linen module every mtjax GEMM runs in
 # --------------------------------------------------------------------------------------------------
@@ -790,68 +450,3 @@ class DotGeneral(nn.Module):
             )
         initial = init_meta(recipe.amax_history_len) if missing else {}
         return {name: self.variable(FP8_COLLECTION, name, initial.__getitem__, name).value for name in META_KEYS}
-
-
-# --------------------------------------------------------------------------------------------------
-# Gradients: the meta rides on them; optimizers never see it
-# --------------------------------------------------------------------------------------------------
-
-
-def split_gradients(grads: Any) -> tuple[Any, Any]:
-    """``(param_grads, new_fp8_meta)``: ``grads`` without its ``FP8_COLLECTION`` entry, and that
-    entry (``{}`` when there is none, e.g. outside `fp8_autocast`)."""
-    if not isinstance(grads, Mapping) or FP8_COLLECTION not in grads:
-        return grads, {}
-    return {k: v for k, v in grads.items() if k != FP8_COLLECTION}, grads[FP8_COLLECTION]
-
-
-def _with_meta(tree: Any, meta: Any) -> Any:
-    return {**tree, FP8_COLLECTION: meta} if meta else tree
-
-
-def accumulate_gradients(acc: Any | None, grads: Any) -> Any:
-    """Add one micro-batch's gradients to ``acc`` (``None`` for the first): parameter gradients are
-    summed, FP8 meta combined by elementwise max, which gives the meta one batch of all the
-    micro-batches would give: every micro-batch rolled the same history and used the same scale,
-    and the amax of a union is the max of the amaxes."""
-    if acc is None:
-        return grads
-    acc_params, acc_meta = split_gradients(acc)
-    params, meta = split_gradients(grads)
-    summed = jax.tree.map(jnp.add, acc_params, params)
-    return _with_meta(summed, jax.tree.map(jnp.maximum, acc_meta, meta))
-
-
-def finalize_accumulated(acc: Any, num_micro_batches: int) -> Any:
-    """Average the parameter gradients of ``num_micro_batches`` accumulated micro-batches (for losses
-    that are means over each micro-batch); the meta is already final."""
-    _check_int("finalize_accumulated", "num_micro_batches", num_micro_batches, 1)
-    params, meta = split_gradients(acc)
-    averaged = jax.tree.map(lambda g: (g / num_micro_batches).astype(g.dtype), params)
-    return _with_meta(averaged, meta)
-
-
-@dataclasses.dataclass(frozen=True)
-class Optimizer:
-    """An optax transformation applied to everything but the FP8 meta; the meta is replaced.
-
-    ``tx`` sees only the non-meta part of the variables and gradients, so clipping, global norms,
-    Adam moments and weight decay never touch the meta; the new meta from the gradients replaces
-    the old one (adding an update could not reproduce it exactly).
-
-    Attributes:
-      tx: any ``optax.GradientTransformation``.
-    """
-
-    tx: optax.GradientTransformation
-
-    def init(self, variables: Any) -> optax.OptState:
-        """The optimizer state for the non-meta part of ``variables``."""
-        return self.tx.init(split_gradients(variables)[0])
-
-    def apply_gradients(self, variables: Any, grads: Any, opt_state: optax.OptState) -> tuple[Any, optax.OptState]:
-        """``(new_variables, new_opt_state)``; the meta of ``grads`` (else of ``variables``) is kept."""
-        params, old_meta = split_gradients(variables)
-        param_grads, new_meta = split_gradients(grads)
-        updates, opt_state = self.tx.update(param_grads, opt_state, params)
-        return _with_meta(optax.apply_updates(params, updates), new_meta or old_meta), opt_state

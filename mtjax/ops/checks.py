@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mtjax.kernels._common import FP8_DTYPES
+from mtjax.dtypes import FP8_DTYPES
 
 
 def check_float(op: str, name: str, x: Any) -> None:
@@ -40,4 +40,4 @@ def check_fp8_output(op: str, scale: Any, out_dtype: Any) -> None:
     check_float(op, "scale", scale)
     if jnp.size(scale) != 1:
         raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
-    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])
+    check_choice(op, "out_dtype", jnp.dtype(out_dtype), FP8_DTYPES)
