@@ -48,7 +48,7 @@ def test_ci_runs_the_readme_commands():
     assert test_command in ci, f".ci/run does not run the README's test command {test_command!r}"
 
 
-@pytest.mark.parametrize("line,source", python_blocks(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+@pytest.mark.parametrize("line,source", [pytest.param(*block, id=f"README.md:{block[0]}") for block in python_blocks()])
 def test_readme_python_block_runs(line, source):
     namespace = run_block(line, source)
     if "losses" in namespace:  # the quickstart's training loop
