@@ -84,7 +84,7 @@ def unsupported_fp8_dtype(out_dtype) -> str | None:
     return None
 
 
-def check_fp8_dtype(op: str, out_dtype) -> None:
+def check_kernel_fp8_dtype(op: str, out_dtype) -> None:
     """Raise ``ValueError`` naming ``op`` unless ``out_dtype`` is one of `KERNEL_FP8_DTYPES`."""
     reason = unsupported_fp8_dtype(out_dtype)
     if reason is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Union
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -89,7 +89,7 @@ class CurrentScaling:
         _check_format("CurrentScaling", self.fp8_format)
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+Recipe = DelayedScaling | CurrentScaling
 
 # Every recipe type `fp8_autocast` and `fp8_dot_general` accept.
 RECIPE_TYPES = (DelayedScaling, CurrentScaling)
