@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mtjax.sharding.mesh import AXES, DP, FSDP, PP, TP, MeshConfig
+from mtjax.sharding.mesh import AXES, CP, DP, FSDP, PP, TP, MeshConfig
 
 MeshAxes = str | tuple[str, ...] | None
 LogicalRules = tuple[tuple[str, MeshAxes], ...]
@@ -33,7 +33,9 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     activation_kv_heads,                           out-projection / fc2 row-parallel,
     activation_mlp,                                logits split over the vocabulary
     activation_vocab
-    activation_length         tp if sp else None   sequence parallelism between the blocks
+    activation_length         (cp, tp) if sp       sequence parallelism between the blocks;
+                              else cp              cp splits it everywhere (then cp alone where
+                                                   tp holds the heads / MLP columns)
     activation_embed,         None
     activation_head_dim
     embed                     fsdp                 FSDP splits every weight on its model dim
@@ -58,7 +60,7 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
         "activation_mlp": TP,
         "activation_vocab": TP,
         # After the names above: where heads / MLP columns hold tp the sequence stays whole.
-        "activation_length": TP if config.sp else None,
+        "activation_length": _sequence_axes(config),
         "activation_embed": None,
         "activation_head_dim": None,
         "embed": FSDP,
@@ -73,7 +75,19 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     for name, axes in (overrides or {}).items():
         _check_mesh_axes(name, axes)
         rules[name] = axes
-    return tuple(rules.items())
+    ordered = []
+    for name, axes in rules.items():
+        ordered.append((name, axes))
+        if name == "activation_length" and config.cp > 1 and config.sp and axes == _sequence_axes(config):
+            # Flax takes a rule only if all its mesh axes are free: inside attention and the MLP
+            # (tp on heads / columns) the sequence falls back to cp alone.
+            ordered.append((name, CP))
+    return tuple(ordered)
+
+
+def _sequence_axes(config: MeshConfig) -> MeshAxes:
+    axes = ((CP,) if config.cp > 1 else ()) + ((TP,) if config.sp else ())
+    return axes[0] if len(axes) == 1 else (axes or None)
 
 
 def _check_mesh_axes(name: str, axes: MeshAxes) -> None:

@@ -86,6 +86,8 @@ class TransformerLayer(nn.Module):
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
       window_size: sliding-window self-attention ``(left, right)``.
       logits_soft_cap: attention logit soft cap.
+      context_parallel, context_parallel_load_balanced: self-attention over a sequence split on the
+        ``cp`` mesh axis (`DotProductAttention`).
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -127,6 +129,8 @@ class TransformerLayer(nn.Module):
     scaled_query_init: bool = False
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
+    context_parallel: str | None = None
+    context_parallel_load_balanced: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -209,7 +213,8 @@ class TransformerLayer(nn.Module):
             attn_bias_type=self.self_attn_bias_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
             rotary_pos_emb_windows=self.rotary_pos_emb_windows,
             rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, window_size=self.window_size,
-            logits_soft_cap=self.logits_soft_cap, name="self_attention", **attention,
+            logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
+            context_parallel_load_balanced=self.context_parallel_load_balanced, name="self_attention", **attention,
         )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
           decode=decode, deterministic=deterministic, residual=residual)
         if stream:

@@ -4,6 +4,9 @@ implementation: the plain jax.numpy reference (``"xla"``) defined beside it, or 
 from mtjax.ops.activation import (ACTIVATIONS, Activation, activation, activation_fp8, activation_grad_fp8,
                                   canonical_activation, is_gated)
 from mtjax.ops.attention import MASK_TYPES, attention
+from mtjax.ops.context_parallel import (CONTEXT_PARALLEL_STRATEGIES, all_gather_attention, attention_with_lse,
+                                        attention_with_lse_backward, context_parallel_attention, merge_attention,
+                                        ring_attention)
 from mtjax.ops.cross_entropy import softmax_cross_entropy
 from mtjax.ops.normalization import LAYERNORM_TYPES, Norm, layernorm, layernorm_fp8, residual_norm, rmsnorm
 from mtjax.ops.softmax import softmax
@@ -11,6 +14,8 @@ from mtjax.ops.softmax import softmax
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "Activation", "activation", "activation_fp8", "activation_grad_fp8", "attention",
     "canonical_activation", "is_gated",
+    "CONTEXT_PARALLEL_STRATEGIES", "all_gather_attention", "attention_with_lse", "attention_with_lse_backward",
+    "context_parallel_attention", "merge_attention", "ring_attention",
     "LAYERNORM_TYPES", "Norm", "layernorm", "layernorm_fp8", "residual_norm", "rmsnorm", "softmax",
     "softmax_cross_entropy",
 ]
