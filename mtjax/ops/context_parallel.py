@@ -246,9 +246,17 @@ def _step_forward(q, k, v, q_seg, kv_seg, src, me, cfg: _Config):
     def nothing():
         return jnp.zeros((b, t, h, v.shape[-1]), jnp.float32), empty_lse
 
-    branches = _shard_branches(cfg, full, diagonal, q_half, kv_half, nothing)
+    return _select(_shard_branches(cfg, full, diagonal, q_half, kv_half, nothing), src, me, cfg)
+
+
+def _select(branches, src, me, cfg: _Config):
+    """Run the branch of `_relation` (``src`` None: the local shard, known statically)."""
     if src is None:
         return branches[1]()
+    if not cfg.causal:
+        return branches[0]()
+    if cfg.strategy == "ring":  # a ring step after the first never holds the local shard
+        return lax.cond(src < me, branches[0], branches[2])
     return lax.switch(_relation(src, me), branches)
 
 
@@ -278,10 +286,7 @@ def _step_backward(q, k, v, q_seg, kv_seg, out, lse, do, src, me, cfg: _Config):
     def nothing():
         return f32((jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)))
 
-    branches = _shard_branches(cfg, full, diagonal, q_half, kv_half, nothing)
-    if src is None:
-        return branches[1]()
-    return lax.switch(_relation(src, me), branches)
+    return _select(_shard_branches(cfg, full, diagonal, q_half, kv_half, nothing), src, me, cfg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -293,67 +298,73 @@ def _ring_perm(n):
     return [(j, (j + 1) % n) for j in range(n)]
 
 
-def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
-    n, me = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
-    if cfg.strategy == "all_gather":
-        gathered = [None if x is None else lax.all_gather(x, cfg.axis_name, axis=1, tiled=True) for x in (k, v, kv_seg)]
-        length = k.shape[1]
-
-        def shard(j):
-            return [None if x is None else lax.slice_in_dim(x, j * length, (j + 1) * length, axis=1) for x in gathered]
-
-        blocks = ((shard(j), j) for j in range(n))
-    else:
-        blocks = _ring_blocks((k, v, kv_seg), n, me, cfg.axis_name)
-    out = lse = None
-    for (k_j, v_j, kv_seg_j), src in blocks:
-        part = _step_forward(q, k_j, v_j, q_seg, kv_seg_j, src, me, cfg)
-        out, lse = part if out is None else merge_attention(out, lse, *part)
-    return out.astype(q.dtype), lse
-
-
-def _ring_blocks(kv, n, me, axis_name):
-    """Yields ``(the key shard held at each ring step, its owner)``; the owner is ``None`` at step 0
-    (the local shard). The next hop is issued before the current block is attended, so XLA can
-    overlap the transfer with the attention."""
-    perm = _ring_perm(n)
-    for step in range(n):
-        nxt = _ppermute(kv, axis_name, perm) if step + 1 < n else None
-        yield kv, (None if step == 0 else (me - step) % n)
-        kv = nxt
-
-
 def _ppermute(tree, axis_name, perm):
     return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
+def _gather_shards(cfg: _Config, k, v, kv_seg):
+    """The all-gathered key/value shards ``[cp, batch, shard_len, ...]`` (``kv_seg`` may be ``None``)."""
+    n = lax.axis_size(cfg.axis_name)
+    return jax.tree.map(lambda x: lax.all_gather(x, cfg.axis_name, axis=0).reshape((n,) + x.shape), (k, v, kv_seg))
+
+
+def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+    n, me = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
+    if cfg.strategy == "all_gather":
+        shards = _gather_shards(cfg, k, v, kv_seg)
+
+        def body(carry, xs):
+            (k_j, v_j, kv_seg_j), j = xs
+            part = _step_forward(q, k_j, v_j, q_seg, kv_seg_j, j, me, cfg)
+            return merge_attention(*carry, *part), None
+
+        empty = (jnp.zeros(q.shape[:3] + (v.shape[-1],), jnp.float32),
+                 jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))
+        (out, lse), _ = lax.scan(body, empty, (shards, jnp.arange(n)))
+        return out.astype(q.dtype), lse
+    # The ring: step 0 attends the local shard; each later step first sends the shard it holds on
+    # to the next device (so XLA can overlap the transfer with this step's attention), then
+    # attends it. The shard held at step s came from device me - s.
+    perm = _ring_perm(n)
+    out, lse = _step_forward(q, k, v, q_seg, kv_seg, None, me, cfg)
+
+    def body(carry, step):
+        kv, out, lse = carry
+        kv = _ppermute(kv, cfg.axis_name, perm)
+        part = _step_forward(q, kv[0], kv[1], q_seg, kv[2], (me - step) % n, me, cfg)
+        return (kv, *merge_attention(out, lse, *part)), None
+
+    (_, out, lse), _ = lax.scan(body, ((k, v, kv_seg), out, lse), jnp.arange(1, n))
+    return out.astype(q.dtype), lse
+
+
 def _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
     n, me = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
-    dq = jnp.zeros(q.shape, jnp.float32)
     if cfg.strategy == "all_gather":
-        gathered = [None if x is None else lax.all_gather(x, cfg.axis_name, axis=1, tiled=True) for x in (k, v, kv_seg)]
-        length = k.shape[1]
-        dks, dvs = [], []
-        for j in range(n):
-            k_j, v_j, kv_seg_j = (None if x is None else lax.slice_in_dim(x, j * length, (j + 1) * length, axis=1)
-                                  for x in gathered)
+        shards = _gather_shards(cfg, k, v, kv_seg)
+
+        def body(dq, xs):
+            (k_j, v_j, kv_seg_j), j = xs
             dq_j, dk_j, dv_j = _step_backward(q, k_j, v_j, q_seg, kv_seg_j, out, lse, do, j, me, cfg)
-            dq, dks, dvs = dq + dq_j, dks + [dk_j], dvs + [dv_j]
-        dk, dv = (lax.psum_scatter(jnp.concatenate(d, 1), cfg.axis_name, scatter_dimension=1, tiled=True)
-                  for d in (dks, dvs))
+            return dq + dq_j, (dk_j, dv_j)
+
+        dq, (dks, dvs) = lax.scan(body, jnp.zeros(q.shape, jnp.float32), (shards, jnp.arange(n)))
+        # [cp, batch, shard_len, ...]: each device's gradient of every shard, summed onto its owner.
+        dk, dv = (lax.psum_scatter(d, cfg.axis_name, scatter_dimension=0, tiled=True)[0] for d in (dks, dvs))
         return dq, dk, dv
     # The ring: the key/value gradients ride along with their shard and reach its owner after n hops.
     perm = _ring_perm(n)
-    kv = (k, v, kv_seg)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for step in range(n):
-        nxt = _ppermute(kv, cfg.axis_name, perm) if step + 1 < n else None
-        src = None if step == 0 else (me - step) % n
-        dq_s, dk_s, dv_s = _step_backward(q, kv[0], kv[1], q_seg, kv[2], out, lse, do, src, me, cfg)
-        dq = dq + dq_s
-        dkv = _ppermute((dkv[0] + dk_s, dkv[1] + dv_s), cfg.axis_name, perm)
-        kv = nxt
-    return dq, *dkv
+    dq, dk, dv = _step_backward(q, k, v, q_seg, kv_seg, out, lse, do, None, me, cfg)
+
+    def body(carry, step):
+        kv, dq, dkv = carry
+        kv = _ppermute(kv, cfg.axis_name, perm)
+        dkv = _ppermute(dkv, cfg.axis_name, perm)
+        dq_s, dk_s, dv_s = _step_backward(q, kv[0], kv[1], q_seg, kv[2], out, lse, do, (me - step) % n, me, cfg)
+        return (kv, dq + dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)), None
+
+    (_, dq, dkv), _ = lax.scan(body, ((k, v, kv_seg), dq, (dk, dv)), jnp.arange(1, n))
+    return dq, *_ppermute(dkv, cfg.axis_name, perm)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
