@@ -20,7 +20,18 @@ from mtjax.sharding.partition import (
     shard_variables,
     tree_shardings,
 )
-from mtjax.sharding.pipeline import Circular, GPipe, OneFOneB, Schedule, pipeline_loss
+from mtjax.sharding.pipeline import (
+    SIMULATED_SCHEDULES,
+    Circular,
+    DualPipeV,
+    GPipe,
+    OneFOneB,
+    Schedule,
+    Simulation,
+    ZeroBubbleH1,
+    pipeline_loss,
+    simulate,
+)
 from mtjax.sharding.rules import LogicalRules, logical_axis_rules
 
 __all__ = [
@@ -28,5 +39,6 @@ __all__ = [
     "context_parallel_size", "inverse_reorder_causal_load_balancing", "load_balanced_chunks", "reorder_causal_load_balancing",
     "LogicalRules", "logical_axis_rules",
     "init_sharded", "jit_sharded", "logical_shardings", "named_sharding", "shard_variables", "tree_shardings",
-    "Schedule", "GPipe", "Circular", "OneFOneB", "pipeline_loss",
+    "Schedule", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",
+    "SIMULATED_SCHEDULES", "Simulation", "simulate",
 ]
