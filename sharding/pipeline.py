@@ -26,10 +26,17 @@ composes with ``jax.grad`` of a larger model (embedding before, nothing after th
 differentiation it runs only the F actions.
 
 Schedules here: `GPipe`, `Circular` (GPipe order, several chunks per device, smaller bubble),
-`OneFOneB` (bounded memory; interleaved with several chunks). A bidirectional DualPipe-style
-schedule is a new `Schedule` with its own order and `device_of` (virtual stages placed from both
-ends of the ring); the executor would then add the hand-offs in the opposite ring direction,
-which `Schedule.timeline` currently rejects.
+`OneFOneB` (bounded memory; interleaved with several chunks), `ZeroBubbleH1` (1F1B with the
+backward split into an input-gradient B and a weight-gradient W action, the W's deferred into the
+bubble) and `DualPipeV` (DeepSeek's V-shaped schedule: two chunks per device placed from both ends,
+forwards of one chunk paired with backwards of the other, zero-bubble W's; its hand-offs go both
+ways round the ring and, at the turn of the V, to the device itself). With split backwards a B
+action differentiates the stage in its input only and the W action in its weights, each from the
+stash, which then lives until the W.
+
+`simulate` runs the schedules' orders with given forward / backward / weight-gradient costs and
+reports each device's bubble and peak activations (the published formulas, see its docstring);
+``python -m mtjax.sharding.pipeline`` prints them.
 """
 
 from __future__ import annotations
@@ -380,10 +387,14 @@ class OneFOneB(Schedule):
                 f"OneFOneB(num_microbatches={self.num_microbatches}, num_chunks={self.num_chunks}): interleaved "
                 f"1F1B needs micro-batches in multiples of the {num_stages} stages"
             )
+        return self.order_with_warmup(num_stages, self.warmup)
+
+    def order_with_warmup(self, num_stages: int, warmup: Callable[[int, int], int]) -> list[list[Action]]:
+        """The 1F1B order with ``warmup(device, num_stages)`` forwards before each device's first backward."""
         orders = []
         for d in range(num_stages):
             forward, backward = self._forward_order(d, num_stages), self._backward_order(d, num_stages)
-            w = self.warmup(d, num_stages)
+            w = warmup(d, num_stages)
             steady = [a for pair in zip(backward, forward[w:]) for a in pair]
             orders.append(forward[:w] + steady + backward[len(forward) - w:])
         return orders
@@ -600,6 +611,13 @@ def simulate(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float
     sched, p = _schedule_for(schedule, pp, microbatches, chunks)
     if isinstance(sched, DualPipeV):
         units = sched.units(p)
+    elif isinstance(sched, OneFOneB):
+        # One chunk: the classic warm-up of p - d forwards (the lockstep executor's `OneFOneB.warmup`
+        # runs about twice that, since its ticks hold an F and a B together).
+        def warmup(d, p):
+            return min(microbatches, p - d) if sched.num_chunks == 1 else sched.warmup(d, p)
+
+        units = [[(a,) for a in actions] for actions in sched.order_with_warmup(p, warmup)]
     else:
         units = [[(a,) for a in actions] for actions in sched.order(p)]
     split = sched.splits_backward
@@ -911,3 +929,32 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
     layer_grads, dx, loss_grads = grads
     layer_grads = jax.tree.map(lambda g, w: from_stages(g).reshape(w.shape).astype(w.dtype), layer_grads, layer_params)
     return loss, (layer_grads, _merge_microbatches(dx).astype(inputs.dtype), loss_grads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mtjax.sharding.pipeline [SCHEDULE ...] --pp 8 --microbatches 32 --f 1 --b 2 --w 1``:
+    print `simulate`'s result for each schedule (default: all of `SIMULATED_SCHEDULES`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mtjax.sharding.pipeline", description=main.__doc__.splitlines()[0])
+    parser.add_argument("schedules", nargs="*", choices=[[], *SIMULATED_SCHEDULES], metavar="SCHEDULE",
+                        help=f"from {SIMULATED_SCHEDULES} (default: all)")
+    parser.add_argument("--pp", type=int, default=8, help="pipeline stages (default %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=32, help="micro-batches (default %(default)s)")
+    parser.add_argument("--f", type=float, default=1.0, help="forward time of one stage (default %(default)s)")
+    parser.add_argument("--b", type=float, default=2.0, help="whole backward time of one stage (default %(default)s)")
+    parser.add_argument("--w", type=float, default=1.0, help="weight-gradient part of --b (default %(default)s)")
+    parser.add_argument("--f-and-b", type=float, default=None, help="overlapped F&B time (default f + b)")
+    parser.add_argument("--chunks", type=int, default=2, help="stages per device of interleaved 1F1B")
+    args = parser.parse_args(argv)
+    for name in args.schedules or SIMULATED_SCHEDULES:
+        try:
+            simulate(name, args.pp, args.microbatches, args.f, args.b, args.w, f_and_b=args.f_and_b,
+                     chunks=args.chunks, verbose=True)
+        except ValueError as err:
+            print(f"{name}: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
