@@ -38,6 +38,7 @@ class ProcessSpec:
       num_processes: processes in the run.
       process_id: this process's index.
       local_process_id: its index on its node, where the launcher says (SLURM, Open MPI).
+      processes_per_node: processes on each node, where the launcher says.
     """
 
     launcher: str
@@ -45,6 +46,15 @@ class ProcessSpec:
     num_processes: int
     process_id: int
     local_process_id: int | None = None
+    processes_per_node: int | None = None
+
+    def local_device_ids(self) -> list[int] | None:
+        """The local GPUs this process drives: its own one when the launcher runs several
+        processes per node (one per GPU), else None (every visible device; ``JAX_LOCAL_DEVICE_IDS``
+        or ``CUDA_VISIBLE_DEVICES`` narrow it)."""
+        if self.local_process_id is None or (self.processes_per_node or 1) <= 1:
+            return None
+        return [self.local_process_id]
 
 
 def _env_int(name: str) -> int | None:
@@ -66,10 +76,16 @@ def _from_jax_cluster(name: str, cluster) -> ProcessSpec | None:
     """The settings jax's own cluster detection reads (``jax._src.clusters``), or None if absent."""
     if not cluster.is_env_present():
         return None
+    num_processes = cluster.get_process_count()
+    if name == "slurm":
+        nodes = _env_int("SLURM_STEP_NUM_NODES") or _env_int("SLURM_NNODES")
+        per_node = None if not nodes else -(-num_processes // nodes)
+    else:
+        per_node = _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
     return ProcessSpec(launcher=name,
                        coordinator_address=cluster.get_coordinator_address(None, _coordinator_port()),
-                       num_processes=cluster.get_process_count(), process_id=cluster.get_process_id(),
-                       local_process_id=cluster.get_local_process_id())
+                       num_processes=num_processes, process_id=cluster.get_process_id(),
+                       local_process_id=cluster.get_local_process_id(), processes_per_node=per_node)
 
 
 def _kubernetes() -> ProcessSpec | None:
@@ -145,7 +161,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
                   else getattr(detected, name) for name in given}
         launcher = "flags" if explicit else detected.launcher
         spec = ProcessSpec(launcher, values["coordinator_address"], values["num_processes"], values["process_id"],
-                           detected.local_process_id)
+                           detected.local_process_id, detected.processes_per_node)
     else:
         if all(v is None for v in given.values()):
             return None
@@ -178,7 +194,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # CPU devices of different processes talk through gloo (the default CPU backend has no
     # cross-process collectives); GPU runs are unaffected by this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id)
+    # Everything is resolved here (with jax's cluster classes where they exist), so jax's own
+    # detection is off: it would give a process of a one-process-per-node SLURM job only GPU 0.
+    jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id,
+                               local_device_ids=spec.local_device_ids(), cluster_detection_method="deactivate")
     return spec
 
 

@@ -12,7 +12,7 @@ LAUNCHER_VARIABLES = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_PORT",
     "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_NODES",
     "OMPI_MCA_orte_hnp_uri", "OMPI_VERSION", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK", "JOB_COMPLETION_INDEX", "JOB_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NNODES", "JOB_COMPLETION_INDEX", "JOB_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME",
     "KUBERNETES_SERVICE_HOST",
 )
 
@@ -47,17 +47,22 @@ def test_slurm(env):
         SLURM_LOCALID=1)
     port = 12345 % 4096 + 65536 - 4096  # jax's port from the job id
     assert detect_launcher() == ProcessSpec("slurm", f"gpu003:{port}", 16, 5, local_process_id=1)
-    env(JAX_COORDINATOR_PORT=6000)
-    assert resolve().coordinator_address == "gpu003:6000"
+    assert detect_launcher().local_device_ids() is None  # tasks per node unknown: every visible GPU
+    env(JAX_COORDINATOR_PORT=6000, SLURM_STEP_NUM_NODES=4)
+    spec = resolve()
+    assert spec.coordinator_address == "gpu003:6000"
+    assert spec.processes_per_node == 4 and spec.local_device_ids() == [1]  # one process per GPU
+    env(SLURM_STEP_NUM_NODES=16)
+    assert resolve().local_device_ids() is None  # one process per node drives all its GPUs
     env(SLURM_NTASKS=1, SLURM_PROCID=0)
     assert distributed.initialize() is None  # one task: nothing to join
 
 
 def test_open_mpi(env):
     env(OMPI_MCA_orte_hnp_uri="1531576320.0;tcp://10.96.0.1,10.148.0.1:34911", OMPI_COMM_WORLD_SIZE=8,
-        OMPI_COMM_WORLD_RANK=6, OMPI_COMM_WORLD_LOCAL_RANK=2)
+        OMPI_COMM_WORLD_RANK=6, OMPI_COMM_WORLD_LOCAL_RANK=2, OMPI_COMM_WORLD_LOCAL_SIZE=4)
     port = (1531576320 // 4096) % 4096 + 65536 - 4096
-    assert resolve() == ProcessSpec("openmpi", f"10.96.0.1:{port}", 8, 6, local_process_id=2)
+    assert resolve() == ProcessSpec("openmpi", f"10.96.0.1:{port}", 8, 6, local_process_id=2, processes_per_node=4)
 
 
 def test_kubernetes_jobset_and_indexed_job(env):
