@@ -31,13 +31,16 @@ from mtjax.ops._checks import check_choice
 COLLECTIVE_MATMUL_KINDS = ("all_gather", "reduce_scatter")
 
 
-def _check(op: str, x: jax.Array, w: jax.Array) -> None:
-    if x.ndim != 3 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{op}: x {x.shape} must be [batch, seq, in] and w {w.shape} [in, out]")
+def _check(op: str, x: jax.Array, w: jax.Array, max_rank: int = 2) -> None:
+    if x.ndim != 3 or not 2 <= w.ndim <= max_rank or x.shape[-1] != w.shape[0]:
+        out = "out" if max_rank == 2 else "..., out"
+        raise ValueError(f"{op}: x {x.shape} must be [batch, seq, in] and w {w.shape} [in, {out}]")
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("bsi,io->bso", x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
+    """``x [b, s, in] . w [in, ...]`` with float32 accumulation, in the inputs' dtype."""
+    out = lax.dot_general(x, w, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.astype(jnp.result_type(x, w))
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str = "tp") -> jax.Array:
@@ -45,16 +48,16 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str = "tp") -> j
 
     Args:
       x: this device's sequence shard ``[batch, seq / tp, in]``.
-      w: this device's column block ``[in, out / tp]``.
+      w: this device's column block ``[in, ..., out / tp]`` (e.g. a gated MLP's ``[in, 2, mlp / tp]``).
     Returns:
-      ``[batch, seq, out / tp]``: the whole sequence against this device's columns.
+      ``[batch, seq, ..., out / tp]``: the whole sequence against this device's columns.
     """
-    _check("all_gather_matmul", x, w)
+    _check("all_gather_matmul", x, w, max_rank=3)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     shard = x.shape[1]
     # Shards travel to the previous device: after k hops this device holds device me + k's.
     perm = [(j, (j - 1) % n) for j in range(n)]
-    out = jnp.zeros((x.shape[0], n * shard, w.shape[1]), jnp.result_type(x, w))
+    out = jnp.zeros((x.shape[0], n * shard, *w.shape[1:]), jnp.result_type(x, w))
     chunk = x
     for k in range(n):
         nxt = lax.ppermute(chunk, axis_name, perm) if k + 1 < n else None  # in flight during this GEMM
@@ -100,13 +103,15 @@ def sequence_parallel_matmul(x: jax.Array, w: jax.Array, *, kind: str, batch_axe
       batch_axes: the mesh axes splitting the batch (e.g. ``("dp", "fsdp")``); other axes replicate.
     """
     check_choice("sequence_parallel_matmul", "kind", kind, COLLECTIVE_MATMUL_KINDS)
-    _check("sequence_parallel_matmul", x, w)
+    _check("sequence_parallel_matmul", x, w, max_rank=3 if kind == "all_gather" else 2)
     mesh = get_abstract_mesh()
     if mesh.empty or axis_name not in mesh.axis_names:
         raise ValueError(f"sequence_parallel_matmul: no mesh with a {axis_name!r} axis in force (use jax.set_mesh)")
     manual = {name for name, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
     if kind == "all_gather":
-        fn, specs, out = all_gather_matmul, (P(batch_axes, axis_name, None), P(None, axis_name)), P(batch_axes, None, axis_name)
+        middle = (None,) * (w.ndim - 2)
+        fn, specs = all_gather_matmul, (P(batch_axes, axis_name, None), P(None, *middle, axis_name))
+        out = P(batch_axes, None, *middle, axis_name)
     else:
         fn, specs, out = matmul_reduce_scatter, (P(batch_axes, None, axis_name), P(axis_name, None)), P(batch_axes, axis_name, None)
     return jax.shard_map(lambda a, b: fn(a, b, axis_name=axis_name), axis_names=manual, in_specs=specs,
