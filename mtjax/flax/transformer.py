@@ -88,6 +88,8 @@ class TransformerLayer(nn.Module):
       logits_soft_cap: attention logit soft cap.
       context_parallel, context_parallel_load_balanced: self-attention over a sequence split on the
         ``cp`` mesh axis (`DotProductAttention`).
+      collective_matmul: the MLP's GEMMs overlap their sequence-parallel collectives
+        (`LayerNormMLP.collective_matmul`).
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -131,6 +133,7 @@ class TransformerLayer(nn.Module):
     logits_soft_cap: float | None = None
     context_parallel: str | None = None
     context_parallel_load_balanced: bool = True
+    collective_matmul: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -243,7 +246,7 @@ class TransformerLayer(nn.Module):
             epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
             kernel_init=self.mlp_kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
-            dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
+            collective_matmul=self.collective_matmul, dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
         )
         if fuse:  # the add happens in the MLP's norm kernel, which returns the new stream
             z, ln_out, x = mlp(hidden_dropout(branch, deterministic=deterministic), deterministic=deterministic,

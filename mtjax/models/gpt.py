@@ -67,6 +67,9 @@ class GPTConfig:
         attention runs across the shards (`mtjax.ops.context_parallel_attention`); the model
         permutes tokens, positions and segment ids into the causal load-balanced layout and its
         final hidden states back, so inputs and logits stay in natural order. None: off.
+      collective_matmul: with sequence parallelism (``MeshConfig(tp=..., sp=True)``), the MLPs'
+        all-gather / reduce-scatter run as ``ppermute`` steps overlapped with partial GEMMs
+        (`mtjax.flax.LayerNormMLP.collective_matmul`; not with FP8).
       init_std: standard deviation of the normal initializer of kernels and embeddings.
       scan_layers: ``nn.scan`` over the layers (one compiled layer; parameters stacked on ``"layers"``).
       remat_policy: one of `mtjax.models.REMAT_POLICIES` (``"none"``, ``"full"``, ``"dots"``, ...).
@@ -99,6 +102,7 @@ class GPTConfig:
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
     context_parallel: str | None = None
+    collective_matmul: bool = False
     init_std: float = 0.02
     scan_layers: bool = True
     remat_policy: str = "none"
@@ -238,7 +242,7 @@ class GPT(nn.Module):
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
             window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, context_parallel=cfg.context_parallel,
-            dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            collective_matmul=cfg.collective_matmul, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         )
         x = apply_layers(x, layer=layer, num_layers=cfg.num_layers, scan_layers=cfg.scan_layers,
                          remat_policy=cfg.remat_policy, segment_ids=segment_ids, positions=positions,
