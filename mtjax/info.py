@@ -11,7 +11,7 @@ import jax
 
 from mtjax import backend
 from mtjax.config import config
-from mtjax.sharding.xla_flags import XLA_FLAG_PRESETS
+from mtjax.xla_flags import XLA_FLAG_PRESETS
 
 
 def _version(package: str) -> str:
@@ -35,7 +35,8 @@ def collect() -> dict:
             "implementations": config.implementations,
             "pallas_interpret": config.pallas_interpret,
             "cuda_compute_capability": config.cuda_compute_capability,
-            "environment": {k: v for k, v in os.environ.items() if k.startswith(("MTJAX_", "JAX_PLATFORMS", "XLA_FLAGS"))},
+            "environment": {k: v for k, v in os.environ.items()
+                            if k.startswith(("MTJAX_", "JAX_PLATFORMS", "XLA_FLAGS"))},
         },
         "ops": backend.describe(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print("versions:    " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     print(f"platform:    {info['platform']}  (process {info['process']})")
-    print(f"devices:     {len(info['devices'])}: " + "; ".join(info["devices"][:8]) + (" ..." if len(info["devices"]) > 8 else ""))
+    more = " ..." if len(info["devices"]) > 8 else ""
+    print(f"devices:     {len(info['devices'])}: " + "; ".join(info["devices"][:8]) + more)
     print(f"capabilities: {', '.join(info['capabilities']) or 'none (references only)'}")
     print(f"plugins:     {info['plugins'] or 'none'}")
     print(f"config:      {info['config']}")

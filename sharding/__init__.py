@@ -1,6 +1,7 @@
 """mtjax.sharding: device meshes, logical-axis rules and pipeline schedules (no model code).
 
-`MeshConfig` builds the mesh (``pp``, ``dp``, ``fsdp``, ``cp``, ``tp``), `logical_axis_rules` maps the modules' logical axis names to its
+`MeshConfig` builds the mesh (``pp``, ``dp``, ``fsdp``, ``cp``, ``tp``), `logical_axis_rules` maps
+the modules' logical axis names to its
 axes, `init_sharded` / `shard_variables` / `jit_sharded` apply them, and `mtjax.sharding.pipeline`
 pipelines a stack of layers over the ``pp`` axis.
 """
@@ -36,7 +37,8 @@ from mtjax.sharding.rules import LogicalRules, logical_axis_rules
 
 __all__ = [
     "AXES", "BATCH_AXES", "CP", "DP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
-    "context_parallel_size", "inverse_reorder_causal_load_balancing", "load_balanced_chunks", "reorder_causal_load_balancing",
+    "context_parallel_size", "inverse_reorder_causal_load_balancing", "load_balanced_chunks",
+    "reorder_causal_load_balancing",
     "LogicalRules", "logical_axis_rules",
     "init_sharded", "jit_sharded", "logical_shardings", "named_sharding", "shard_variables", "tree_shardings",
     "Schedule", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",

@@ -54,7 +54,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mtjax.fp8 import FP8_COLLECTION, accumulate_gradients, split_gradients
+from mtjax.fp8 import accumulate_gradients, map_param_gradients
 from mtjax.sharding.mesh import PP
 
 # Relative costs of a forward and a backward action (the usual estimate: backward = 2 forward).
@@ -208,7 +208,7 @@ class Schedule(abc.ABC):
                 for start in range(0, m, p) for c in reversed(range(self.num_chunks))
                 for mb in range(start, min(start + p, m))]
 
-    @functools.cache
+    @functools.cache  # noqa: B019 - schedules are few, frozen and hashable: caching per instance is the intent
     def timeline(self, num_stages: int, backward: bool = True) -> Timeline:
         """Lay the order out in ticks (only the F actions when ``backward`` is False)."""
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -731,7 +731,8 @@ def pipeline_loss(
       schedule: a `Schedule` (`GPipe`, `Circular`, `OneFOneB`).
     """
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"pipeline_loss(schedule=...): expected a Schedule (GPipe, Circular, OneFOneB), got {schedule!r}")
+        raise TypeError("pipeline_loss(schedule=...): expected a Schedule (GPipe, Circular, OneFOneB), got "
+                        f"{schedule!r}")
     if PP not in mesh.axis_names:
         raise ValueError(f"pipeline_loss(mesh=...): the mesh has no {PP!r} axis (axes: {mesh.axis_names})")
     num_stages, m, c = mesh.shape[PP], schedule.num_microbatches, schedule.num_chunks
@@ -756,9 +757,7 @@ def pipeline_loss(
 
     def loss_bwd(grads, g):
         def scale(tree):  # the FP8 meta riding on a gradient is the new meta, not a derivative
-            params, meta = split_gradients(tree)
-            scaled = jax.tree.map(lambda x: (g * x).astype(x.dtype), params)
-            return {**scaled, FP8_COLLECTION: meta} if meta else scaled
+            return map_param_gradients(lambda x: (g * x).astype(x.dtype), tree)
 
         layer_grads, input_grads, loss_grads = grads
         return scale(layer_grads), scale(input_grads), scale(loss_grads), None
@@ -866,7 +865,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
             recv_f_rev = lax.ppermute(y, PP, backward_ring) if bidirectional else None
             if backward:
                 # Backward: recompute the stage from its stashed input and apply its vjp.
-                x_b, dy_b = stage_input(carry["act"], row["b_src"], row["b_mb"]), carry["dy"][jnp.maximum(row["b_dy"], 0)]
+                x_b = stage_input(carry["act"], row["b_src"], row["b_mb"])
+                dy_b = carry["dy"][jnp.maximum(row["b_dy"], 0)]
 
                 def backward_step():
                     if split:  # the input gradient only; the W action computes the weights' later
@@ -878,7 +878,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
 
                 g_params, g_x = lax.cond(any_b, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
                 if split:
-                    x_w, dy_w = stage_input(carry["act"], row["w_src"], row["w_mb"]), carry["dy"][jnp.maximum(row["w_dy"], 0)]
+                    x_w = stage_input(carry["act"], row["w_src"], row["w_mb"])
+                    dy_w = carry["dy"][jnp.maximum(row["w_dy"], 0)]
 
                     def weight_step():
                         _, vjp = jax.vjp(lambda prm: stage_fn(prm, x_w), chunk_of(staged, row["w_chunk"]))
@@ -890,8 +891,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                     grad_chunk, grad_mb = row["b_chunk"], row["b_mb"]
                 chunk = jnp.maximum(grad_chunk, 0)
                 acc = accumulate_gradients(chunk_of(carry["grads"], chunk), masked(grad_mb >= 0, g_params))
-                carry["grads"] = jax.tree.map(lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0),
-                                              carry["grads"], acc)
+                carry["grads"] = jax.tree.map(
+                    lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0), carry["grads"], acc)
                 carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
                 recv_b = lax.ppermute(g_x, PP, backward_ring)
                 carry["dy"] = put(carry["dy"], row["recv_b"], dump_dy, recv_b)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from mtjax import axes
 from mtjax.sharding.mesh import AXES, CP, DP, FSDP, PP, TP, MeshConfig
 
 MeshAxes = str | tuple[str, ...] | None
@@ -54,31 +55,31 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     if not isinstance(config, MeshConfig):
         raise TypeError(f"logical_axis_rules(config=...): expected a MeshConfig, got {type(config).__name__}")
     rules: dict[str, MeshAxes] = {
-        "activation_batch": (DP, FSDP),
-        "activation_heads": TP,
-        "activation_kv_heads": TP,
-        "activation_mlp": TP,
-        "activation_vocab": TP,
+        axes.ACTIVATION_BATCH: (DP, FSDP),
+        axes.ACTIVATION_HEADS: TP,
+        axes.ACTIVATION_KV_HEADS: TP,
+        axes.ACTIVATION_MLP: TP,
+        axes.ACTIVATION_VOCAB: TP,
         # After the names above: where heads / MLP columns hold tp the sequence stays whole.
-        "activation_length": _sequence_axes(config),
-        "activation_embed": None,
-        "activation_head_dim": None,
-        "embed": FSDP,
-        "mlp": TP,
-        "heads": TP,
-        "kv_heads": TP,
-        "vocab": TP,
-        "layers": PP,
-        "head_dim": None,
-        "relpos_buckets": None,
+        axes.ACTIVATION_LENGTH: _sequence_axes(config),
+        axes.ACTIVATION_EMBED: None,
+        axes.ACTIVATION_HEAD_DIM: None,
+        axes.EMBED: FSDP,
+        axes.MLP: TP,
+        axes.HEADS: TP,
+        axes.KV_HEADS: TP,
+        axes.VOCAB: TP,
+        axes.LAYERS: PP,
+        axes.HEAD_DIM: None,
+        axes.RELPOS_BUCKETS: None,
     }
-    for name, axes in (overrides or {}).items():
-        _check_mesh_axes(name, axes)
-        rules[name] = axes
+    for name, mesh_axes in (overrides or {}).items():
+        _check_mesh_axes(name, mesh_axes)
+        rules[name] = mesh_axes
     ordered = []
-    for name, axes in rules.items():
-        ordered.append((name, axes))
-        if name == "activation_length" and config.cp > 1 and config.sp and axes == _sequence_axes(config):
+    for name, mesh_axes in rules.items():
+        ordered.append((name, mesh_axes))
+        if name == axes.ACTIVATION_LENGTH and config.cp > 1 and config.sp and mesh_axes == _sequence_axes(config):
             # Flax takes a rule only if all its mesh axes are free: inside attention and the MLP
             # (tp on heads / columns) the sequence falls back to cp alone.
             ordered.append((name, CP))
@@ -86,8 +87,8 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
 
 
 def _sequence_axes(config: MeshConfig) -> MeshAxes:
-    axes = ((CP,) if config.cp > 1 else ()) + ((TP,) if config.sp else ())
-    return axes[0] if len(axes) == 1 else (axes or None)
+    names = ((CP,) if config.cp > 1 else ()) + ((TP,) if config.sp else ())
+    return names[0] if len(names) == 1 else (names or None)
 
 
 def _check_mesh_axes(name: str, axes: MeshAxes) -> None:

@@ -52,7 +52,9 @@ class ProcessSpec:
         """The local GPUs this process drives: its own one when the launcher runs several
         processes per node (one per GPU), else None (every visible device; ``JAX_LOCAL_DEVICE_IDS``
         or ``CUDA_VISIBLE_DEVICES`` narrow it)."""
-        if self.local_process_id is None or (self.processes_per_node or 1) <= 1 or os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        if self.local_process_id is None or (self.processes_per_node or 1) <= 1:
+            return None
+        if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
             return None
         return [self.local_process_id]
 

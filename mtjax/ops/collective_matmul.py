@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import AxisType, get_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
-from mtjax.ops._checks import check_choice
+from mtjax.ops.checks import check_choice
 
 COLLECTIVE_MATMUL_KINDS = ("all_gather", "reduce_scatter")
 
@@ -113,6 +113,7 @@ def sequence_parallel_matmul(x: jax.Array, w: jax.Array, *, kind: str, batch_axe
         fn, specs = all_gather_matmul, (P(batch_axes, axis_name, None), P(None, *middle, axis_name))
         out = P(batch_axes, None, *middle, axis_name)
     else:
-        fn, specs, out = matmul_reduce_scatter, (P(batch_axes, None, axis_name), P(axis_name, None)), P(batch_axes, axis_name, None)
+        fn, specs = matmul_reduce_scatter, (P(batch_axes, None, axis_name), P(axis_name, None))
+        out = P(batch_axes, axis_name, None)
     return jax.shard_map(lambda a, b: fn(a, b, axis_name=axis_name), axis_names=manual, in_specs=specs,
                          out_specs=out, check_vma=False)(x, w)

@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax import backend
 from mtjax.kernels import flash_attention
-from mtjax.kernels._common import interpret as kernel_interpret
-from mtjax.ops._checks import check_choice
+from mtjax.kernels.common import interpret as kernel_interpret
 from mtjax.ops.attention import combined_mask
+from mtjax.ops.checks import check_choice
 
 CONTEXT_PARALLEL_STRATEGIES = ("ring", "all_gather")
 CONTEXT_PARALLEL_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal")
@@ -119,7 +119,7 @@ def _pallas_unsupported(query, key, value, *args, **static) -> str | None:
 
 
 @backend.register("attention_with_lse", "pallas_triton", requires=(backend.PALLAS_TRITON,),
-                  supports=_pallas_unsupported, priority=10, single_device=True)
+                  unsupported=_pallas_unsupported, priority=10, single_device=True)
 def _attention_with_lse_pallas(query, key, value, q_segment_ids, kv_segment_ids, *, causal, scale, logits_soft_cap):
     return flash_attention.flash_attention_forward(query, key, value, q_segment_ids, kv_segment_ids, scale=scale,
                                                    causal=causal, logits_soft_cap=logits_soft_cap,
@@ -127,7 +127,7 @@ def _attention_with_lse_pallas(query, key, value, q_segment_ids, kv_segment_ids,
 
 
 @backend.register("attention_with_lse_backward", "pallas_triton", requires=(backend.PALLAS_TRITON,),
-                  supports=_pallas_unsupported, priority=10, single_device=True)
+                  unsupported=_pallas_unsupported, priority=10, single_device=True)
 def _attention_with_lse_backward_pallas(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out, *,
                                         causal, scale, logits_soft_cap):
     return flash_attention.flash_attention_backward(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out,
@@ -471,7 +471,8 @@ def context_parallel_attention(query: jax.Array, key: jax.Array, value: jax.Arra
             raise ValueError(f"context_parallel_attention: {name}={spec} must split the length (dimension 1) over "
                              f"{axis_name!r} alone")
     if q_spec[0] != kv_spec[0]:
-        raise ValueError(f"context_parallel_attention: q_spec {q_spec} and kv_spec {kv_spec} split the batch differently")
+        raise ValueError(f"context_parallel_attention: q_spec {q_spec} and kv_spec {kv_spec} split the batch "
+                         f"differently")
     seg_spec = P(q_spec[0], q_spec[1])
     # Manual over every axis not already manual (e.g. ``pp`` inside a pipeline stage): the arrays
     # are replicated over the axes the specs leave out.

@@ -128,7 +128,8 @@ def test_merged_blocks_and_their_gradients_equal_whole_attention():
             halves = [(k[:, :h], v[:, :h], SEGMENTS[:, :h]), (k[:, h:], v[:, h:], SEGMENTS[:, h:])]
             out, lse = ops.merge_attention(*(x for k_, v_, s_ in halves
                                              for x in ops.attention_with_lse(q, k_, v_, SEGMENTS, s_, **kw)))
-            grads = [ops.attention_with_lse_backward(q, k_, v_, SEGMENTS, s_, out, lse, do, **kw) for k_, v_, s_ in halves]
+            grads = [ops.attention_with_lse_backward(q, k_, v_, SEGMENTS, s_, out, lse, do, **kw)
+                     for k_, v_, s_ in halves]
             return (out, grads[0][0] + grads[1][0], jnp.concatenate([grads[0][1], grads[1][1]], 1),
                     jnp.concatenate([grads[0][2], grads[1][2]], 1))
         return f
@@ -155,6 +156,25 @@ def test_flash_kernel_lse_matches_reference_causal():
     want, want_grads = _compiled(both("xla"), q, k, v, do)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got + grads, want + want_grads):
         _close(a, b, name=name)
+
+
+def test_blockwise_kernels_lower_for_cuda():
+    """`flash_attention_forward` / `flash_attention_backward` lower through Triton for an H200 (on the CPU)."""
+    from mtjax import backend
+    from mtjax.kernels import flash_attention as fa
+
+    q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+
+    def f(q, k, v, ids):
+        out, lse = fa.flash_attention_forward(q, k, v, ids, ids, scale=0.1, causal=True)
+        return fa.flash_attention_backward(q, k, v, ids, ids, out, lse, out, scale=0.1, causal=True)
+
+    with backend.abstract_gpu():
+        text = jax.jit(f).trace(q, k, k, ids).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("mtjax_flash_attention_fwd", "mtjax_flash_attention_dkdv", "mtjax_flash_attention_dq"):
+        assert name in text
 
 
 # -------------------------------------------------------------------------------------------------- ring / all-gather
@@ -192,7 +212,8 @@ CP_CASES = [
 
 
 @pytest.mark.parametrize("strategy,mesh_config,mask_type,segments,load_balanced", CP_CASES,
-                         ids=lambda x: x if isinstance(x, str) else (f"cp{x.cp}" if isinstance(x, MeshConfig) else str(x)))
+                         ids=lambda x: x if isinstance(x, str) else
+                         (f"cp{x.cp}" if isinstance(x, MeshConfig) else str(x)))
 def test_context_parallel_attention_equals_unsharded(strategy, mesh_config, mask_type, segments, load_balanced):
     q, k, v, do = _qkv(3)
     seg = SEGMENTS if segments else None
@@ -234,7 +255,8 @@ def test_ring_hlo_passes_kv_with_collective_permutes():
     attend = _sharded_attention("ring", mesh_config, q, k, v, mask_type="causal", segment_ids=None,
                                 load_balanced=True)
     with jax.set_mesh(mesh_config.make_mesh(jax.devices()[:2])):
-        hlo = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+        grad = jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2))
+        hlo = jax.jit(grad).lower(q, k, v).compile().as_text()
     assert "collective-permute" in hlo
     assert " all-gather(" not in hlo.replace("all-gather-start(", "")
 

@@ -4,7 +4,7 @@ and the XLA flag presets."""
 
 import pytest
 
-from mtjax.sharding.xla_flags import XLA_PRESETS, apply_xla_flags, xla_flags
+from mtjax.xla_flags import XLA_PRESETS, apply_xla_flags, xla_flags
 from mtjax.train import distributed
 from mtjax.train.distributed import ProcessSpec, detect_launcher, resolve
 
@@ -12,7 +12,8 @@ LAUNCHER_VARIABLES = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_PORT",
     "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_NODES",
     "OMPI_MCA_orte_hnp_uri", "OMPI_VERSION", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NNODES", "JOB_COMPLETION_INDEX", "JOB_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NNODES",
+    "JOB_COMPLETION_INDEX", "JOB_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME",
     "KUBERNETES_SERVICE_HOST",
 )
 
@@ -67,7 +68,8 @@ def test_open_mpi(env):
 
 def test_kubernetes_jobset_and_indexed_job(env):
     env(JOB_COMPLETION_INDEX=3, JOBSET_NAME="llama", REPLICATED_JOB_NAME="workers", JAX_NUM_PROCESSES=4)
-    assert resolve() == ProcessSpec("kubernetes", f"llama-workers-0-0.llama:{distributed.DEFAULT_COORDINATOR_PORT}", 4, 3)
+    coordinator = f"llama-workers-0-0.llama:{distributed.DEFAULT_COORDINATOR_PORT}"
+    assert resolve() == ProcessSpec("kubernetes", coordinator, 4, 3)
     env(JAX_COORDINATOR_PORT=1234)
     assert resolve().coordinator_address == "llama-workers-0-0.llama:1234"
     env(JOB_INDEX=1)
