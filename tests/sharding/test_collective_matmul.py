@@ -92,7 +92,7 @@ def test_layernorm_mlp_with_collective_matmul_equals_single_device(activations):
     import flax.linen as nn
 
     from mtjax.flax import LayerNormMLP
-    from mtjax.flax._params import BATCH_LENGTH_EMBED
+    from mtjax.axes import BATCH_LENGTH_EMBED
     from mtjax.sharding import jit_sharded, logical_axis_rules, logical_shardings, named_sharding, shard_variables
 
     x = jax.random.normal(jax.random.key(0), (4, 8, 16))
