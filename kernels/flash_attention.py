@@ -591,23 +591,29 @@ def flash_attention(
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``; rows that see no key are zeros.
     """
-    batch, q_len, heads, head_dim = q.shape
-    kv_len, kv_heads = k.shape[1], k.shape[2]
-    reason = unsupported(q.shape, k.shape, q.dtype)
-    if reason is not None:
-        raise ValueError(f"flash_attention: unsupported {reason}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"flash_attention: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim or heads % kv_heads:
-        raise ValueError(f"flash_attention: k {k.shape} / v {v.shape} do not match q {q.shape}")
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("flash_attention: pass q_segment_ids and kv_segment_ids together")
+    _check_blockwise("flash_attention", q, k, v, q_segment_ids, kv_segment_ids, ptx_exp2, interpret)
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"flash_attention: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
     if dropout_rate > 0.0 and dropout_seed is None:
         raise ValueError("flash_attention: dropout_rate > 0 needs dropout_seed")
-    if ptx_exp2 and interpret:
-        raise ValueError("flash_attention: ptx_exp2=True is PTX inline assembly; interpret mode cannot run it")
+    q_len = q.shape[1]
+    st, args = _prepare(q, k, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window_size=window_size,
+                        logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, block_sizes=block_sizes,
+                        interpret=interpret)
+    seed = None if dropout_rate == 0.0 else jnp.asarray(dropout_seed, jnp.uint32)
+
+    def run(ptx, *args):
+        return _flash(*args, dataclasses.replace(st, ptx_exp2=ptx))
+
+    out = _per_platform(ptx_exp2, interpret, run, *args, seed)
+    return out[:, :q_len]
+
+
+def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, scale, causal, window_size, logits_soft_cap, dropout_rate,
+             block_sizes, interpret):
+    """The static configuration and the inputs padded to whole blocks (the kernels mask the key
+    tail; padded queries are dropped): ``(st, (q, k, v, q_seg, kv_seg))``."""
+    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     segments = q_segment_ids is not None
     blocks = (block_sizes or BlockSizes.default(head_dim)).clamp(q_len, kv_len)
     st = _Static(
@@ -615,28 +621,119 @@ def flash_attention(
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
     )
-    # Pad the sequences to whole blocks; the kernels mask the key tail and padded queries are dropped.
     q_pad = -q_len % blocks.q_multiple
     kv_pad = -kv_len % blocks.kv_multiple
-    seq_pad = ((0, 0), (0, q_pad), (0, 0), (0, 0))
-    kv_seq_pad = ((0, 0), (0, kv_pad), (0, 0), (0, 0))
     if q_pad:
-        q = jnp.pad(q, seq_pad)
+        q = jnp.pad(q, ((0, 0), (0, q_pad), (0, 0), (0, 0)))
     if kv_pad:
-        k, v = jnp.pad(k, kv_seq_pad), jnp.pad(v, kv_seq_pad)
+        k, v = (jnp.pad(t, ((0, 0), (0, kv_pad), (0, 0), (0, 0))) for t in (k, v))
     if segments:
         q_segment_ids = jnp.pad(q_segment_ids.astype(jnp.int32), ((0, 0), (0, q_pad)))
         kv_segment_ids = jnp.pad(kv_segment_ids.astype(jnp.int32), ((0, 0), (0, kv_pad)))
-    seed = None if dropout_rate == 0.0 else jnp.asarray(dropout_seed, jnp.uint32)
-    args = (q, k, v, q_segment_ids, kv_segment_ids, seed)
+    return st, (q, k, v, q_segment_ids, kv_segment_ids)
 
-    def attend(ptx: bool):
-        return lambda *args: _flash(*args, dataclasses.replace(st, ptx_exp2=ptx))
 
+def _check_blockwise(name, q, k, v, q_segment_ids, kv_segment_ids, ptx_exp2, interpret):
+    reason = unsupported(q.shape, k.shape, q.dtype)
+    if reason is not None:
+        raise ValueError(f"{name}: unsupported {reason}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{name}: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"{name}: k {k.shape} / v {v.shape} do not match q {q.shape}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(f"{name}: pass q_segment_ids and kv_segment_ids together")
+    if ptx_exp2 and interpret:
+        raise ValueError(f"{name}: ptx_exp2=True is PTX inline assembly; interpret mode cannot run it")
+
+
+def _per_platform(ptx_exp2, interpret, run, *args):
+    """``run(ptx, *args)``; ``ptx_exp2=None`` decides per lowering platform, as kernel selection does:
+    an export for cuda from a CPU host gets the PTX, a rocm or plugin lowering (a Triton that takes
+    no PTX) the libdevice form."""
     if ptx_exp2 is None and not interpret:
-        # Decided per lowering platform, as kernel selection is: an export for cuda from a CPU host
-        # gets the PTX, a rocm or plugin lowering (a Triton that takes no PTX) the libdevice form.
-        out = lax.platform_dependent(*args, cuda=attend(True), default=attend(False))
-    else:
-        out = attend(bool(ptx_exp2))(*args)
-    return out[:, :q_len] if q_pad else out
+        return lax.platform_dependent(*args, cuda=functools.partial(run, True), default=functools.partial(run, False))
+    return run(bool(ptx_exp2), *args)
+
+
+def flash_attention_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    *,
+    scale: float,
+    causal: bool = False,
+    logits_soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    ptx_exp2: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel alone: ``(out, lse)``, for attention over key blocks merged outside
+    (ring / context-parallel attention merges partial results by their log-sum-exp).
+
+    Arguments as `flash_attention` (no dropout or window). ``lse [batch, heads, q_len]`` float32 is
+    the natural-log ``logsumexp`` of each row's scaled (soft-capped) visible logits, ``-inf`` for a
+    row that sees no key (its ``out`` row is zeros). Not differentiable: `flash_attention_backward`
+    is its transpose given the *final* ``out`` and ``lse``.
+    """
+    _check_blockwise("flash_attention_forward", q, k, v, q_segment_ids, kv_segment_ids, ptx_exp2, interpret)
+    q_len = q.shape[1]
+    st, args = _prepare(q, k, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window_size=None,
+                        logits_soft_cap=logits_soft_cap, dropout_rate=0.0, block_sizes=block_sizes,
+                        interpret=interpret)
+
+    def run(ptx, *args):
+        return tuple(_forward(*args, None, dataclasses.replace(st, ptx_exp2=ptx)))
+
+    out, lse2 = _per_platform(ptx_exp2, interpret, run, *args)
+    lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * (1.0 / LOG2E))  # base 2 -> e; empty rows +inf -> -inf
+    return out[:, :q_len], lse[:, :, :q_len]
+
+
+def flash_attention_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    scale: float,
+    causal: bool = False,
+    logits_soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+    ptx_exp2: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The backward kernels alone: ``(dq, dk, dv)`` of this block of keys, given the attention's
+    final ``out [batch, q_len, heads, head_dim]``, ``lse [batch, heads, q_len]`` (natural log,
+    ``-inf`` for rows that see nothing, as `flash_attention_forward` returns) and ``d_out``.
+
+    When the keys are split into blocks whose partial results were merged by their log-sum-exp,
+    the gradients of the whole attention are the sums of these per-block gradients computed with
+    the merged ``out`` and ``lse``. Results are in the dtypes of ``q``, ``k``, ``v``.
+    """
+    _check_blockwise("flash_attention_backward", q, k, v, q_segment_ids, kv_segment_ids, ptx_exp2, interpret)
+    q_len, kv_len = q.shape[1], k.shape[1]
+    rows = (q.shape[0], q.shape[2], q_len)
+    if out.shape != q.shape[:3] + (v.shape[3],) or d_out.shape != out.shape or lse.shape != rows:
+        raise ValueError(f"flash_attention_backward: out {out.shape} / d_out {d_out.shape} / lse {lse.shape} do not "
+                         f"match q {q.shape}")
+    st, (q, k, v, q_seg, kv_seg) = _prepare(
+        q, k, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window_size=None,
+        logits_soft_cap=logits_soft_cap, dropout_rate=0.0, block_sizes=block_sizes, interpret=interpret)
+    q_pad = q.shape[1] - q_len
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)  # the kernels' convention: base 2, +inf empty
+    rows = ((0, 0), (0, q_pad), (0, 0), (0, 0))
+    out, d_out = jnp.pad(out, rows), jnp.pad(d_out, rows)
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad)), constant_values=jnp.inf)
+
+    def run(ptx, q, k, v, q_seg, kv_seg, out, lse2, d_out):
+        return _backward(q, k, v, q_seg, kv_seg, None, out, lse2, d_out, dataclasses.replace(st, ptx_exp2=ptx))
+
+    dq, dk, dv = _per_platform(ptx_exp2, interpret, run, q, k, v, q_seg, kv_seg, out, lse2, d_out)
+    return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

@@ -11,6 +11,7 @@ import jax
 
 from mtjax import backend
 from mtjax.config import config
+from mtjax.xla_flags import XLA_FLAG_PRESETS
 
 
 def _version(package: str) -> str:
@@ -38,6 +39,8 @@ def collect() -> dict:
                             if k.startswith(("MTJAX_", "JAX_PLATFORMS", "XLA_FLAGS"))},
         },
         "ops": backend.describe(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flag_presets": {name: list(flags) for name, flags in XLA_FLAG_PRESETS.items()},
     }
 
 
@@ -57,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"capabilities: {', '.join(info['capabilities']) or 'none (references only)'}")
     print(f"plugins:     {info['plugins'] or 'none'}")
     print(f"config:      {info['config']}")
+    print(f"XLA_FLAGS:   {info['xla_flags'] or '(none)'}")
+    for name, flags in info["xla_flag_presets"].items():
+        print(f"XLA preset {name} (mtjax train --xla-preset {name}): {' '.join(flags)}")
     width = max(len(r["op"]) for r in info["ops"])
     print("ops (implementation used here, why; all registered):")
     for row in info["ops"]:

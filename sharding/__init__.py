@@ -1,11 +1,18 @@
 """mtjax.sharding: device meshes, logical-axis rules and pipeline schedules (no model code).
 
-`MeshConfig` builds the mesh, `logical_axis_rules` maps the modules' logical axis names to its
+`MeshConfig` builds the mesh (``pp``, ``dp``, ``fsdp``, ``cp``, ``tp``), `logical_axis_rules` maps
+the modules' logical axis names to its
 axes, `init_sharded` / `shard_variables` / `jit_sharded` apply them, and `mtjax.sharding.pipeline`
 pipelines a stack of layers over the ``pp`` axis.
 """
 
-from mtjax.sharding.mesh import AXES, BATCH_AXES, DP, FSDP, PP, TP, MeshConfig, use_mesh
+from mtjax.sharding.context import (
+    context_parallel_size,
+    inverse_reorder_causal_load_balancing,
+    load_balanced_chunks,
+    reorder_causal_load_balancing,
+)
+from mtjax.sharding.mesh import AXES, BATCH_AXES, CP, DP, FSDP, PP, TP, MeshConfig, use_mesh
 from mtjax.sharding.partition import (
     init_sharded,
     jit_sharded,
@@ -14,12 +21,26 @@ from mtjax.sharding.partition import (
     shard_variables,
     tree_shardings,
 )
-from mtjax.sharding.pipeline import Circular, GPipe, OneFOneB, Schedule, pipeline_loss
+from mtjax.sharding.pipeline import (
+    SIMULATED_SCHEDULES,
+    Circular,
+    DualPipeV,
+    GPipe,
+    OneFOneB,
+    Schedule,
+    Simulation,
+    ZeroBubbleH1,
+    pipeline_loss,
+    simulate,
+)
 from mtjax.sharding.rules import LogicalRules, logical_axis_rules
 
 __all__ = [
-    "AXES", "BATCH_AXES", "DP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
+    "AXES", "BATCH_AXES", "CP", "DP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
+    "context_parallel_size", "inverse_reorder_causal_load_balancing", "load_balanced_chunks",
+    "reorder_causal_load_balancing",
     "LogicalRules", "logical_axis_rules",
     "init_sharded", "jit_sharded", "logical_shardings", "named_sharding", "shard_variables", "tree_shardings",
-    "Schedule", "GPipe", "Circular", "OneFOneB", "pipeline_loss",
+    "Schedule", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",
+    "SIMULATED_SCHEDULES", "Simulation", "simulate",
 ]

@@ -6,6 +6,8 @@ Mesh axes (names shared by the whole library, see `AXES`), from the outermost to
 - ``dp``: data parallelism; the batch is split, weights are replicated (one gradient all-reduce).
 - ``fsdp``: fully sharded data parallelism; the batch *and* the weights are split, weights are
   all-gathered layer by layer and their gradients reduce-scattered.
+- ``cp``: context parallelism; the sequence of every activation is split, attention passes the
+  keys and values between the shards (`mtjax.ops.ring_attention` / `all_gather_attention`).
 - ``tp``: tensor parallelism (Megatron layout); with ``sp`` the sequence of the activations
   between the attention and MLP blocks is split over the same devices.
 
@@ -33,10 +35,10 @@ import flax.linen as nn
 import jax
 from jax.sharding import AxisType, Mesh
 
-# Mesh axis names, outermost first. Expert ("ep") and context ("cp") parallelism will be added
-# here and as fields of MeshConfig; the rules in `mtjax.sharding.rules` name axes only through these.
-PP, DP, FSDP, TP = "pp", "dp", "fsdp", "tp"
-AXES = (PP, DP, FSDP, TP)
+# Mesh axis names, outermost first. Expert ("ep") parallelism will be added here and as a field of
+# MeshConfig; the rules in `mtjax.sharding.rules` name axes only through these.
+PP, DP, FSDP, CP, TP = "pp", "dp", "fsdp", "cp", "tp"
+AXES = (PP, DP, FSDP, CP, TP)
 # The mesh axes that split the batch.
 BATCH_AXES = (DP, FSDP)
 
@@ -45,7 +47,7 @@ BATCH_AXES = (DP, FSDP)
 class MeshConfig:
     """How the devices are split between the kinds of parallelism.
 
-    The product ``pp * dp * fsdp * tp`` must equal the number of devices the mesh is built over.
+    The product ``pp * dp * fsdp * cp * tp`` must equal the number of devices the mesh is built over.
 
     Attributes:
       dp: data-parallel ways (batch split, weights replicated).
@@ -55,6 +57,8 @@ class MeshConfig:
         split over ``tp`` (all-gather before the column-parallel GEMM, reduce-scatter after the
         row-parallel one instead of an all-reduce).
       pp: pipeline stages (the ``layers`` axis of scanned layer parameters is split over them).
+      cp: context-parallel ways (the sequence of the activations split; attention through
+        ``context_parallel="ring"`` or ``"all_gather"`` of `mtjax.flax.DotProductAttention`).
     """
 
     dp: int = 1
@@ -62,6 +66,7 @@ class MeshConfig:
     tp: int = 1
     sp: bool = False
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -81,7 +86,7 @@ class MeshConfig:
         return math.prod(self.shape.values())
 
     def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
-        """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "tp")`` over ``devices``.
+        """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "cp", "tp")`` over ``devices``.
 
         Args:
           devices: the devices to use; default ``jax.devices()``, i.e. every device of every host.

@@ -26,10 +26,17 @@ composes with ``jax.grad`` of a larger model (embedding before, nothing after th
 differentiation it runs only the F actions.
 
 Schedules here: `GPipe`, `Circular` (GPipe order, several chunks per device, smaller bubble),
-`OneFOneB` (bounded memory; interleaved with several chunks). A bidirectional DualPipe-style
-schedule is a new `Schedule` with its own order and `device_of` (virtual stages placed from both
-ends of the ring); the executor would then add the hand-offs in the opposite ring direction,
-which `Schedule.timeline` currently rejects.
+`OneFOneB` (bounded memory; interleaved with several chunks), `ZeroBubbleH1` (1F1B with the
+backward split into an input-gradient B and a weight-gradient W action, the W's deferred into the
+bubble) and `DualPipeV` (DeepSeek's V-shaped schedule: two chunks per device placed from both ends,
+forwards of one chunk paired with backwards of the other, zero-bubble W's; its hand-offs go both
+ways round the ring and, at the turn of the V, to the device itself). With split backwards a B
+action differentiates the stage in its input only and the W action in its weights, each from the
+stash, which then lives until the W.
+
+`simulate` runs the schedules' orders with given forward / backward / weight-gradient costs and
+reports each device's bubble and peak activations (the published formulas, see its docstring);
+``python -m mtjax.sharding.pipeline`` prints them.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ FORWARD_COST, BACKWARD_COST = 1.0, 2.0
 
 
 class Action(NamedTuple):
-    """One unit of pipeline work: ``kind`` "F" or "B" of micro-batch ``microbatch`` at virtual stage ``stage``."""
+    """One unit of pipeline work of micro-batch ``microbatch`` at virtual stage ``stage``: ``kind``
+    "F" (forward), "B" (backward; only the input gradient when the schedule also has a "W" for it)
+    or "W" (the weight gradient, split from the backward: zero-bubble schedules run it later)."""
 
     kind: str
     stage: int
@@ -75,10 +84,15 @@ class Timeline:
       b_chunk, b_mb, b_src: the B action (``b_mb`` -1: none) and the slot of its stashed input.
       b_dy: gradient slot holding the B action's output gradient.
       b_first: the B action is on virtual stage 0: its input gradient is a result, not sent on.
-      recv_f, recv_b: slot receiving the activation / gradient arriving after the tick (-1: none).
+      w_chunk, w_mb, w_src, w_dy: the W action (``w_mb`` -1: none), its stashed input and gradient slots.
+      recv_f, recv_b: slot receiving the activation from the previous device / the gradient from
+        the next device after the tick (-1: none).
+      recv_f_rev, recv_b_rev: the same from the other ring direction (V-shaped placements).
+      recv_f_self, recv_b_self: the slot taking this device's own output (consecutive virtual
+        stages on one device).
       num_act_slots, num_dy_slots: buffer sizes per device.
-      bubble_fraction: idle share of device time (F costs 1, B costs 2; a tick lasts as long as
-        its slowest device).
+      bubble_fraction: idle share of device time (F costs 1, B costs 2, or 1 + 1 when split into B
+        and W; a tick lasts as long as its slowest device).
       peak_live_activations: most micro-batches in flight on a device at once (forward done,
         backward not yet), each holding one stashed activation at a chunk boundary.
     """
@@ -93,8 +107,16 @@ class Timeline:
     b_src: np.ndarray
     b_dy: np.ndarray
     b_first: np.ndarray
+    w_chunk: np.ndarray
+    w_mb: np.ndarray
+    w_src: np.ndarray
+    w_dy: np.ndarray
     recv_f: np.ndarray
     recv_b: np.ndarray
+    recv_f_rev: np.ndarray
+    recv_b_rev: np.ndarray
+    recv_f_self: np.ndarray
+    recv_b_self: np.ndarray
     num_act_slots: int
     num_dy_slots: int
     bubble_fraction: float
@@ -107,7 +129,8 @@ class Timeline:
     def table(self) -> dict[str, np.ndarray]:
         """The per-tick arrays, to be scanned over."""
         names = ("f_chunk", "f_mb", "f_src", "f_loss", "f_dy", "b_chunk", "b_mb", "b_src", "b_dy",
-                 "b_first", "recv_f", "recv_b")
+                 "b_first", "w_chunk", "w_mb", "w_src", "w_dy", "recv_f", "recv_b", "recv_f_rev", "recv_b_rev",
+                 "recv_f_self", "recv_b_self")
         return {name: getattr(self, name) for name in names}
 
 
@@ -156,6 +179,22 @@ class Schedule(abc.ABC):
         """The device running virtual stage ``stage``."""
         return stage % num_stages
 
+    def chunk_of(self, stage: int, num_stages: int) -> int:
+        """Which of its device's ``num_chunks`` layer chunks virtual stage ``stage`` is."""
+        return stage // num_stages
+
+    @property
+    def splits_backward(self) -> bool:
+        """The order has "W" actions: every backward is split into B (input) and W (weights)."""
+        return False
+
+    def stage_at(self, chunk: int, device: int, num_stages: int) -> int:
+        """The virtual stage of ``device``'s chunk ``chunk`` (the inverse of `device_of` / `chunk_of`)."""
+        for v in range(num_stages * self.num_chunks):
+            if self.device_of(v, num_stages) == device and self.chunk_of(v, num_stages) == chunk:
+                return v
+        raise ValueError(f"{type(self).__name__}: no virtual stage on device {device}, chunk {chunk}")
+
     def _forward_order(self, device: int, num_stages: int) -> list[Action]:
         """F actions of ``device``: micro-batches in groups of ``num_stages``, each group through every chunk."""
         m, p = self.num_microbatches, num_stages
@@ -177,13 +216,14 @@ class Schedule(abc.ABC):
         p, m = num_stages, self.num_microbatches
         v_last = p * self.num_chunks - 1
         for v in range(v_last):
-            if self.device_of(v + 1, p) != (self.device_of(v, p) + 1) % p:
+            if (self.device_of(v + 1, p) - self.device_of(v, p)) % p not in (0, 1, p - 1):
                 raise NotImplementedError(
-                    f"{type(self).__name__}: virtual stage {v + 1} is not on the ring successor of stage "
-                    f"{v}'s device; the executor hands activations to the next device only"
+                    f"{type(self).__name__}: virtual stage {v + 1} is neither on stage {v}'s device nor on a "
+                    f"ring neighbour of it; the executor hands activations to neighbours only"
                 )
         orders = [[a for a in actions if backward or a.kind == "F"] for actions in self.order(p)]
-        expected = {Action(k, v, mb) for k in ("FB" if backward else "F") for v in range(v_last + 1) for mb in range(m)}
+        kinds = ("FBW" if self.splits_backward else "FB") if backward else "F"
+        expected = {Action(k, v, mb) for k in kinds for v in range(v_last + 1) for mb in range(m)}
         given = [a for actions in orders for a in actions]
         if len(given) != len(expected) or set(given) != expected or any(
                 self.device_of(a.stage, p) != d for d, actions in enumerate(orders) for a in actions):
@@ -214,34 +254,47 @@ class Schedule(abc.ABC):
     def _ready(a: Action, t: int, done: dict[Action, int], v_last: int) -> bool:
         if a.kind == "F":
             return a.stage == 0 or done.get(Action("F", a.stage - 1, a.microbatch), t) < t
+        if a.kind == "W":  # reads what its B read: may run in the same tick
+            return done.get(Action("B", a.stage, a.microbatch), t + 1) <= t
         if a.stage == v_last:  # the loss is taken right after the F, in the same tick
             return done.get(Action("F", a.stage, a.microbatch), t + 1) <= t
         return done.get(Action("B", a.stage + 1, a.microbatch), t) < t
 
     def _lay_out(self, ticks: list[list[list[Action]]], p: int, v_last: int) -> Timeline:
         num_ticks = len(ticks)
-        arrays = {name: np.full((num_ticks, p), -1, np.int32)
-                  for name in ("f_chunk", "f_mb", "f_src", "f_dy", "b_chunk", "b_mb", "b_src", "b_dy",
-                               "recv_f", "recv_b")}
+        names = ("f_chunk", "f_mb", "f_src", "f_dy", "b_chunk", "b_mb", "b_src", "b_dy", "w_chunk", "w_mb", "w_src",
+                 "w_dy", "recv_f", "recv_b", "recv_f_rev", "recv_b_rev", "recv_f_self", "recv_b_self")
+        arrays = {name: np.full((num_ticks, p), -1, np.int32) for name in names}
         f_loss = np.zeros((num_ticks, p), bool)
         b_first = np.zeros((num_ticks, p), bool)
         act = [_Slots() for _ in range(p)]
         dys = [_Slots() for _ in range(p)]
         act_slot: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> slot of its input
         dy_slot: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> slot of its output gradient
+        split = self.splits_backward
+        backward_cost = BACKWARD_COST - FORWARD_COST if split else BACKWARD_COST
         in_flight = [0] * p
         peak_in_flight = 0
         busy = 0.0
         length = 0.0
+
+        def direction(src: int, dst: int, kind: str) -> str:
+            """The receive table of a hand-off from device ``src`` to ``dst`` of an activation (f) / gradient (b)."""
+            step = (dst - src) % p
+            if step == 0:
+                return f"recv_{kind}_self"
+            downstream = 1 if kind == "f" else p - 1  # the usual direction of each kind
+            return f"recv_{kind}" if step == downstream else f"recv_{kind}_rev"
+
         for t, row in enumerate(ticks):
             freed: list[tuple[int, str, int]] = []
-            arrivals: list[tuple[int, str, tuple[int, int]]] = []
+            arrivals: list[tuple[int, str, str, tuple[int, int]]] = []
             tick_length = 0.0
             for d, actions in enumerate(row):
                 cost = 0.0
                 for a in actions:
                     key = (a.stage, a.microbatch)
-                    chunk = a.stage // p
+                    chunk = self.chunk_of(a.stage, p)
                     if a.kind == "F":
                         cost += FORWARD_COST
                         in_flight[d] += 1
@@ -252,30 +305,40 @@ class Schedule(abc.ABC):
                             f_loss[t, d] = True
                             dy_slot[key] = arrays["f_dy"][t, d] = dys[d].take()
                         else:
-                            arrivals.append(((d + 1) % p, "f", (a.stage + 1, a.microbatch)))
-                    else:
-                        cost += BACKWARD_COST
-                        in_flight[d] -= 1
+                            dst = self.device_of(a.stage + 1, p)
+                            arrivals.append((dst, "f", direction(d, dst, "f"), (a.stage + 1, a.microbatch)))
+                    elif a.kind == "B":
+                        cost += backward_cost
                         arrays["b_chunk"][t, d], arrays["b_mb"][t, d] = chunk, a.microbatch
                         arrays["b_src"][t, d] = act_slot.get(key, -1)
                         arrays["b_dy"][t, d] = dy_slot[key]
-                        if key in act_slot:
-                            freed.append((d, "f", act_slot.pop(key)))
-                        freed.append((d, "b", dy_slot.pop(key)))
+                        if not split:  # the W reads the stash later otherwise
+                            in_flight[d] -= 1
+                            if key in act_slot:
+                                freed.append((d, "f", act_slot.pop(key)))
+                            freed.append((d, "b", dy_slot.pop(key)))
                         if a.stage == 0:
                             b_first[t, d] = True
                         else:
-                            arrivals.append(((d - 1) % p, "b", (a.stage - 1, a.microbatch)))
+                            dst = self.device_of(a.stage - 1, p)
+                            arrivals.append((dst, "b", direction(d, dst, "b"), (a.stage - 1, a.microbatch)))
+                    else:
+                        cost += BACKWARD_COST - backward_cost
+                        in_flight[d] -= 1
+                        arrays["w_chunk"][t, d], arrays["w_mb"][t, d] = chunk, a.microbatch
+                        arrays["w_src"][t, d] = act_slot.get(key, -1)
+                        arrays["w_dy"][t, d] = dy_slot[key]
+                        if key in act_slot:
+                            freed.append((d, "f", act_slot.pop(key)))
+                        freed.append((d, "b", dy_slot.pop(key)))
                 busy += cost
                 tick_length = max(tick_length, cost)
             length += tick_length
             for d, kind, slot in freed:  # read during this tick, reusable by what arrives after it
                 (act if kind == "f" else dys)[d].give(slot)
-            for d, kind, key in arrivals:
-                if kind == "f":
-                    act_slot[key] = arrays["recv_f"][t, d] = act[d].take()
-                else:
-                    dy_slot[key] = arrays["recv_b"][t, d] = dys[d].take()
+            for d, kind, table, key in arrivals:
+                slots, owner = (act, act_slot) if kind == "f" else (dys, dy_slot)
+                owner[key] = arrays[table][t, d] = slots[d].take()
         return Timeline(
             **arrays, f_loss=f_loss, b_first=b_first,
             num_act_slots=max(1, max(s.size for s in act)), num_dy_slots=max(1, max(s.size for s in dys)),
@@ -324,13 +387,293 @@ class OneFOneB(Schedule):
                 f"OneFOneB(num_microbatches={self.num_microbatches}, num_chunks={self.num_chunks}): interleaved "
                 f"1F1B needs micro-batches in multiples of the {num_stages} stages"
             )
+        return self.order_with_warmup(num_stages, self.warmup)
+
+    def order_with_warmup(self, num_stages: int, warmup: Callable[[int, int], int]) -> list[list[Action]]:
+        """The 1F1B order with ``warmup(device, num_stages)`` forwards before each device's first backward."""
         orders = []
         for d in range(num_stages):
             forward, backward = self._forward_order(d, num_stages), self._backward_order(d, num_stages)
-            w = self.warmup(d, num_stages)
+            w = warmup(d, num_stages)
             steady = [a for pair in zip(backward, forward[w:]) for a in pair]
             orders.append(forward[:w] + steady + backward[len(forward) - w:])
         return orders
+
+
+def _zero_bubble_h1_order(p: int, m: int) -> list[list[Action]]:
+    """ZB-H1's order: device ``d`` warms up with ``p - d`` forwards (1F1B's), then runs B, W, F
+    with its W's lagging ``d`` micro-batches behind its B's (the last ``d`` W's fill the drain),
+    so it holds at most ``p`` micro-batches, 1F1B's peak."""
+    orders = []
+    for d in range(p):
+        warmup = min(m, p - d)
+        order = [Action("F", d, mb) for mb in range(warmup)]
+        deferred: list[Action] = []
+        for mb in range(m):
+            order.append(Action("B", d, mb))
+            deferred.append(Action("W", d, mb))
+            if len(deferred) > d:
+                order.append(deferred.pop(0))
+            if warmup + mb < m:
+                order.append(Action("F", d, warmup + mb))
+        orders.append(order + deferred)
+    return orders
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBubbleH1(Schedule):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split into
+    the input gradient (B, on the critical path between devices) and the weight gradient (W, which
+    nothing waits for); the W's are deferred into the time 1F1B spends waiting, so the bubble
+    shrinks from ``(p-1)(F+B)`` to ``(p-1)(F+B-2W)`` (B the whole backward) at 1F1B's memory.
+    One chunk per device."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_chunks != 1:
+            raise ValueError(f"ZeroBubbleH1(num_chunks={self.num_chunks}): ZB-H1 has one chunk per device")
+
+    @property
+    def splits_backward(self) -> bool:
+        return True
+
+    def order(self, num_stages: int) -> list[list[Action]]:
+        return _zero_bubble_h1_order(num_stages, self.num_microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class DualPipeV(Schedule):
+    """DeepSeek's DualPipeV: the model cut into ``2 * p`` stages placed as a V over the ``p``
+    devices (device ``d`` holds stages ``d`` and ``2p - 1 - d``, so the first and last stage
+    share device 0 and the turn of the V is local to device ``p - 1``), with DualPipe's order cut
+    in half: forwards of one chunk paired with backwards of the other (``F&B``, whose compute and
+    communication overlap on a GPU), and zero-bubble W's in the warm-up and the drain.
+    Bubble ``(p - 1)(F&B + B - 3W)`` in the per-stage costs (``PP/2 - 1`` with ``PP = 2p`` stages);
+    needs at least ``2p`` micro-batches. ``num_chunks`` is 2 (the V)."""
+
+    num_chunks: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_chunks != 2:
+            raise ValueError(f"DualPipeV(num_chunks={self.num_chunks}): the V has two chunks per device")
+
+    @property
+    def splits_backward(self) -> bool:
+        return True
+
+    def device_of(self, stage: int, num_stages: int) -> int:
+        return stage if stage < num_stages else 2 * num_stages - 1 - stage
+
+    def chunk_of(self, stage: int, num_stages: int) -> int:
+        return 0 if stage < num_stages else 1
+
+    def units(self, num_stages: int) -> list[list[tuple[Action, ...]]]:
+        """Each device's order as units run together: ``(F, B, W)`` an overlapped F&B (a whole
+        backward), ``(B, W)`` a whole backward, ``(B,)`` an input gradient whose W is deferred."""
+        p, m = num_stages, self.num_microbatches
+        if m < 2 * p:
+            raise ValueError(f"DualPipeV(num_microbatches={m}): needs at least 2 * pp = {2 * p} micro-batches")
+        result = []
+        for r in range(p):
+            stage = (r, 2 * p - 1 - r)
+            next_f, next_b = [0, 0], [0, 0]
+            deferred: list[Action] = []
+            units: list[tuple[Action, ...]] = []
+
+            def forward(phase):
+                next_f[phase] += 1
+                return Action("F", stage[phase], next_f[phase] - 1)
+
+            def backward(phase, zero_bubble):
+                next_b[phase] += 1
+                b, w = Action("B", stage[phase], next_b[phase] - 1), Action("W", stage[phase], next_b[phase] - 1)
+                if zero_bubble:
+                    deferred.append(w)
+                    return (b,)
+                return b, w
+
+            units += [(forward(0),) for _ in range(2 * (p - r - 1))]  # 1: chunk-0 warm-up
+            for _ in range(r + 1):  # 2: both chunks
+                units += [(forward(0),), (forward(1),)]
+            for _ in range(p - r - 1):  # 3: zero-bubble 1B1W1F
+                units += [backward(1, True), (deferred.pop(0),), (forward(1),)]
+            for _ in range(m - 2 * p + r + 1):  # 4: the steady state, F&B pairs of both chunks
+                units += [(forward(0), *backward(1, False)), (forward(1), *backward(0, False))]
+            for _ in range(p - r - 1):  # 5
+                units += [backward(1, False), (forward(1), *backward(0, False))]
+            zero_bubble = False
+            for i in range(r + 1):  # 6: the drain; its second half defers the W's
+                if i == (r + 1) // 2 and r % 2 == 1:
+                    zero_bubble = True
+                units.append(backward(1, zero_bubble))
+                if i == (r + 1) // 2 and r % 2 == 0:
+                    zero_bubble = True
+                units.append(backward(0, zero_bubble))
+            for _ in range(p - r - 1):  # 7
+                units += [(deferred.pop(0),), backward(0, True)]
+            units += [(w,) for w in deferred]  # 8: the remaining W's
+            result.append(units)
+        return result
+
+    def order(self, num_stages: int) -> list[list[Action]]:
+        return [[a for unit in units for a in unit] for units in self.units(num_stages)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Schedule simulator
+# --------------------------------------------------------------------------------------------------
+
+SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev")
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """What `simulate` found for one schedule.
+
+    Attributes:
+      schedule: its name.
+      num_stages: pipeline stages the model is cut into (``PP``).
+      num_devices: devices they run on.
+      num_microbatches: micro-batches.
+      makespan: time from the first forward to the last weight gradient.
+      bubble: per device, the time it idles within the makespan.
+      bubble_fraction: idle share of all devices' time.
+      peak_activations: per device, the most (stage, micro-batch) forward activations it holds at
+        once (from a forward until that micro-batch's weight gradient at that stage).
+    """
+
+    schedule: str
+    num_stages: int
+    num_devices: int
+    num_microbatches: int
+    makespan: float
+    bubble: tuple[float, ...]
+    bubble_fraction: float
+    peak_activations: tuple[int, ...]
+
+    def __str__(self) -> str:
+        rows = [f"{self.schedule}: {self.num_stages} stages on {self.num_devices} devices, {self.num_microbatches} "
+                f"micro-batches: makespan {self.makespan:g}, bubble fraction {self.bubble_fraction:.3f}",
+                "  device  bubble  peak activations"]
+        rows += [f"  {d:>6}  {b:>6g}  {a:>16}" for d, (b, a) in enumerate(zip(self.bubble, self.peak_activations))]
+        return "\n".join(rows)
+
+
+def _schedule_for(name: str, pp: int, microbatches: int, chunks: int) -> tuple[Schedule, int]:
+    """The `Schedule` simulated for ``name`` and the number of devices it runs ``pp`` stages on."""
+    def devices(per_device):
+        if pp % per_device:
+            raise ValueError(f"simulate({name!r}, pp={pp}): {per_device} stages per device need pp divisible by it")
+        return pp // per_device
+
+    if name == "gpipe":
+        return GPipe(microbatches), pp
+    if name == "1f1b":
+        return OneFOneB(microbatches), pp
+    if name == "interleaved-1f1b":
+        return OneFOneB(microbatches, num_chunks=chunks), devices(chunks)
+    if name == "zb-h1":
+        return ZeroBubbleH1(microbatches), pp
+    return DualPipeV(microbatches), devices(2)
+
+
+def simulate(schedule: str, pp: int, microbatches: int, f: float = 1.0, b: float = 2.0, w: float = 1.0, *,
+             f_and_b: float | None = None, chunks: int = 2, verbose: bool = False) -> Simulation:
+    """Simulate a pipeline schedule with per-stage costs; returns (and with ``verbose`` prints) its bubble.
+
+    Each device runs its actions in the schedule's order, each as soon as its inputs exist
+    (communication is free). ``f``, ``b``, ``w``: the time of one micro-batch's forward, whole
+    backward and weight-gradient part of the backward on one stage (zero-bubble schedules run the
+    backward as an input gradient of ``b - w`` and a deferred W of ``w``). ``f_and_b``: the time
+    of an overlapped forward + backward pair (DualPipeV's F&B; default ``f + b``, no overlap gain).
+
+    Args:
+      schedule: one of `SIMULATED_SCHEDULES`: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``
+        (``chunks`` stages per device), ``"zb-h1"``, ``"dualpipev"`` (two stages per device).
+      pp: pipeline stages the model is cut into (DeepSeek's ``PP``); one per device except for
+        interleaved 1F1B (``pp / chunks`` devices) and DualPipeV (``pp / 2`` devices).
+      microbatches: micro-batches per step.
+
+    The published bubbles (per device, in these costs) are reproduced: GPipe and 1F1B
+    ``(pp-1)(f+b)``, interleaved 1F1B ``(pp/chunks - 1)(f+b)``, ZB-H1 ``(pp-1)(f+b-2w)`` (for
+    ``f == b - w == w``, as in the paper), DualPipeV ``(pp/2 - 1)(f_and_b + b - 3w)``.
+    """
+    check = f"simulate({schedule!r}, pp={pp}, microbatches={microbatches})"
+    if schedule not in SIMULATED_SCHEDULES:
+        raise ValueError(f"simulate(schedule={schedule!r}): accepted: {', '.join(SIMULATED_SCHEDULES)}")
+    for name, value in (("pp", pp), ("microbatches", microbatches), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"simulate({name}={value!r}): expected a positive int")
+    f_and_b = f + b if f_and_b is None else f_and_b
+    if min(f, b, w, f_and_b) < 0 or w > b:
+        raise ValueError(f"{check}: costs f={f}, b={b}, w={w}, f_and_b={f_and_b} must be >= 0 with w <= b")
+    sched, p = _schedule_for(schedule, pp, microbatches, chunks)
+    if isinstance(sched, DualPipeV):
+        units = sched.units(p)
+    elif isinstance(sched, OneFOneB):
+        # One chunk: the classic warm-up of p - d forwards (the lockstep executor's `OneFOneB.warmup`
+        # runs about twice that, since its ticks hold an F and a B together).
+        def warmup(d, p):
+            return min(microbatches, p - d) if sched.num_chunks == 1 else sched.warmup(d, p)
+
+        units = [[(a,) for a in actions] for actions in sched.order_with_warmup(p, warmup)]
+    else:
+        units = [[(a,) for a in actions] for actions in sched.order(p)]
+    split = sched.splits_backward
+    v_last = p * sched.num_chunks - 1
+
+    def cost(unit):
+        kinds = "".join(a.kind for a in unit)
+        if kinds == "FBW":
+            return f_and_b
+        if kinds == "BW" or (kinds == "B" and not split):
+            return b
+        return {"F": f, "B": b - w, "W": w}[kinds]
+
+    def dependency(a):
+        if a.kind == "F":
+            return None if a.stage == 0 else Action("F", a.stage - 1, a.microbatch)
+        if a.kind == "W":
+            return Action("B", a.stage, a.microbatch)
+        return Action("F", a.stage, a.microbatch) if a.stage == v_last else Action("B", a.stage + 1, a.microbatch)
+
+    finish: dict[Action, float] = {}
+    position, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    held, peak = [0] * p, [0] * p
+    remaining = sum(map(len, units))
+    while remaining:
+        progressed = False
+        for d in range(p):
+            while position[d] < len(units[d]):
+                unit = units[d][position[d]]
+                deps = [dependency(a) for a in unit]
+                deps = [x for x in deps if x is not None and x not in unit]
+                if any(x not in finish for x in deps):
+                    break
+                start = max([clock[d]] + [finish[x] for x in deps])
+                end = start + cost(unit)
+                for a in unit:
+                    finish[a] = end
+                    if a.kind == "F":
+                        held[d] += 1
+                        peak[d] = max(peak[d], held[d])
+                    elif a.kind == "W" or not split:
+                        held[d] -= 1
+                clock[d], busy[d] = end, busy[d] + cost(unit)
+                position[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise AssertionError(f"{check}: the {schedule} order deadlocks")
+    makespan = max(clock)
+    result = Simulation(schedule=schedule, num_stages=pp, num_devices=p, num_microbatches=microbatches,
+                        makespan=makespan, bubble=tuple(makespan - x for x in busy),
+                        bubble_fraction=1.0 - sum(busy) / (p * makespan) if makespan else 0.0,
+                        peak_activations=tuple(peak))
+    if verbose:
+        print(result)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -428,9 +771,25 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
     p, m, c = mesh.shape[PP], schedule.num_microbatches, schedule.num_chunks
     timeline = schedule.timeline(p, backward)
     table = {k: jnp.asarray(v) for k, v in timeline.table().items()}
+    split = backward and schedule.splits_backward
+    # V-shaped placements hand off in both ring directions and to the device itself.
+    bidirectional = any((schedule.device_of(v + 1, p) - schedule.device_of(v, p)) % p != 1 for v in range(c * p - 1))
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     # [layers, ...] -> [chunks, stages, layers per virtual stage, ...]: virtual stage v = chunk * p + stage.
-    staged = jax.tree.map(lambda w: w.reshape(c, p, num_layers // (c * p), *w.shape[1:]), layer_params)
+    # [layers, ...] -> [chunks, stages, layers per virtual stage, ...]: [chunk, device] holds the
+    # layers of virtual stage schedule.stage_at(chunk, device) (chunk * p + device but for V shapes).
+    placement = np.array([schedule.stage_at(k, d, p) for k in range(c) for d in range(p)])
+    identity = bool((placement == np.arange(c * p)).all())
+
+    def to_stages(w):
+        blocks = w.reshape(c * p, num_layers // (c * p), *w.shape[1:])
+        return (blocks if identity else blocks[placement]).reshape(c, p, *blocks.shape[1:])
+
+    def from_stages(g):
+        blocks = g.reshape(c * p, *g.shape[2:])
+        return blocks if identity else blocks[np.argsort(placement)]
+
+    staged = jax.tree.map(to_stages, layer_params)
     xs = _split_microbatches(inputs, m)
     ts = jax.tree.map(lambda t: _split_microbatches(t, m), targets)
 
@@ -469,12 +828,16 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         def masked(keep, tree):
             return jax.tree.map(lambda a: jnp.where(keep, a, jnp.zeros_like(a)), tree)
 
+        def put(buffer, slot, dump, value):
+            return buffer.at[jnp.where(slot >= 0, slot, dump)].set(value)
+
         def tick(carry, row):
             # The branches below are taken by every device or by none (the predicate looks at all
             # stages' actions): XLA inserts collectives over the automatic axes inside the stages,
             # and a collective in a branch that only some devices take never completes. A device
             # without the action computes on a placeholder and its result is discarded.
             any_f, any_loss, any_b = jnp.any(row["f_mb"] >= 0), jnp.any(row["f_loss"]), jnp.any(row["b_mb"] >= 0)
+            any_w = jnp.any(row["w_mb"] >= 0)
             row = {k: v[me] for k, v in row.items()}
             carry = dict(carry)
             # Forward: the stage on its stashed input (the pipeline input on virtual stage 0).
@@ -497,25 +860,50 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                 value = lax.cond(any_loss, lambda: mean_part(loss_params, y, target), lambda: zero)
             carry["loss"] = carry["loss"] + jnp.where(row["f_loss"], value, 0.0)
             # Hand-off to the next device (what it does not expect goes to its dump slot).
-            recv_f = lax.ppermute(y, PP, [(i, (i + 1) % p) for i in range(p)])
+            forward_ring, backward_ring = [(i, (i + 1) % p) for i in range(p)], [(i, (i - 1) % p) for i in range(p)]
+            recv_f = lax.ppermute(y, PP, forward_ring)
+            recv_f_rev = lax.ppermute(y, PP, backward_ring) if bidirectional else None
             if backward:
                 # Backward: recompute the stage from its stashed input and apply its vjp.
                 x_b = stage_input(carry["act"], row["b_src"], row["b_mb"])
                 dy_b = carry["dy"][jnp.maximum(row["b_dy"], 0)]
 
                 def backward_step():
+                    if split:  # the input gradient only; the W action computes the weights' later
+                        _, vjp = jax.vjp(lambda h: stage_fn(chunk_of(staged, row["b_chunk"]), h), x_b)
+                        return chunk_grad_zeros, vjp(dy_b)[0].astype(dtype)
                     _, vjp = jax.vjp(stage_fn, chunk_of(staged, row["b_chunk"]), x_b)
                     g_params, g_x = vjp(dy_b)
                     return g_params, g_x.astype(dtype)
 
                 g_params, g_x = lax.cond(any_b, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
-                chunk = jnp.maximum(row["b_chunk"], 0)
-                acc = accumulate_gradients(chunk_of(carry["grads"], chunk), masked(row["b_mb"] >= 0, g_params))
+                if split:
+                    x_w = stage_input(carry["act"], row["w_src"], row["w_mb"])
+                    dy_w = carry["dy"][jnp.maximum(row["w_dy"], 0)]
+
+                    def weight_step():
+                        _, vjp = jax.vjp(lambda prm: stage_fn(prm, x_w), chunk_of(staged, row["w_chunk"]))
+                        return vjp(dy_w)[0]
+
+                    g_params = lax.cond(any_w, weight_step, lambda: chunk_grad_zeros)
+                    grad_chunk, grad_mb = row["w_chunk"], row["w_mb"]
+                else:
+                    grad_chunk, grad_mb = row["b_chunk"], row["b_mb"]
+                chunk = jnp.maximum(grad_chunk, 0)
+                acc = accumulate_gradients(chunk_of(carry["grads"], chunk), masked(grad_mb >= 0, g_params))
                 carry["grads"] = jax.tree.map(
                     lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0), carry["grads"], acc)
                 carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
-                recv_b = lax.ppermute(g_x, PP, [(i, (i - 1) % p) for i in range(p)])
-                carry["dy"] = carry["dy"].at[jnp.where(row["recv_b"] >= 0, row["recv_b"], dump_dy)].set(recv_b)
+                recv_b = lax.ppermute(g_x, PP, backward_ring)
+                carry["dy"] = put(carry["dy"], row["recv_b"], dump_dy, recv_b)
+                if bidirectional:
+                    carry["dy"] = put(carry["dy"], row["recv_b_rev"], dump_dy, lax.ppermute(g_x, PP, forward_ring))
+                    carry["dy"] = put(carry["dy"], row["recv_b_self"], dump_dy, g_x)
+            carry["act"] = put(carry["act"], row["recv_f"], dump_act, recv_f)
+            if bidirectional:
+                carry["act"] = put(carry["act"], row["recv_f_rev"], dump_act, recv_f_rev)
+                carry["act"] = put(carry["act"], row["recv_f_self"], dump_act, y)
+            return carry, None
             carry["act"] = carry["act"].at[jnp.where(row["recv_f"] >= 0, row["recv_f"], dump_act)].set(recv_f)
             return carry, None
 
@@ -540,5 +928,34 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
     if not backward:
         return loss, None
     layer_grads, dx, loss_grads = grads
-    layer_grads = jax.tree.map(lambda g, w: g.reshape(w.shape).astype(w.dtype), layer_grads, layer_params)
+    layer_grads = jax.tree.map(lambda g, w: from_stages(g).reshape(w.shape).astype(w.dtype), layer_grads, layer_params)
     return loss, (layer_grads, _merge_microbatches(dx).astype(inputs.dtype), loss_grads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mtjax.sharding.pipeline [SCHEDULE ...] --pp 8 --microbatches 32 --f 1 --b 2 --w 1``:
+    print `simulate`'s result for each schedule (default: all of `SIMULATED_SCHEDULES`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mtjax.sharding.pipeline", description=main.__doc__.splitlines()[0])
+    parser.add_argument("schedules", nargs="*", choices=[[], *SIMULATED_SCHEDULES], metavar="SCHEDULE",
+                        help=f"from {SIMULATED_SCHEDULES} (default: all)")
+    parser.add_argument("--pp", type=int, default=8, help="pipeline stages (default %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=32, help="micro-batches (default %(default)s)")
+    parser.add_argument("--f", type=float, default=1.0, help="forward time of one stage (default %(default)s)")
+    parser.add_argument("--b", type=float, default=2.0, help="whole backward time of one stage (default %(default)s)")
+    parser.add_argument("--w", type=float, default=1.0, help="weight-gradient part of --b (default %(default)s)")
+    parser.add_argument("--f-and-b", type=float, default=None, help="overlapped F&B time (default f + b)")
+    parser.add_argument("--chunks", type=int, default=2, help="stages per device of interleaved 1F1B")
+    args = parser.parse_args(argv)
+    for name in args.schedules or SIMULATED_SCHEDULES:
+        try:
+            simulate(name, args.pp, args.microbatches, args.f, args.b, args.w, f_and_b=args.f_and_b,
+                     chunks=args.chunks, verbose=True)
+        except ValueError as err:
+            print(f"{name}: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mtjax import axes
-from mtjax.sharding.mesh import AXES, DP, FSDP, PP, TP, MeshConfig
+from mtjax.sharding.mesh import AXES, CP, DP, FSDP, PP, TP, MeshConfig
 
 MeshAxes = str | tuple[str, ...] | None
 LogicalRules = tuple[tuple[str, MeshAxes], ...]
@@ -34,7 +34,9 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     activation_kv_heads,                           out-projection / fc2 row-parallel,
     activation_mlp,                                logits split over the vocabulary
     activation_vocab
-    activation_length         tp if sp else None   sequence parallelism between the blocks
+    activation_length         (cp, tp) if sp       sequence parallelism between the blocks;
+                              else cp              cp splits it everywhere (then cp alone where
+                                                   tp holds the heads / MLP columns)
     activation_embed,         None
     activation_head_dim
     embed                     fsdp                 FSDP splits every weight on its model dim
@@ -59,7 +61,7 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
         axes.ACTIVATION_MLP: TP,
         axes.ACTIVATION_VOCAB: TP,
         # After the names above: where heads / MLP columns hold tp the sequence stays whole.
-        axes.ACTIVATION_LENGTH: TP if config.sp else None,
+        axes.ACTIVATION_LENGTH: _sequence_axes(config),
         axes.ACTIVATION_EMBED: None,
         axes.ACTIVATION_HEAD_DIM: None,
         axes.EMBED: FSDP,
@@ -74,7 +76,19 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     for name, mesh_axes in (overrides or {}).items():
         _check_mesh_axes(name, mesh_axes)
         rules[name] = mesh_axes
-    return tuple(rules.items())
+    ordered = []
+    for name, mesh_axes in rules.items():
+        ordered.append((name, mesh_axes))
+        if name == axes.ACTIVATION_LENGTH and config.cp > 1 and config.sp and mesh_axes == _sequence_axes(config):
+            # Flax takes a rule only if all its mesh axes are free: inside attention and the MLP
+            # (tp on heads / columns) the sequence falls back to cp alone.
+            ordered.append((name, CP))
+    return tuple(ordered)
+
+
+def _sequence_axes(config: MeshConfig) -> MeshAxes:
+    names = ((CP,) if config.cp > 1 else ()) + ((TP,) if config.sp else ())
+    return names[0] if len(names) == 1 else (names or None)
 
 
 def _check_mesh_axes(name: str, axes: MeshAxes) -> None:

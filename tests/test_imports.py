@@ -21,7 +21,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-BASE = {"config", "axes", "dtypes"}
+BASE = {"config", "axes", "dtypes", "xla_flags"}
 LOW = BASE | {"backend", "kernels"}
 LAYERS_UNDER_MODELS = LOW | {"ops", "fp8", "flax", "sharding"}
 # component -> the other components it may import ("mtjax" is the package's own __init__.py).
@@ -29,6 +29,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "config": set(),
     "axes": set(),
     "dtypes": set(),
+    "xla_flags": set(),
     "cli_args": set(),
     "backend": {"config"},
     "kernels": {"config", "dtypes", "backend"},

@@ -28,6 +28,7 @@ VOCAB_MULTIPLE = 128
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``mtjax train`` flags; unset ones take the preset's value."""
     from mtjax.models import REMAT_POLICIES
+    from mtjax.xla_flags import XLA_PRESETS
 
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="model and run defaults (default: tiny, for the CPU)")
@@ -58,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
     hosts.add_argument("--num-processes", type=positive_int)
     hosts.add_argument("--process-id", type=int)
+    hosts.add_argument("--xla-preset", choices=sorted(XLA_PRESETS),
+                       help="add XLA flag presets for multi-GPU runs to XLA_FLAGS (mtjax info lists them)")
     out = parser.add_argument_group("output")
     out.add_argument("--workdir", help="checkpoints, metrics.jsonl and loss.png (default: runs/<preset>)")
     out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
@@ -238,10 +241,14 @@ def _setup(args: argparse.Namespace) -> _Setup:
 def run(args: argparse.Namespace) -> int:
     """Train; returns the exit status (0, or 2 with a message for an unusable configuration)."""
     from mtjax.fp8 import fp8_autocast
+    from mtjax.xla_flags import apply_xla_flags
     from mtjax.train import distributed
 
+    if args.xla_preset:
+        apply_xla_flags(args.xla_preset)  # before jax creates its backends
     try:
-        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        spec = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        print(f"mtjax train: {distributed.topology(spec)}", file=sys.stderr, flush=True)
         setup = _setup(args)
     except ValueError as err:
         return _fail(str(err))

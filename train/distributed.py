@@ -1,14 +1,18 @@
 """Multi-process (multi-host) runs: joining the job, and building global arrays from local data.
 
 Every process runs the same program. `initialize` joins them through ``jax.distributed`` (after
-which ``jax.devices()`` lists every process's devices and a mesh spans them all). Each process then
+which ``jax.devices()`` lists every process's devices and a mesh spans them all), with the settings
+given, from ``JAX_*`` environment variables, or from the launcher (SLURM, Open MPI, Kubernetes
+indexed Job / JobSet; `detect_launcher`); `topology` describes the process. Each process then
 loads only the rows of each batch that its own devices hold (`process_rows`) and `global_batch`
 assembles the global arrays from those local pieces, without any process holding the whole batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 from collections.abc import Mapping
 
 import jax
@@ -18,6 +22,41 @@ from jax.sharding import Sharding
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_COORDINATOR_PORT = "JAX_COORDINATOR_PORT"
+DEFAULT_COORDINATOR_PORT = 8476
+LAUNCHERS = ("flags", "env", "slurm", "openmpi", "kubernetes")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    """How this process joins a multi-process run.
+
+    Attributes:
+      launcher: where the settings came from, one of `LAUNCHERS` (``"flags"``: arguments;
+        ``"env"``: ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``).
+      coordinator_address: ``host:port`` of process 0's coordinator service.
+      num_processes: processes in the run.
+      process_id: this process's index.
+      local_process_id: its index on its node, where the launcher says (SLURM, Open MPI).
+      processes_per_node: processes on each node, where the launcher says.
+    """
+
+    launcher: str
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    local_process_id: int | None = None
+    processes_per_node: int | None = None
+
+    def local_device_ids(self) -> list[int] | None:
+        """The local GPUs this process drives: its own one when the launcher runs several
+        processes per node (one per GPU), else None (every visible device; ``JAX_LOCAL_DEVICE_IDS``
+        or ``CUDA_VISIBLE_DEVICES`` narrow it)."""
+        if self.local_process_id is None or (self.processes_per_node or 1) <= 1:
+            return None
+        if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+            return None
+        return [self.local_process_id]
 
 
 def _env_int(name: str) -> int | None:
@@ -30,39 +69,148 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, cluster_detection: bool = False) -> bool:
-    """Join a multi-process run; returns True if one was joined, False for a single-process run.
+def _coordinator_port() -> str | None:
+    port = _env_int(ENV_COORDINATOR_PORT)
+    return None if port is None else str(port)
 
-    Each argument falls back to its environment variable (``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). Without any of them the run is single-process,
-    unless ``cluster_detection`` asks jax to read them from the cluster (SLURM, Open MPI,
-    Kubernetes, Cloud TPU). Must be called before jax creates its backends (before any array).
+
+def _from_jax_cluster(name: str, cluster) -> ProcessSpec | None:
+    """The settings jax's own cluster detection reads (``jax._src.clusters``), or None if absent."""
+    if not cluster.is_env_present():
+        return None
+    num_processes = cluster.get_process_count()
+    if name == "slurm":
+        nodes = _env_int("SLURM_STEP_NUM_NODES") or _env_int("SLURM_NNODES")
+        per_node = None if not nodes else -(-num_processes // nodes)
+    else:
+        per_node = _env_int("OMPI_COMM_WORLD_LOCAL_SIZE")
+    return ProcessSpec(launcher=name,
+                       coordinator_address=cluster.get_coordinator_address(None, _coordinator_port()),
+                       num_processes=num_processes, process_id=cluster.get_process_id(),
+                       local_process_id=cluster.get_local_process_id(), processes_per_node=per_node)
+
+
+def _kubernetes() -> ProcessSpec | None:
+    """An indexed Job or a JobSet: the pod's index is ``JOB_COMPLETION_INDEX``.
+
+    Kubernetes tells a pod neither the number of pods nor (for a plain indexed Job) where pod 0
+    is, so the manifest sets ``JAX_NUM_PROCESSES`` (and, without a JobSet, ``JAX_COORDINATOR_ADDRESS``,
+    e.g. ``<job>-0.<headless service>:8476``). Under a JobSet the coordinator is pod 0 of job 0,
+    ``<jobset>-<replicated job>-0-0.<jobset>`` (JobSet's headless service), on ``JAX_COORDINATOR_PORT``
+    (default 8476). One replicated job of ``JAX_NUM_PROCESSES`` pods.
+    """
+    index = os.environ.get("JOB_COMPLETION_INDEX", "").strip()
+    if not index:
+        return None
+    process_id = _env_int("JOB_COMPLETION_INDEX")
+    job_index = _env_int("JOB_INDEX") or 0
+    if job_index:
+        raise ValueError(f"Kubernetes: JOB_INDEX={job_index}: a JobSet with several replicas of the job; use one "
+                         f"replicated job of JAX_NUM_PROCESSES pods or set {ENV_PROCESS_ID} yourself")
+    num_processes = _env_int(ENV_NUM_PROCESSES)
+    if num_processes is None:
+        raise ValueError(f"Kubernetes (JOB_COMPLETION_INDEX={index}): set {ENV_NUM_PROCESSES} to the job's number "
+                         f"of pods (its completions / parallelism) in the manifest")
+    coordinator = os.environ.get(ENV_COORDINATOR, "").strip()
+    jobset, replicated_job = os.environ.get("JOBSET_NAME", ""), os.environ.get("REPLICATED_JOB_NAME", "")
+    if not coordinator and jobset and replicated_job:
+        port = _coordinator_port() or str(DEFAULT_COORDINATOR_PORT)
+        coordinator = f"{jobset}-{replicated_job}-0-0.{jobset}:{port}"
+    if not coordinator:
+        raise ValueError(f"Kubernetes indexed Job: set {ENV_COORDINATOR} to pod 0's host:port (e.g. "
+                         f"<job>-0.<headless service>:{DEFAULT_COORDINATOR_PORT}), or run it in a JobSet")
+    return ProcessSpec("kubernetes", coordinator, num_processes, process_id)
+
+
+def detect_launcher() -> ProcessSpec | None:
+    """The settings of the launcher this process runs under (read from the environment), or None.
+
+    In this order: ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID`` (all
+    three); SLURM (``srun``: ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``,
+    ``SLURM_PROCID``, ``SLURM_LOCALID``) and Open MPI (``mpirun``: ``OMPI_MCA_orte_hnp_uri`` /
+    ``OMPI_COMM_WORLD_*``; Open MPI 5 needs mpi4py) through jax's own cluster detection (the
+    coordinator is the first node, on a port derived from the job id unless ``JAX_COORDINATOR_PORT``);
+    Kubernetes indexed Jobs and JobSets (`_kubernetes`).
+    """
+    from jax._src import clusters
+
+    names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+    if all(os.environ.get(name, "").strip() for name in names) and "JOB_COMPLETION_INDEX" not in os.environ:
+        return ProcessSpec("env", os.environ[ENV_COORDINATOR].strip(), _env_int(ENV_NUM_PROCESSES),
+                           _env_int(ENV_PROCESS_ID))
+    for name, cluster in (("slurm", clusters.SlurmCluster), ("openmpi", clusters.OmpiCluster)):
+        spec = _from_jax_cluster(name, cluster)
+        if spec is not None:
+            return spec
+    return _kubernetes()
+
+
+def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
+            process_id: int | None = None) -> ProcessSpec | None:
+    """The `ProcessSpec` of this process: each argument given wins over what the environment says
+    (`detect_launcher`; ``JAX_*`` variables fill gaps too); None for a single-process run.
 
     Raises:
-      ValueError: only some of the three were given, or they are inconsistent.
+      ValueError: only some of the three are known, or they are inconsistent.
     """
-    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
-    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
-    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
-    if all(v is None for v in given.values()) and not cluster_detection:
-        return False
-    missing = [name for name, v in given.items() if v is None]
-    if missing and not cluster_detection:
-        raise ValueError(
-            f"distributed.initialize: {', '.join(missing)} missing; give all of coordinator_address, "
-            f"num_processes and process_id (flags --coordinator-address/--num-processes/--process-id or "
-            f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}), or none"
-        )
-    if num_processes is not None and (num_processes < 1 or not 0 <= (process_id or 0) < num_processes):
-        raise ValueError(f"distributed.initialize: process_id={process_id} must be in [0, "
-                         f"num_processes={num_processes})")
+    detected = detect_launcher()
+    given = {"coordinator_address": coordinator_address or os.environ.get(ENV_COORDINATOR) or None,
+             "num_processes": num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES),
+             "process_id": process_id if process_id is not None else _env_int(ENV_PROCESS_ID)}
+    explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    if detected is not None:
+        values = {name: given[name] if given[name] is not None and (explicit or detected.launcher == "env")
+                  else getattr(detected, name) for name in given}
+        launcher = "flags" if explicit else detected.launcher
+        spec = ProcessSpec(launcher, values["coordinator_address"], values["num_processes"], values["process_id"],
+                           detected.local_process_id, detected.processes_per_node)
+    else:
+        if all(v is None for v in given.values()):
+            return None
+        missing = [name for name, v in given.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"distributed.initialize: {', '.join(missing)} missing; give all of coordinator_address, "
+                f"num_processes and process_id (flags --coordinator-address/--num-processes/--process-id or "
+                f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}), or run under SLURM, Open MPI or a "
+                f"Kubernetes indexed Job / JobSet"
+            )
+        spec = ProcessSpec("flags" if explicit else "env", given["coordinator_address"], given["num_processes"],
+                           given["process_id"])
+    if spec.num_processes < 1 or not 0 <= spec.process_id < spec.num_processes:
+        raise ValueError(f"distributed.initialize: process_id={spec.process_id} must be in "
+                         f"[0, num_processes={spec.num_processes}) (from {spec.launcher})")
+    return spec
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> ProcessSpec | None:
+    """Join a multi-process run (`resolve` says how); returns its `ProcessSpec`, or None when the
+    run is single-process (nothing given or detected, or a launcher with one process).
+
+    Must be called before jax creates its backends (before any array).
+    """
+    spec = resolve(coordinator_address, num_processes, process_id)
+    if spec is None or spec.num_processes == 1:
+        return None
     # CPU devices of different processes talk through gloo (the default CPU backend has no
     # cross-process collectives); GPU runs are unaffected by this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    return True
+    # Everything is resolved here (with jax's cluster classes where they exist), so jax's own
+    # detection is off: it would give a process of a one-process-per-node SLURM job only GPU 0.
+    jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id,
+                               local_device_ids=spec.local_device_ids(), cluster_detection_method="deactivate")
+    return spec
+
+
+def topology(spec: ProcessSpec | None = None) -> str:
+    """One line on this process: its index, host, launcher, local and global devices."""
+    local, devices = jax.local_devices(), jax.devices()
+    how = "single process" if spec is None else f"{spec.launcher}, coordinator {spec.coordinator_address}"
+    kinds = sorted({d.device_kind for d in local})
+    return (f"process {jax.process_index()} of {jax.process_count()} on {socket.gethostname()} ({how}): "
+            f"{len(local)} local of {len(devices)} devices ({', '.join(kinds)}; ids "
+            f"{[d.id for d in local][:8]}{' ...' if len(local) > 8 else ''})")
 
 
 def process_rows(sharding: Sharding, batch_size: int) -> slice:

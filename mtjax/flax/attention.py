@@ -22,6 +22,7 @@ from mtjax import axes, ops
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.ops.checks import check_choice
+from mtjax.sharding.context import context_parallel_size
 
 ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
@@ -123,7 +124,22 @@ class DotProductAttention(nn.Module):
       transpose_batch_sequence: inputs and output are ``[length, batch, heads, head_dim]``.
       window_size: sliding window ``(left, right)``, ``-1`` unbounded; None: no window.
       logits_soft_cap: ``cap * tanh(logits / cap)``; None: off.
+      context_parallel: ``"ring"`` or ``"all_gather"`` (`mtjax.ops.CONTEXT_PARALLEL_STRATEGIES`):
+        when the mesh in force has a ``cp`` axis of size > 1 and the logical rules split
+        ``activation_length`` over it, attend across the sequence shards by ring attention or
+        all-gathered keys/values (`mtjax.ops.context_parallel_attention`); needs self-attention
+        without bias, explicit mask, window or attention dropout. None: plain attention (XLA
+        gathers what a sharded sequence needs).
+      context_parallel_load_balanced: with a causal mask under context parallelism, the sequence
+        is in the load-balanced layout (`mtjax.sharding.reorder_causal_load_balancing`; `GPT`
+        reorders its inputs itself).
       dtype: compute and output dtype.
+
+    Example::
+
+        attend = DotProductAttention(head_dim=64, num_attention_heads=8, context_parallel="ring")
+        with mtjax.sharding.use_mesh(mesh, rules):  # MeshConfig(cp=4, ...)
+            out = jax.jit(attend.apply)({}, q, k, v)   # q, k, v in the load-balanced layout
     """
 
     head_dim: int
@@ -138,6 +154,8 @@ class DotProductAttention(nn.Module):
     transpose_batch_sequence: bool = False
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
+    context_parallel: str | None = None
+    context_parallel_load_balanced: bool = True
     dtype: Dtype = jnp.float32
 
     @nn.compact
@@ -164,6 +182,22 @@ class DotProductAttention(nn.Module):
         dropout_rate = 0.0 if deterministic else self.attention_dropout
         dropout_rng = self.make_rng(self.dropout_rng_name) if dropout_rate > 0.0 else None
         compute_dtype = jnp.float32 if self.float32_logits else self.dtype
+        if self.context_parallel is not None:
+            check_choice(owner, "context_parallel", self.context_parallel, ops.CONTEXT_PARALLEL_STRATEGIES)
+        if self.context_parallel is not None and context_parallel_size() > 1:
+            for name, present in (("bias", bias is not None), ("mask", mask is not None),
+                                  ("window_size", self.window_size is not None),
+                                  ("attention dropout", dropout_rate > 0)):
+                if present:
+                    raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} does not support {name}")
+            out = ops.context_parallel_attention(
+                query.astype(compute_dtype), key.astype(compute_dtype), value.astype(compute_dtype),
+                strategy=self.context_parallel, q_spec=nn.logical_to_mesh_axes(Q_AXES),
+                kv_spec=nn.logical_to_mesh_axes(KV_AXES), mask_type=self.attn_mask_type,
+                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+                logits_soft_cap=self.logits_soft_cap, load_balanced=self.context_parallel_load_balanced,
+            ).astype(self.dtype)
+            return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         out = ops.attention(
             query.astype(compute_dtype), key.astype(compute_dtype), value.astype(compute_dtype),
             bias=bias, mask=mask, mask_type=self.attn_mask_type, q_segment_ids=q_segment_ids,
@@ -198,7 +232,8 @@ class MultiHeadAttention(nn.Module):
 
     Attributes:
       head_dim, num_attention_heads, num_gqa_groups, attention_dropout, attn_mask_type, attn_bias_type,
-        dropout_rng_name, float32_logits, window_size, logits_soft_cap: as `DotProductAttention`.
+        dropout_rng_name, float32_logits, window_size, logits_soft_cap, context_parallel,
+        context_parallel_load_balanced: as `DotProductAttention`.
       input_layernorm: norm the input (fused into the Q/QKV projection).
       layernorm_type, layernorm_epsilon, zero_centered_gamma: that norm.
       return_layernorm_output: also return the normed input.
@@ -238,6 +273,8 @@ class MultiHeadAttention(nn.Module):
     float32_logits: bool = False
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
+    context_parallel: str | None = None
+    context_parallel_load_balanced: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -346,7 +383,9 @@ class MultiHeadAttention(nn.Module):
             attention_dropout=self.attention_dropout, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
             dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
             scale_factor=self.head_dim ** -0.5 if self.scale_attn_logits else 1.0, window_size=window_size,
-            logits_soft_cap=self.logits_soft_cap, dtype=self.dtype, name="core_attention",
+            logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
+            context_parallel_load_balanced=self.context_parallel_load_balanced, dtype=self.dtype,
+            name="core_attention",
         )(query, key, value, mask, bias, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
           deterministic=deterministic)
         out = nn.with_logical_constraint(out, Q_AXES)

@@ -87,6 +87,10 @@ class TransformerLayer(nn.Module):
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
       window_size: sliding-window self-attention ``(left, right)``.
       logits_soft_cap: attention logit soft cap.
+      context_parallel, context_parallel_load_balanced: self-attention over a sequence split on the
+        ``cp`` mesh axis (`DotProductAttention`).
+      collective_matmul: the MLP's GEMMs overlap their sequence-parallel collectives
+        (`LayerNormMLP.collective_matmul`).
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -128,6 +132,9 @@ class TransformerLayer(nn.Module):
     scaled_query_init: bool = False
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
+    context_parallel: str | None = None
+    context_parallel_load_balanced: bool = True
+    collective_matmul: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -212,7 +219,8 @@ class TransformerLayer(nn.Module):
             attn_bias_type=self.self_attn_bias_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
             rotary_pos_emb_windows=self.rotary_pos_emb_windows,
             rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, window_size=self.window_size,
-            logits_soft_cap=self.logits_soft_cap, name="self_attention", **attention,
+            logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
+            context_parallel_load_balanced=self.context_parallel_load_balanced, name="self_attention", **attention,
         )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
           decode=decode, deterministic=deterministic, residual=residual)
         if stream:
@@ -241,7 +249,7 @@ class TransformerLayer(nn.Module):
             epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
             kernel_init=self.mlp_kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
-            dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
+            collective_matmul=self.collective_matmul, dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
         )
         if fuse:  # the add happens in the MLP's norm kernel, which returns the new stream
             z, ln_out, x = mlp(hidden_dropout(branch, deterministic=deterministic), deterministic=deterministic,

@@ -19,6 +19,12 @@ from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
 from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, check_heads
 from mtjax.flax.normalization import LAYERNORM_TYPES
 from mtjax.models._stack import apply_layers, check_stack_config
+from mtjax.ops import CONTEXT_PARALLEL_STRATEGIES
+from mtjax.sharding.context import (
+    context_parallel_size,
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
 
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
 LOGITS_AXES = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB)
@@ -59,6 +65,14 @@ class GPTConfig:
       attention_dropout: attention-probability dropout.
       window_size: sliding-window attention ``(left, right)``; None: full causal.
       logits_soft_cap: attention logit soft cap.
+      context_parallel: ``"ring"`` or ``"all_gather"``: under a mesh with a ``cp`` axis of size > 1
+        (`mtjax.sharding.MeshConfig(cp=...)`) the sequence of every activation is split over it and
+        attention runs across the shards (`mtjax.ops.context_parallel_attention`); the model
+        permutes tokens, positions and segment ids into the causal load-balanced layout and its
+        final hidden states back, so inputs and logits stay in natural order. None: off.
+      collective_matmul: with sequence parallelism (``MeshConfig(tp=..., sp=True)``), the MLPs'
+        all-gather / reduce-scatter run as ``ppermute`` steps overlapped with partial GEMMs
+        (`mtjax.flax.LayerNormMLP.collective_matmul`; not with FP8).
       init_std: standard deviation of the normal initializer of kernels and embeddings.
       scan_layers: ``nn.scan`` over the layers (one compiled layer; parameters stacked on ``"layers"``).
       remat_policy: one of `mtjax.models.REMAT_POLICIES` (``"none"``, ``"full"``, ``"dots"``, ...).
@@ -90,6 +104,8 @@ class GPTConfig:
     attention_dropout: float = 0.0
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
+    context_parallel: str | None = None
+    collective_matmul: bool = False
     init_std: float = 0.02
     scan_layers: bool = True
     remat_policy: str = "none"
@@ -108,6 +124,9 @@ class GPTConfig:
             if getattr(self, name) not in accepted:
                 raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: "
                                  f"{', '.join(accepted)}")
+        if self.context_parallel is not None and self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
+            raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} is not supported; accepted: None, "
+                             f"{', '.join(CONTEXT_PARALLEL_STRATEGIES)}")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -200,6 +219,13 @@ class GPT(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
             if decode:
                 positions = positions + self._decode_offset(seq)
+        cp = context_parallel_size() if cfg.context_parallel is not None else 1
+        if cp > 1:
+            if decode:
+                raise ValueError("GPT: decode=True does not support context_parallel")
+            tokens, positions = (reorder_causal_load_balancing(t, cp) for t in (tokens, positions))
+            if segment_ids is not None:
+                segment_ids = reorder_causal_load_balancing(segment_ids, cp)
         init = nn.initializers.normal(cfg.init_std)
         embed = Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=init, dtype=cfg.dtype,
                       param_dtype=cfg.param_dtype, name="token_embed")
@@ -219,8 +245,8 @@ class GPT(nn.Module):
             layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
-            window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
+            window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, context_parallel=cfg.context_parallel,
+            collective_matmul=cfg.collective_matmul, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         )
         x = apply_layers(x, layer=layer, num_layers=cfg.num_layers, scan_layers=cfg.scan_layers,
                          remat_policy=cfg.remat_policy, segment_ids=segment_ids, positions=positions,
@@ -233,6 +259,8 @@ class GPT(nn.Module):
             x, _ = final_norm(branch, residual=stream)
         else:
             x = final_norm(x)
+        if cp > 1:
+            x = inverse_reorder_causal_load_balancing(x, cp)
         if cfg.tie_embeddings:
             # In the compute dtype, as the Dense branch: a float32 result would make both backward GEMMs
             # of this (tokens x hidden x vocab) product run in float32 on float32 copies.

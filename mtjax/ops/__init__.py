@@ -12,6 +12,21 @@ from mtjax.ops.activation import (
                                   is_gated,
 )
 from mtjax.ops.attention import MASK_TYPES, attention
+from mtjax.ops.collective_matmul import (
+                                  COLLECTIVE_MATMUL_KINDS,
+                                  all_gather_matmul,
+                                  matmul_reduce_scatter,
+                                  sequence_parallel_matmul,
+)
+from mtjax.ops.context_parallel import (
+                                  CONTEXT_PARALLEL_STRATEGIES,
+                                  all_gather_attention,
+                                  attention_with_lse,
+                                  attention_with_lse_backward,
+                                  context_parallel_attention,
+                                  merge_attention,
+                                  ring_attention,
+)
 from mtjax.ops.cross_entropy import softmax_cross_entropy
 from mtjax.ops.gemm import fp8_gemm
 from mtjax.ops.normalization import LAYERNORM_TYPES, Norm, layernorm, norm_fp8, residual_norm, rmsnorm
@@ -21,6 +36,9 @@ from mtjax.ops.softmax import softmax
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "Activation", "activation", "activation_fp8", "activation_grad_fp8", "attention",
     "canonical_activation", "cast_transpose", "dequantize", "fp8_gemm", "is_gated",
+    "COLLECTIVE_MATMUL_KINDS", "all_gather_matmul", "matmul_reduce_scatter", "sequence_parallel_matmul",
+    "CONTEXT_PARALLEL_STRATEGIES", "all_gather_attention", "attention_with_lse", "attention_with_lse_backward",
+    "context_parallel_attention", "merge_attention", "ring_attention",
     "LAYERNORM_TYPES", "Norm", "layernorm", "norm_fp8", "quantize", "residual_norm", "rmsnorm", "softmax",
     "softmax_cross_entropy",
 ]

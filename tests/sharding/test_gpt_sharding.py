@@ -2,6 +2,8 @@
 single-device loss and gradients, and the collectives are the expected ones. (FP8 on a mesh, with
 the meta the same on every device, is tested with the pipelined GPT in test_pipeline_gpt.py.)"""
 
+import dataclasses
+import functools
 import re
 
 import flax.linen as nn
@@ -25,8 +27,8 @@ MODEL = GPT(CONFIG)
 TOKENS = jax.random.randint(jax.random.key(1), (8, 9), 0, CONFIG.vocab_size)
 
 
-def loss_fn(variables, tokens):
-    logits = MODEL.apply(variables, tokens[:, :-1])
+def loss_fn(variables, tokens, model=MODEL):
+    logits = model.apply(variables, tokens[:, :-1])
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
@@ -42,23 +44,25 @@ def reference(boxed):
     return jax.jit(jax.value_and_grad(loss_fn))(nn.meta.unbox(boxed), TOKENS)
 
 
-def sharded_value_and_grad(mesh_config, boxed):
+def sharded_value_and_grad(mesh_config, boxed, model=MODEL):
     mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
     variables = shard_variables(boxed, mesh, rules)
     shardings = logical_shardings(boxed, mesh, rules)
     tokens_sharding = named_sharding(mesh, rules, ("activation_batch", None))
-    step = jit_sharded(jax.value_and_grad(loss_fn), mesh=mesh, rules=rules,
+    step = jit_sharded(jax.value_and_grad(functools.partial(loss_fn, model=model)), mesh=mesh, rules=rules,
                        in_shardings=(shardings, tokens_sharding), out_shardings=(None, shardings))
     return step(variables, jax.device_put(TOKENS, tokens_sharding)), shardings
 
 
-@pytest.mark.parametrize("mesh_config", [
-    MeshConfig(dp=2, fsdp=4),
-    MeshConfig(dp=4, tp=2),
-    MeshConfig(dp=2, fsdp=2, tp=2, sp=True),
-], ids=lambda c: f"dp{c.dp}-fsdp{c.fsdp}-tp{c.tp}{'-sp' if c.sp else ''}")
-def test_loss_and_grads_equal_single_device(boxed, reference, mesh_config):
-    (loss, grads), shardings = sharded_value_and_grad(mesh_config, boxed)
+@pytest.mark.parametrize("mesh_config,collective_matmul", [
+    (MeshConfig(dp=2, fsdp=4), False),
+    (MeshConfig(dp=4, tp=2), False),
+    (MeshConfig(dp=2, fsdp=2, tp=2, sp=True), False),
+    (MeshConfig(dp=2, fsdp=2, tp=2, sp=True), True),
+], ids=["dp2-fsdp4", "dp4-tp2", "dp2-fsdp2-tp2-sp", "dp2-fsdp2-tp2-sp-collective-matmul"])
+def test_loss_and_grads_equal_single_device(boxed, reference, mesh_config, collective_matmul):
+    model = GPT(dataclasses.replace(CONFIG, collective_matmul=collective_matmul))
+    (loss, grads), shardings = sharded_value_and_grad(mesh_config, boxed, model)
     want_loss, want_grads = reference
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

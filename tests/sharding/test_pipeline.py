@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtjax.sharding import Circular, GPipe, MeshConfig, OneFOneB, Schedule, pipeline_loss
+from mtjax.sharding import Circular, DualPipeV, GPipe, MeshConfig, OneFOneB, Schedule, ZeroBubbleH1, pipeline_loss
 from mtjax.sharding.pipeline import Action
 
 LAYERS, WIDTH, BATCH, CLASSES = 8, 16, 16, 4
@@ -123,7 +123,12 @@ def test_pipeline_loss_rejects_bad_arguments(problem):
     (MeshConfig(pp=4, dp=2), Circular(4, num_chunks=2)),
     (MeshConfig(pp=4, tp=2), OneFOneB(8)),
     (MeshConfig(pp=2, dp=2, tp=2), OneFOneB(4, num_chunks=2)),
-], ids=["pp2-dp4-gpipe", "pp4-dp2-circular", "pp4-tp2-1f1b", "pp2-dp2-tp2-interleaved"])
+    (MeshConfig(pp=2, dp=4), ZeroBubbleH1(4)),
+    (MeshConfig(pp=4, tp=2), ZeroBubbleH1(8)),
+    (MeshConfig(pp=2, dp=2, tp=2), DualPipeV(4)),
+    (MeshConfig(pp=4, dp=2), DualPipeV(8)),
+], ids=["pp2-dp4-gpipe", "pp4-dp2-circular", "pp4-tp2-1f1b", "pp2-dp2-tp2-interleaved", "pp2-dp4-zbh1",
+        "pp4-tp2-zbh1", "pp2-dp2-tp2-dualpipev", "pp4-dp2-dualpipev"])
 def test_pipeline_matches_unpipelined(problem, mesh_config, schedule):
     params, x, head, labels, (expected_loss, expected_grads) = problem
     mesh = mesh_config.make_mesh()
@@ -138,7 +143,7 @@ def test_pipeline_matches_unpipelined(problem, mesh_config, schedule):
     np.testing.assert_allclose(value, expected_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    if isinstance(schedule, OneFOneB):  # without differentiation only the forward actions run
+    if isinstance(schedule, (OneFOneB, DualPipeV)):  # without differentiation only the forward actions run
         np.testing.assert_allclose(jax.jit(loss)(params, x, head), expected_loss, rtol=1e-5)
 
 

@@ -14,14 +14,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mtjax import fp8
 from mtjax.flax import Embed, LayerNorm, TransformerLayer
 from mtjax.models import GPT, gpt_config
-from mtjax.sharding import MeshConfig, OneFOneB, jit_sharded, logical_axis_rules, pipeline_loss, shard_variables
+from mtjax.sharding import (
+    DualPipeV,
+    MeshConfig,
+    OneFOneB,
+    jit_sharded,
+    logical_axis_rules,
+    pipeline_loss,
+    shard_variables,
+)
 
 CONFIG = gpt_config("tiny", vocab_size=64, hidden_size=32, mlp_dim=64, max_seq_len=16)  # 2 layers, GQA 4/2
-MODEL = GPT(CONFIG)
 TOKENS = jax.random.randint(jax.random.key(1), (8, 9), 0, CONFIG.vocab_size)
 
 
@@ -32,7 +40,7 @@ def cross_entropy(logits, targets):
     return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * one_hot, axis=-1))
 
 
-def gpt_parts():
+def gpt_parts(model):
     """GPT's embedding, layer and final norm as unbound modules with GPT's settings."""
     found = {}
 
@@ -41,7 +49,7 @@ def gpt_parts():
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
-        jax.eval_shape(MODEL.init, jax.random.key(0), TOKENS[:, :-1])
+        jax.eval_shape(model.init, jax.random.key(0), TOKENS[:, :-1])
 
     def unbound(name, cls):
         fields = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")]
@@ -55,8 +63,12 @@ def sub(variables, name):
     return {col: tree[name] for col, tree in variables.items() if name in tree}
 
 
-def test_fp8_gpt_pipelined_with_fsdp_tp_equals_gpt():
-    embed, layer, final_norm = gpt_parts()
+@pytest.mark.parametrize("num_layers,schedule", [(2, OneFOneB(4)), (4, DualPipeV(4))], ids=["1f1b", "dualpipev"])
+def test_fp8_gpt_pipelined_with_fsdp_tp_equals_gpt(num_layers, schedule):
+    """pp=2 with fsdp and tp inside the stages; DualPipeV: 4 layers as a V of 4 stages over 2 devices,
+    its weight gradients split from the input gradients."""
+    model = GPT(dataclasses.replace(CONFIG, num_layers=num_layers))
+    embed, layer, final_norm = gpt_parts(model)
     inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
 
     def layer_fn(variables, h):
@@ -72,13 +84,13 @@ def test_fp8_gpt_pipelined_with_fsdp_tp_equals_gpt():
         head = {col: {name: tree[name] for name in ("token_embed", "final_norm") if name in tree}
                 for col, tree in variables.items()}
         return pipeline_loss(layer_fn, sub(variables, "layers"), h, head_loss, head, targets, mesh=mesh,
-                             schedule=OneFOneB(4))
+                             schedule=schedule)
 
     config = MeshConfig(pp=2, fsdp=2, tp=2)
     mesh, rules = config.make_mesh(), logical_axis_rules(config)
     with fp8.fp8_autocast():
-        boxed = jax.jit(MODEL.init)(jax.random.key(0), inputs)
-        want_loss, want = jax.jit(jax.value_and_grad(lambda v: cross_entropy(MODEL.apply(v, inputs), targets)))(
+        boxed = jax.jit(model.init)(jax.random.key(0), inputs)
+        want_loss, want = jax.jit(jax.value_and_grad(lambda v: cross_entropy(model.apply(v, inputs), targets)))(
             nn.meta.unbox(boxed))
         variables = shard_variables(boxed, mesh, rules)  # layers split over pp, heads / MLP over tp, embed over fsdp
         loss, grads = jit_sharded(jax.value_and_grad(pipelined), mesh=mesh, rules=rules)(variables)

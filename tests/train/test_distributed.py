@@ -60,7 +60,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_p
 def test_initialize_is_a_no_op_alone_and_rejects_partial_settings(monkeypatch):
     for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         monkeypatch.delenv(name, raising=False)
-    assert distributed.initialize() is False
+    assert distributed.initialize() is None
     with pytest.raises(ValueError, match="num_processes, process_id missing"):
         distributed.initialize("localhost:1234")
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
