@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
+from mtjax.kernels import paged_attention as paged_attention_kernel
 from mtjax.kernels._common import FP8_DTYPES
+from mtjax.kernels._common import interpret as kernel_interpret
 from mtjax.ops._checks import check_float, check_rank
 from mtjax.ops.softmax import masked_softmax
 
@@ -68,16 +70,14 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     k = gather_pages(k_pages, block_tables, k_scale)
     v = gather_pages(v_pages, block_tables, v_scale)
     kv_len = k.shape[2]
-    qg = q.reshape(batch, q_len, kv_heads, groups, head_dim)
-    compute = jnp.promote_types(q.dtype, k.dtype)
-    logits = jnp.einsum("btkgd,bksd->bkgts", qg.astype(compute), k.astype(compute),
-                        preferred_element_type=jnp.float32) * scale
+    qg = q.reshape(batch, q_len, kv_heads, groups, head_dim).astype(jnp.float32)
+    # float32 throughout: the reference's precision, and XLA:CPU has no bf16 x bf16 -> f32 dot for these shapes.
+    logits = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(jnp.float32)) * scale
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     keep = visible_keys(lengths, q_len, kv_len, window_size)[:, None, None]  # [batch, 1, 1, q_len, kv_len]
     probs = masked_softmax(logits, keep)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v.astype(jnp.float32))
     return out.reshape(batch, q_len, heads, head_dim).astype(q.dtype)
 
 
@@ -172,3 +172,24 @@ def paged_attention(
         k_scale, v_scale, implementation=implementation, scale=scale,
         logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap), window_size=window_size,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def _pallas_triton_unsupported(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale,
+                               logits_soft_cap, window_size) -> str | None:
+    return paged_attention_kernel.unsupported(jnp.shape(q), jnp.shape(k_pages), jnp.result_type(q),
+                                              jnp.result_type(k_pages))
+
+
+@backend.register("paged_attention", "pallas_triton", requires=(backend.PALLAS_TRITON,),
+                  supports=_pallas_triton_unsupported, priority=10, single_device=True)
+def _paged_attention_pallas_triton(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale,
+                                   logits_soft_cap, window_size):
+    left = None if window_size is None or window_size[0] < 0 else window_size[0]
+    return paged_attention_kernel.paged_attention(
+        q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, scale=scale, logits_soft_cap=logits_soft_cap,
+        window_left=left, interpret=kernel_interpret())
