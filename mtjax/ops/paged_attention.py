@@ -193,3 +193,53 @@ def _paged_attention_pallas_triton(q, k_pages, v_pages, block_tables, lengths, k
     return paged_attention_kernel.paged_attention(
         q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, scale=scale, logits_soft_cap=logits_soft_cap,
         window_left=left, interpret=kernel_interpret())
+
+
+def cudnn_paged_attention(q: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array, block_tables: jax.Array,
+                          lengths: jax.Array, *, scale: float) -> jax.Array:
+    """Decode attention (``q_len == 1``) through cuDNN's paged flash attention, in cuDNN's own cache layout.
+
+    ``k_blocks``/``v_blocks [batch * pages_per_seq, page_size, kv_heads, head_dim]`` bfloat16/float16 (jax
+    asks for a pool of exactly ``batch * pages_per_seq`` pages); other arguments as `paged_attention`.
+    Runs on NVIDIA GPUs with cuDNN 9.5+ only (jax's ``jax._src.cudnn`` paged path, which has no public
+    entry point).
+    """
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_paged
+
+    batch = q.shape[0]
+    tables = block_tables.astype(jnp.int32)[:, None, :, None]
+    lengths = lengths.astype(jnp.int32)
+    out = cudnn_paged(q, k_blocks, v_blocks, jnp.ones((batch,), jnp.int32), lengths, tables, tables, scale=scale,
+                      mask_type=MaskType.PADDING, qkv_layout="BTNH")
+    return jnp.where((lengths > 0)[:, None, None, None], out, 0).astype(q.dtype)
+
+
+def _cudnn_unsupported(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale, logits_soft_cap,
+                       window_size) -> str | None:
+    batch, q_len, _, head_dim = jnp.shape(q)
+    dtype = jnp.result_type(q)
+    if q_len != 1:
+        return f"q_len {q_len} (cuDNN aligns causal masks top-left; routed for decode, q_len 1, only)"
+    if dtype not in (jnp.bfloat16, jnp.float16) or jnp.result_type(k_pages) != dtype:
+        return "dtypes other than bfloat16/float16 q and pages of the same dtype"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} (cuDNN: a multiple of 8, at most 256)"
+    if jnp.shape(k_pages)[1] != batch * jnp.shape(block_tables)[1]:
+        return "a page pool of other than batch * pages_per_seq pages (jax's cuDNN paged path requires it)"
+    if logits_soft_cap is not None or (window_size is not None and window_size[0] >= 0):
+        return "soft-cap or sliding window (not routed to cuDNN)"
+    return None
+
+
+def _cudnn_not_preferred(*args, **static) -> str | None:
+    return ("cuDNN wants the cache as [pages, page_size, kv_heads, head_dim]; from mtjax's "
+            "[kv_heads, pages, page_size, head_dim] every call would copy the whole cache")
+
+
+@backend.register("paged_attention", "cudnn", requires=(backend.CUDNN_ATTENTION,), platforms=("cuda",),
+                  supports=_cudnn_unsupported, prefer=_cudnn_not_preferred, priority=20)
+def _paged_attention_cudnn(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale, logits_soft_cap,
+                           window_size):
+    k_blocks, v_blocks = (jnp.transpose(p, (1, 2, 0, 3)) for p in (k_pages, v_pages))
+    return cudnn_paged_attention(q, k_blocks, v_blocks, block_tables, lengths, scale=scale)

@@ -254,3 +254,20 @@ def test_gpu_real_sizes(batch, context, page_dtype):
     got = ops.paged_attention(q, k, v, tables, lengths, implementation="pallas_triton", **scales)
     want = ops.paged_attention(q, k, v, tables, lengths, implementation="xla", **scales)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
+def test_cudnn_is_explicit_only():
+    batch, pages_per_seq = 4, 8
+    q = jax.ShapeDtypeStruct((batch, 1, 16, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((4, batch * pages_per_seq, 16, 128), jnp.bfloat16)
+    args = (q, pages, pages, jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32), None, None)
+    static = {"scale": 0.1, "logits_soft_cap": None, "window_size": None}
+    cudnn = backend.get_implementation if hasattr(backend, "get_implementation") else backend._get
+    impl = cudnn("paged_attention", "cudnn")
+    assert impl.unsupported(args, static) is None
+    assert "copy the whole cache" in impl.not_preferred(args, static)
+    assert backend.select("paged_attention", platform_name="cuda", args=args, static=static)[0].name == "pallas_triton"
+    pool = jax.ShapeDtypeStruct((4, 40, 16, 128), jnp.bfloat16)  # more pages than batch * pages_per_seq
+    assert "pool" in impl.unsupported((q, pool, pool) + args[3:], static)
