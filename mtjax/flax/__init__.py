@@ -5,8 +5,8 @@ constraint (names in the README's "Flax modules" section); without a mesh and ru
 """
 
 from mtjax.flax.attention import (
-    ATTN_BIAS_TYPES, ROTARY_GROUP_METHODS, DotProductAttention, MultiHeadAttention, RelativePositionBiases,
-    apply_rotary_pos_emb,
+    ATTN_BIAS_TYPES, PAGED_KV_COLLECTION, ROTARY_GROUP_METHODS, DotProductAttention, MultiHeadAttention, PagedKV,
+    RelativePositionBiases, apply_rotary_pos_emb,
 )
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from mtjax.flax.embedding import Embed
@@ -15,7 +15,7 @@ from mtjax.flax.normalization import LAYERNORM_TYPES, LayerNorm
 from mtjax.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
-    "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "ROTARY_GROUP_METHODS", "DenseGeneral", "DotProductAttention", "Embed",
-    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases",
+    "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "PAGED_KV_COLLECTION", "ROTARY_GROUP_METHODS", "DenseGeneral", "DotProductAttention", "Embed",
+    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "PagedKV", "RelativePositionBiases",
     "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb",
 ]
