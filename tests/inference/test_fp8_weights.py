@@ -56,8 +56,8 @@ def test_logits_error_against_unquantized(mode, granularity, scan_layers, capsys
 
 
 def test_kernels_are_fp8_and_scales_fit():
-    model, params, tokens = tiny()
-    model8, params8 = fp8_weights.quantize_weights(model, params)
+    model, params, _ = tiny()
+    _, params8 = fp8_weights.quantize_weights(model, params)
     layer = params8["layers_0"]
     assert jax.tree.leaves(layer["mlp"]["wi_kernel"])[0].dtype == jnp.float8_e4m3fn
     assert layer["self_attention"]["out"]["dot_general"]["weight_scale"].shape == (64,)
