@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtjax.flax import PAGED_KV_COLLECTION, PagedKV
+from mtjax.flax.attention import E4M3_MAX
 from mtjax.inference.kv_cache import SCRATCH_PAGE, KVCache, resolve_kv_dtype
 from mtjax.inference.sampling import SamplingParams, request_key, sample
 from mtjax.inference.scheduler import PrefillChunk, Request, RequestStatus, Scheduler
@@ -292,9 +293,51 @@ class Engine:
             self._call_decode([])
 
     def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
-        """Float8 dequantization scales of every layer's pages (floats or ``[kv_heads]``); set them
-        before the first request (pages written earlier keep their old scaling)."""
+        """Float8 dequantization scales of every layer's pages (floats or ``[kv_heads]``)."""
+        self._check_idle("set_kv_scales")
         self.cache.set_scales(k_scale, v_scale)
+
+    def calibrate_kv_scales(self, prompts: Sequence[Sequence[int]], margin: float = 1.0) -> None:
+        """Sets each layer's per-head float8 scales to ``margin * amax / 448`` of the keys and values
+        the model computes on ``prompts`` (one float32 prefill, outside the engine's cache)."""
+        self._check_idle("calibrate_kv_scales")
+        if not self.cache.dtype == jnp.dtype(jnp.float8_e4m3fn):
+            raise ValueError(f"Engine.calibrate_kv_scales: kv_dtype is {self.cache.dtype}, not fp8")
+        prompts = [list(p) for p in prompts]
+        if not prompts or min(len(p) for p in prompts) < 1 or max(len(p) for p in prompts) > self.max_seq_len:
+            raise ValueError(f"Engine.calibrate_kv_scales: expected prompts of 1 .. {self.max_seq_len} tokens")
+        width, page_size = max(len(p) for p in prompts), self.cache.page_size
+        per_seq = -(-width // page_size)
+        calib = KVCache(self.model, self.params, max_slots=len(prompts), page_size=page_size,
+                        num_pages=1 + len(prompts) * per_seq, max_seq_len=width, dtype=jnp.float32)
+        tokens = np.zeros((len(prompts), width), np.int32)
+        slots = np.zeros((len(prompts), width), np.int32)  # padding: the scratch page
+        for i, prompt in enumerate(prompts):
+            calib.reserve(i, len(prompt))
+            tokens[i, :len(prompt)] = prompt
+            slots[i, :len(prompt)] = calib.slot_mapping(i, np.arange(len(prompt)))
+        view = calib.view(calib.block_tables, [len(p) for p in prompts], slots, prefill=True)
+        _, variables = jax.jit(lambda p, pages: self.model.apply(
+            {"params": p, PAGED_KV_COLLECTION: pages}, jnp.asarray(tokens), paged_kv=view,
+            mutable=[PAGED_KV_COLLECTION]))(self.params, calib.pages)
+        amax = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(variables[PAGED_KV_COLLECTION]):
+            axes = tuple(range(leaf.ndim - 3, leaf.ndim))  # pages, offset, head_dim
+            amax[jax.tree_util.keystr(path[:-1]), path[-1].key[0]] = jnp.max(jnp.abs(leaf), axis=axes)
+
+        def scale(path, leaf):
+            name = getattr(path[-1], "key", "")
+            if name not in ("k_scale", "v_scale"):
+                return leaf
+            value = jnp.maximum(margin * amax[jax.tree_util.keystr(path[:-1]), name[0]], 1e-6) / E4M3_MAX
+            return jax.device_put(value.astype(jnp.float32), leaf.sharding)
+
+        self.cache.pages = jax.tree_util.tree_map_with_path(scale, self.cache.pages)
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(f"Engine.{what}: requests are queued or running; set the scales before the first "
+                               f"request (pages already written keep their scaling)")
 
     # -- host side -------------------------------------------------------------------------------
     def _drain_inbox(self, changed: dict[int, list[int]]) -> None:

@@ -96,6 +96,9 @@ class KVCache:
             if tp_axis not in mesh.axis_names:
                 raise ValueError(f"KVCache: mesh has axes {mesh.axis_names}; expected a {tp_axis!r} axis to shard "
                                  f"the key/value heads over")
+            if mesh.axis_types[mesh.axis_names.index(tp_axis)] != jax.sharding.AxisType.Auto:
+                raise ValueError(f"KVCache: the mesh's {tp_axis!r} axis must be AxisType.Auto (as "
+                                 f"mtjax.sharding's meshes are); got {mesh.axis_types}")
             if kv_heads % mesh.shape[tp_axis]:
                 raise ValueError(f"KVCache: num_kv_heads={kv_heads} is not divisible by the mesh's {tp_axis!r} axis "
                                  f"({mesh.shape[tp_axis]} devices)")
@@ -103,7 +106,9 @@ class KVCache:
         def make(shape):
             # The key/value-head axis is the first of a layer's pages, second under a scanned stack.
             head_axis = len(shape.shape) - 4 if len(shape.shape) >= 4 else len(shape.shape) - 1
-            sharding = None
+            # Committed to a device from the start, as the pages every call returns (an uncommitted
+            # first cache would make the second call compile again).
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             if mesh is not None:
                 spec = [None] * len(shape.shape)
                 spec[head_axis] = tp_axis
