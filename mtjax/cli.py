@@ -1,4 +1,4 @@
-"""The ``mtjax`` command: ``mtjax info`` | ``mtjax train`` | ``mtjax generate`` | ``mtjax bench``.
+"""The ``mtjax`` command: ``mtjax info`` | ``mtjax train`` | ``mtjax generate`` | ``mtjax bench`` | ``mtjax serve``.
 
 Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 """
@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
     "generate": ("mtjax.train.generate", "continue a prompt from a checkpoint"),
     "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
+    "serve": ("mtjax.inference.server", "serve a checkpoint over HTTP (OpenAI-compatible /v1/completions)"),
 }
 
 
