@@ -13,6 +13,11 @@ float32 dequantization scale beside it (in the ``params`` collection, as ``weigh
 - ``mode="dequantize"``: weight-only; the FP8 kernel is widened to the compute dtype inside the dot
   (what XLA does with that, a fused convert or a widened copy, depends on its GEMM emitter).
 
+The FP8 kernels are stored transposed, output axes first (``[*layers, *out, *in]``): the FP8
+tensor-core GEMM (cuBLASLt's, and Hopper's FP8 MMA) takes both operands with the contracted axis
+innermost, and an input parameter in ``[in, out]`` order would be copied into that layout on every
+call. The model's ``apply`` transposes them back logically, which XLA folds into the GEMM.
+
 Scales (``granularity``): ``"channel"``, one per output element of the kernel (the absolute maximum
 over its contracted axes, the default), or ``"tensor"``, one per kernel (per layer when stacked).
 Embeddings, norms and biases stay as they are; so does a tied output projection (``Embed.attend``).
@@ -26,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -61,6 +67,18 @@ class Gemm:
     scale_path: tuple[str, ...]
     in_axes: int
     layer_axes: int
+
+    def stored_order(self, ndim: int) -> tuple[int, ...]:
+        """The axis permutation from the model's kernel layout to the stored one (output axes first)."""
+        layers = tuple(range(self.layer_axes))
+        contracted = tuple(range(self.layer_axes, self.layer_axes + self.in_axes))
+        out = tuple(range(self.layer_axes + self.in_axes, ndim))
+        return layers + out + contracted
+
+    def model_order(self, ndim: int) -> tuple[int, ...]:
+        """The inverse of `stored_order`."""
+        order = self.stored_order(ndim)
+        return tuple(order.index(i) for i in range(ndim))
 
 
 def _unbox(x: Any) -> Any:
@@ -152,20 +170,43 @@ def quantize_kernel(kernel: jax.Array, *, in_axes: int, layer_axes: int = 0,
     return q, scale
 
 
+def _permute_box(boxed: Any, value: jax.Array, order: tuple[int, ...]) -> Any:
+    """``value`` in ``boxed``'s logical-axis box, its axis names permuted by ``order``."""
+    if not isinstance(boxed, nn.meta.AxisMetadata):
+        return value
+    if getattr(boxed, "names", None) is not None:
+        return dataclasses.replace(boxed, value=value, names=tuple(boxed.names[i] for i in order))
+    return boxed.replace_boxed(value)
+
+
 def quantize_params(params: Mapping[str, Any], gemms: Sequence[Gemm], *,
                     granularity: str = "channel") -> dict[str, Any]:
-    """``params`` with the kernels of ``gemms`` in FP8 E4M3 and their ``weight_scale`` added (boxed
-    parameters keep their logical-axis boxes)."""
+    """``params`` with the kernels of ``gemms`` in FP8 E4M3, stored output axes first
+    (`Gemm.stored_order`), and their ``weight_scale`` added (boxed parameters keep their boxes)."""
+    out = dict(params)
+
+    @functools.partial(jax.jit, static_argnames=("gemm", "granularity"))
+    def quantize(kernel, gemm, granularity):
+        q, scale = quantize_kernel(kernel, in_axes=gemm.in_axes, layer_axes=gemm.layer_axes, granularity=granularity)
+        return jnp.transpose(q, gemm.stored_order(q.ndim)), scale
+
+    for gemm in gemms:
+        boxed = _get(params, gemm.kernel_path)
+        q, scale = quantize(_unbox(boxed), gemm, granularity)
+        out = _set(out, gemm.kernel_path, _permute_box(boxed, q, gemm.stored_order(q.ndim)))
+        out = _set(out, gemm.scale_path, scale)
+    return out
+
+
+def model_layout(params: Mapping[str, Any], gemms: Sequence[Gemm]) -> dict[str, Any]:
+    """``params`` of `quantize_params` with the FP8 kernels transposed back to the model's layout (a
+    logical transpose inside a traced step, which XLA folds into the GEMMs)."""
     out = dict(params)
     for gemm in gemms:
         boxed = _get(params, gemm.kernel_path)
         kernel = _unbox(boxed)
-        q, scale = jax.jit(quantize_kernel, static_argnames=("in_axes", "layer_axes", "granularity"))(
-            kernel, in_axes=gemm.in_axes, layer_axes=gemm.layer_axes, granularity=granularity)
-        if isinstance(boxed, nn.meta.AxisMetadata):
-            q = boxed.replace_boxed(q)
-        out = _set(out, gemm.kernel_path, q)
-        out = _set(out, gemm.scale_path, scale)
+        order = gemm.model_order(kernel.ndim)
+        out = _set(out, gemm.kernel_path, _permute_box(boxed, jnp.transpose(kernel, order), order))
     return out
 
 
@@ -221,11 +262,13 @@ def _fp8_weights_class(cls: type) -> type:
     """A subclass of the model class whose ``apply`` runs under `fp8_weights_interceptor`."""
 
     def apply(self, variables, *args, **kwargs):
+        variables = {**variables, "params": model_layout(variables["params"], self.fp8_gemms)}
         with nn.intercept_methods(fp8_weights_interceptor(self.fp8_weights_mode)):
             return cls.apply(self, variables, *args, **kwargs)
 
     return type(f"FP8Weights{cls.__name__}", (cls,), {
-        "__module__": __name__, "__annotations__": {"fp8_weights_mode": str}, "fp8_weights_mode": "fp8_gemm",
+        "__module__": __name__, "__annotations__": {"fp8_weights_mode": str, "fp8_gemms": tuple},
+        "fp8_weights_mode": "fp8_gemm", "fp8_gemms": (),
         "apply": nn.nowrap(apply),
         "__doc__": f"`{cls.__name__}` whose GEMMs read FP8 kernels (`mtjax.inference.fp8_weights`).",
     })
@@ -238,7 +281,7 @@ def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity
                      mode: str = "fp8_gemm", example_args: Sequence[Any] = ()) -> tuple[nn.Module, dict[str, Any]]:
     """``(model_fp8, params_fp8)``: ``model`` (a subclass instance with the same fields, so it is still
     e.g. a `mtjax.models.GPT`) whose ``apply`` runs the GEMMs on FP8 kernels, and ``params`` with those
-    kernels quantized (module docstring).
+    kernels quantized and stored transposed (module docstring): use them with ``model_fp8.apply`` only.
 
     Args:
       model: a flax module whose projections go through `mtjax.fp8.DotGeneral` (every mtjax model).
@@ -261,4 +304,5 @@ def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity
     if base not in _classes:
         _classes[base] = _fp8_weights_class(base)
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init and f.name not in ("parent", "name")}
-    return _classes[base](**fields, fp8_weights_mode=mode), quantize_params(params, gemms, granularity=granularity)
+    model8 = _classes[base](**fields, fp8_weights_mode=mode, fp8_gemms=tuple(gemms))
+    return model8, quantize_params(params, gemms, granularity=granularity)

@@ -63,9 +63,13 @@ def test_kernels_are_fp8_and_scales_fit():
     assert layer["self_attention"]["out"]["dot_general"]["weight_scale"].shape == (64,)
     assert layer["self_attention"]["kv"]["dot_general"]["weight_scale"].shape == (2, 2, 16)
     assert jax.tree.leaves(params8["token_embed"])[0].dtype == jnp.float32  # embeddings untouched
-    # Dequantized kernels are within E4M3 rounding (2**-4 relative) of the originals.
+    # Stored output axes first: wo [mlp, hidden] as [hidden, mlp], out [heads, head_dim, embed] as [embed, heads, head_dim].
     w = jax.tree.leaves(params["layers_0"]["mlp"]["wo_kernel"])[0]
     w8 = jax.tree.leaves(layer["mlp"]["wo_kernel"])[0]
+    assert w8.shape == w.shape[::-1]
+    assert jax.tree.leaves(layer["self_attention"]["out"]["kernel"])[0].shape == (64, 4, 16)
+    w8 = w8.T
+    # Dequantized kernels are within E4M3 rounding (2**-4 relative) of the originals.
     s = layer["mlp"]["wo_dot_general"]["weight_scale"]
     np.testing.assert_allclose(np.asarray(w8.astype(jnp.float32) * s), np.asarray(w), rtol=2**-4, atol=float(s.max()) * 2**-9)
 
@@ -97,3 +101,13 @@ def test_errors():
     model8, params8 = fp8_weights.quantize_weights(model, params)
     with pytest.raises(ValueError, match="already"):
         fp8_weights.quantize_weights(model8, params8)
+
+
+def test_engine_option():
+    from mtjax.inference import Engine, SamplingParams
+
+    model, params, _ = tiny()
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9]]
+    want = Engine(model, params, max_slots=2).generate(prompts, SamplingParams(max_tokens=4))
+    got = Engine(model, params, max_slots=2, weights="fp8").generate(prompts, SamplingParams(max_tokens=4))
+    assert got == want  # greedy tokens of this model are far from ties: FP8 rounding does not change them
