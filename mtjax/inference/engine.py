@@ -28,7 +28,7 @@ from mtjax.flax.attention import E4M3_MAX
 from mtjax.inference.kv_cache import SCRATCH_PAGE, KVCache, resolve_kv_dtype
 from mtjax.inference.sampling import SamplingParams, request_key, sample
 from mtjax.inference.scheduler import PrefillChunk, Request, RequestStatus, Scheduler
-from mtjax.models import GPT
+from mtjax.models import GPT, unstack_layers
 
 WEIGHT_FORMATS = (None, "fp8")
 
@@ -68,7 +68,7 @@ class Engine:
 
     Args:
       model: a `mtjax.models.GPT` (any preset: learned or rotary positions, GQA, tied or untied
-        output, scanned or unrolled layers).
+        output, scanned or unrolled layers; a scanned stack runs unrolled, `mtjax.models.unstack_layers`).
       params: its parameters (``init(...)["params"]``, boxed or not).
       max_slots: requests decoded together (the decode batch; fixed, so the decode compiles once).
       page_size: tokens per cache page.
@@ -118,6 +118,9 @@ class Engine:
             raise ValueError(f"Engine: num_pages={num_pages!r}; expected an int >= 2 (page 0 is scratch)")
 
         params = nn.meta.unbox(params)
+        if cfg.scan_layers:  # scanned, every step would copy each layer's pages through the scan
+            params = unstack_layers(params, cfg.num_layers)
+            model = GPT(dataclasses.replace(cfg, scan_layers=False))
         if weights == "fp8":
             from mtjax.inference.fp8_weights import quantize_weights
             model, params = quantize_weights(model, params)

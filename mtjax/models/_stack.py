@@ -98,3 +98,19 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
     for i in range(num_layers):
         carry, _ = block(name=f"layers_{i}", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
     return carry
+
+
+def unstack_layers(params: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The parameters of a scanned stack (``layers/...`` with a leading layer axis) as an unrolled
+    stack's (``layers_{i}/...``): the same model with ``scan_layers=False`` computes the same thing.
+
+    Inference unrolls: a scanned stack would carry each layer's cache pages through the scan and
+    copy them every step."""
+    params = dict(params)
+    if LAYERS_AXIS not in params:
+        raise ValueError(f"unstack_layers: params have no {LAYERS_AXIS!r} entry (not a scanned stack); "
+                         f"top-level keys: {sorted(params)}")
+    stacked = nn.meta.unbox(params.pop(LAYERS_AXIS))
+    for i in range(num_layers):
+        params[f"{LAYERS_AXIS}_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params

@@ -19,7 +19,8 @@ CONFIGS = {
     "learned-mha-untied-unrolled": dict(position_embedding="learned", num_kv_heads=None, tie_embeddings=False,
                                         scan_layers=False, layernorm_type="layernorm", activations=("gelu",)),
 }
-ENGINE = dict(max_slots=4, page_size=4, decode_steps=4, prefill_chunk=16, prefill_buckets=(8,), max_prefill_tokens=16)
+# One prefill length and batch size: two prefill compilations (whole prompt, chunk) and one decode.
+ENGINE = dict(max_slots=4, page_size=4, decode_steps=4, prefill_chunk=8, max_prefill_tokens=8)
 
 
 def make_model(name):
@@ -77,7 +78,7 @@ def setup(request):
 
 def test_greedy_batch_of_ragged_prompts_equals_full_recompute(setup):
     engine, reference = setup
-    # 23 > prefill_chunk: prefilled in two chunks; 16 = one whole chunk; the rest pad to 8.
+    # 23 and 16 > prefill_chunk: prefilled in chunks (the last overlapping); the rest pad to 8.
     prompts = prompts_of([1, 5, 23, 16, 7])
     max_tokens = [8, 3, 8, 6, 5]
     with count_compilations() as compiled:
@@ -212,10 +213,11 @@ def test_fp8_kv_engine_follows_the_float_engine():
     engine.calibrate_kv_scales(prompts)
     out = engine.generate(prompts, SamplingParams(max_tokens=8))
     want = [reference(p, 8) for p in prompts]
-    # Greedy decoding of a sensitive random model diverges once a near-tie flips; FP8 pages keep
-    # most leading tokens (the logits themselves are compared in test_paged_model.py).
-    agree = np.mean([g[:4] == w[:4] for g, w in zip(out, want)])
-    assert agree >= 2 / 3
+    # Greedy decoding of this deliberately sensitive random model diverges once a near-tie flips;
+    # with calibrated FP8 pages the first tokens agree (the logits themselves are compared in
+    # test_paged_model.py).
+    prefix = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(out, want)]
+    assert min(prefix) >= 1 and np.mean(prefix) >= 3, prefix
 
 
 def test_tensor_parallel_kv_heads_on_a_mesh():
@@ -224,7 +226,7 @@ def test_tensor_parallel_kv_heads_on_a_mesh():
     mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     engine = Engine(model, params, **{**ENGINE, "max_slots": 2}, mesh=mesh)
     leaf = jax.tree.leaves(engine.cache.pages)[0]
-    assert leaf.sharding.spec[1] == "tp"  # [layers, kv_heads, ...] under scan_layers
+    assert leaf.sharding.spec[0] == "tp"  # [kv_heads, num_pages, page_size, head_dim]
     prompts = prompts_of([5, 9], seed=7)
     out = engine.generate(prompts, SamplingParams(max_tokens=5))
     assert out == [reference(p, 5) for p in prompts]
