@@ -40,6 +40,9 @@ PAGE_DTYPES = Q_DTYPES + tuple(jnp.dtype(d) for d in FP8_DTYPES)
 _MIN_TILE = 16  # the smallest tile tl.dot accepts
 # Programs to aim for when choosing the context split: a few per SM of an H100/H200 (132 SMs).
 TARGET_PROGRAMS = 528
+# Fewest keys one split gets: below this a program's fixed costs (its query tile, the partial result
+# written and merged) outweigh its share of the reads.
+MIN_KEYS_PER_SPLIT = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,7 @@ class DecodeBlocks:
       block_rows: the most query rows (``q_len * groups``) one program holds; more rows take several
         programs per KV head.
       num_splits: context splits per (sequence, KV head); ``None``: enough for `TARGET_PROGRAMS`
-        programs, and none for contexts of a single step.
+        programs, with at least `MIN_KEYS_PER_SPLIT` keys each.
       num_warps, num_stages: Triton launch parameters.
     """
 
@@ -221,7 +224,8 @@ def paged_attention(
     pages_per_seq = block_tables.shape[1]
     num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
     if blocks.num_splits is None:
-        num_splits = min(num_blocks, max(1, pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * num_row_blocks)))
+        wanted = pl.cdiv(TARGET_PROGRAMS, batch * kv_heads * num_row_blocks)
+        num_splits = max(1, min(wanted, pages_per_seq * page_size // MIN_KEYS_PER_SPLIT, num_blocks))
     else:
         num_splits = max(1, min(blocks.num_splits, num_blocks))
     pages_per_split = pl.cdiv(num_blocks, num_splits) * pages_per_block

@@ -499,39 +499,6 @@ class CompletionServer:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: str | os.PathLike, step: int | None = None) -> tuple[Any, Any, Any]:
-    """``(model, params, tokenizer)`` of a ``mtjax train`` run (its ``--workdir`` or ``checkpoints/``).
-
-    Raises:
-      FileNotFoundError: no such folder or no checkpoint in it.
-    """
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-
-    from mtjax.models import GPT
-    from mtjax.train.checkpoint import Checkpointer
-    from mtjax.train.cli import RunConfig
-    from mtjax.train.tokenizer import load_tokenizer
-
-    directory = os.fspath(path)
-    if os.path.isdir(os.path.join(directory, "checkpoints")):
-        directory = os.path.join(directory, "checkpoints")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--checkpoint {os.fspath(path)!r}: no such folder")
-    with Checkpointer(directory) as checkpointer:
-        meta = checkpointer.restore_meta(step)
-        run_config = RunConfig(**meta["run"])
-        model = GPT(run_config.model_config())
-        tokenizer = load_tokenizer(run_config.tokenizer)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                nn.meta.unbox(shapes["params"]))
-        params = checkpointer.restore_params(abstract, step)
-    return model, params, tokenizer
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="the --workdir of a `mtjax train` run (or its checkpoints/)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
@@ -555,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("mtjax serve: error: needs aiohttp (pip install 'mtjax[serve]')", file=sys.stderr)
         return 2
+    from mtjax.inference.cli import load_checkpoint
     from mtjax.inference.engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

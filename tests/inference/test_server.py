@@ -24,7 +24,8 @@ from mtjax.train.cli import RunConfig
 from mtjax.train.state import init_train_state
 
 from mtjax.inference import Engine, SamplingParams
-from mtjax.inference.server import Completion, load_checkpoint
+from mtjax.inference.cli import load_checkpoint
+from mtjax.inference.server import Completion
 
 MAX_SLOTS, DECODE_STEPS, EOS = 4, 2, 256  # the byte tokenizer's end of document
 PROMPTS = [[5, 6, 7], [100, 3, 3, 9, 250, 1, 2], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [300, 301], [1, 2, 3, 4]]
