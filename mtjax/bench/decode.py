@@ -7,7 +7,8 @@ Rows (suite ``decode``; every one that fails records its error in the table and 
 - ``decode <model> b<batch> ctx<context>``: ms per decoded token of the whole batch, for
   ``mtjax bf16`` (the peer of the case), ``mtjax fp8 weights``, ``mtjax fp8 kv``; the decode loop the
   engine runs (greedy, ``DECODE_STEPS`` tokens per dispatch, the cache donated) on a cache filled to
-  ``context`` tokens per sequence. ``bytes`` counts the weights plus the KV-cache read per step, so
+  ``context`` tokens per sequence (and ``mtjax fp8 weights dequantize``, weight-only FP8, at batch 1
+  and 8). ``bytes`` counts the weights plus the KV-cache read per step, so
   ``of ceiling`` is the fraction of the memory roofline (the measured copy bandwidth). Also the old
   token-at-a-time loop (one jitted call per token over a dense cache, batch 1) and HF transformers +
   torch eager with its dynamic cache (same shapes, random weights, no downloads) where installed.
@@ -203,16 +204,19 @@ def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
     cfg = model.config
     made: dict[str, Any] = {}
 
-    def fp8_model():
-        if "fp8" not in made:
-            made["fp8"] = quantize_weights(model, params)
-        return made["fp8"]
+    def fp8_model(mode):
+        if mode not in made:
+            made[mode] = quantize_weights(model, params, mode=mode)
+        return made[mode]
 
     variants = [("mtjax bf16", lambda: (model, params), cfg.dtype),
-                ("mtjax fp8 weights", fp8_model, cfg.dtype),
+                ("mtjax fp8 weights", lambda: fp8_model("fp8_gemm"), cfg.dtype),
+                ("mtjax fp8 weights dequantize", lambda: fp8_model("dequantize"), cfg.dtype),
                 ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn)]
     for batch in sizes.batches:
         for label, make, kv_dtype in variants:
+            if label.endswith("dequantize") and batch > 8:
+                continue  # weight-only FP8 is a small-batch option: larger batches are compute-bound
             per_token = 2 * cfg.num_layers * cfg.resolved_num_kv_heads * cfg.resolved_head_dim * jnp.dtype(kv_dtype).itemsize
             fits = [c for c in sizes.contexts if not memory or per_token * batch * c <= CACHE_MEMORY_FRACTION * memory]
             for context in sizes.contexts:

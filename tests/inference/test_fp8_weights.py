@@ -111,3 +111,18 @@ def test_engine_option():
     want = Engine(model, params, max_slots=2).generate(prompts, SamplingParams(max_tokens=4))
     got = Engine(model, params, max_slots=2, weights="fp8").generate(prompts, SamplingParams(max_tokens=4))
     assert got == want  # greedy tokens of this model are far from ties: FP8 rounding does not change them
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemms_read_the_stored_kernels_without_copies():
+    """On the GPU the FP8 GEMMs take the stored (output-axes-first) kernels as they are: the compiled
+    step has FP8 GEMMs and no transpose or copy of an FP8 parameter."""
+    model = GPT(gpt_config("tiny", hidden_size=256, mlp_dim=1024, num_heads=4, num_kv_heads=2, dtype=jnp.bfloat16))
+    tokens = jnp.zeros((8, 1), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    model8, params8 = fp8_weights.quantize_weights(model, params)
+    text = jax.jit(lambda p, t: model8.apply({"params": p}, t)).lower(params8, tokens).compile().as_text()
+    lines = text.splitlines()
+    assert any("f8e4m3fn" in line and ("custom-call" in line or "fusion" in line) for line in lines)
+    copies = [line for line in lines if "f8e4m3fn[" in line and (" transpose(" in line or " copy(" in line)]
+    assert not copies, "\n".join(copies[:10])

@@ -188,22 +188,26 @@ def test_kernel_declines_unsupported():
 # -------------------------------------------------------------------------------------------------- cuda lowering
 
 
-@pytest.mark.parametrize("q_len,groups,page_dtype,page_size,options", [
-    (1, 4, jnp.bfloat16, 16, {}),
-    (1, 8, jnp.float8_e4m3fn, 32, {"logits_soft_cap": 30.0}),
-    (4, 4, jnp.bfloat16, 16, {"window_size": (100, 0)}),  # chunked prefill rows, two row blocks
+@pytest.mark.parametrize("q_len,groups,page_dtype,page_size,head_dim,options", [
+    (1, 4, jnp.bfloat16, 16, 128, {}),
+    (1, 4, jnp.bfloat16, 64, 64, {}),  # one page per loop step
+    (1, 8, jnp.float8_e4m3fn, 32, 128, {"logits_soft_cap": 30.0}),
+    (4, 4, jnp.bfloat16, 16, 128, {"window_size": (100, 0)}),  # chunked prefill rows
+    (1, 2, jnp.float8_e5m2, 16, 256, {}),
 ])
-def test_lowers_for_cuda(q_len, groups, page_dtype, page_size, options, monkeypatch):
+def test_lowers_for_cuda(q_len, groups, page_dtype, page_size, head_dim, options, monkeypatch):
     """The Triton lowering for an H200, on the CPU, with the module run through the MLIR verifier."""
     lower_module = triton_lowering.lower_jaxpr_to_triton_module
+    lowered = []
 
     def lower_and_verify(*args, **kwargs):
         result = lower_module(*args, **kwargs)
         result.module.operation.verify()
+        lowered.append(result)
         return result
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
-    batch, kv_heads, head_dim, num_pages, pages_per_seq = 3, 2, 128, 64, 40
+    batch, kv_heads, num_pages, pages_per_seq = 3, 2, 64, 40
     q = jax.ShapeDtypeStruct((batch, q_len, kv_heads * groups, head_dim), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((kv_heads, num_pages, page_size, head_dim), page_dtype)
     tables = jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32)
@@ -219,6 +223,7 @@ def test_lowers_for_cuda(q_len, groups, page_dtype, page_size, options, monkeypa
     with backend.abstract_gpu():
         text = jax.jit(f).trace(q, pages, pages, tables, lengths, *scales).lower(lowering_platforms=("cuda",)).as_text()
     assert "mtjax_paged_attention" in text
+    assert lowered  # the kernel went through the Triton lowering and the verifier
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
