@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax._src.pallas.triton import lowering as triton_lowering
 from mtjax.kernels import paged_attention as pa
 
@@ -176,6 +178,24 @@ def test_dispatch_uses_kernel_in_interpret_mode(interpret):
     want = ops.paged_attention(*args, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     got = ops.paged_attention(*args, implementation="pallas_triton")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    q_len=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2, 4]),
+    page_size=st.sampled_from([4, 8, 16]),
+    num_splits=st.sampled_from([None, 1, 2, 3]),
+    left=st.sampled_from([None, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_kernel_matches_reference(lengths, q_len, kv_heads, groups, page_size, num_splits, left, seed):
+    args = make_case(seed, lengths=lengths, q_len=q_len, kv_heads=kv_heads, groups=groups, page_size=page_size)
+    blocks = pa.DecodeBlocks(block_k=max(16, page_size), block_rows=16, num_splits=num_splits)
+    got = kernel(*args, blocks=blocks, window_left=left)
+    want = ops.paged_attention(*args, window_size=None if left is None else (left, 0), implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
