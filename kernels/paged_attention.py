@@ -31,12 +31,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from mtjax.kernels._common import FP8_DTYPES, MAX_ELEMENTS
+
+from mtjax.kernels.common import KERNEL_FP8_DTYPES, MAX_ELEMENTS
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-PAGE_DTYPES = Q_DTYPES + tuple(jnp.dtype(d) for d in FP8_DTYPES)
+PAGE_DTYPES = Q_DTYPES + tuple(jnp.dtype(d) for d in KERNEL_FP8_DTYPES)
 _MIN_TILE = 16  # the smallest tile tl.dot accepts
 # Programs to aim for when choosing the context split: a few per SM of an H100/H200 (132 SMs).
 TARGET_PROGRAMS = 528
@@ -212,7 +213,7 @@ def paged_attention(
     reason = unsupported(q.shape, k_pages.shape, q.dtype, k_pages.dtype, blocks)
     if reason is not None:
         raise ValueError(f"paged_attention kernel: unsupported {reason}")
-    fp8 = jnp.dtype(k_pages.dtype) in [jnp.dtype(d) for d in FP8_DTYPES]
+    fp8 = jnp.dtype(k_pages.dtype) in [jnp.dtype(d) for d in KERNEL_FP8_DTYPES]
     if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         raise ValueError("paged_attention kernel: k_scale and v_scale go with FP8 pages, and only with them")
     groups = heads // kv_heads

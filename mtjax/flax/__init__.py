@@ -1,12 +1,18 @@
 """Flax linen modules with TransformerEngine-JAX names, built on `mtjax.ops` and `mtjax.fp8.DotGeneral`.
 
 Every parameter carries logical axis names and every ``[batch, length, ...]`` activation a logical
-constraint (names in the README's "Flax modules" section); without a mesh and rules they are no-ops.
+constraint (the names of `mtjax.axes`); without a mesh and rules they are no-ops.
 """
 
 from mtjax.flax.attention import (
-    ATTN_BIAS_TYPES, PAGED_KV_COLLECTION, ROTARY_GROUP_METHODS, DotProductAttention, MultiHeadAttention, PagedKV,
-    RelativePositionBiases, apply_rotary_pos_emb,
+    ATTN_BIAS_TYPES,
+    PAGED_KV_COLLECTION,
+    ROTARY_GROUP_METHODS,
+    DotProductAttention,
+    MultiHeadAttention,
+    PagedKV,
+    RelativePositionBiases,
+    apply_rotary_pos_emb,
 )
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from mtjax.flax.embedding import Embed
@@ -15,7 +21,8 @@ from mtjax.flax.normalization import LAYERNORM_TYPES, LayerNorm
 from mtjax.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
-    "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "PAGED_KV_COLLECTION", "ROTARY_GROUP_METHODS", "DenseGeneral", "DotProductAttention", "Embed",
+    "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "PAGED_KV_COLLECTION", "ROTARY_GROUP_METHODS", "DenseGeneral",
+    "DotProductAttention", "Embed",
     "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "PagedKV", "RelativePositionBiases",
     "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb",
 ]

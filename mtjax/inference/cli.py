@@ -14,18 +14,7 @@ import os
 import sys
 from typing import Any
 
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
+from mtjax.cli_args import non_negative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,15 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the --workdir of a training run (or its checkpoints/ folder)")
     parser.add_argument("--prompt", required=True, action="append", help="text to continue (repeat for a batch)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=100,
+    parser.add_argument("--max-new-tokens", type=positive_int, default=100,
                         help="new tokens per prompt, up to the model's context (default 100)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token (default 0.8)")
-    parser.add_argument("--top-k", type=_int_at_least(0), default=40, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--top-k", type=non_negative_int, default=40, help="sample among the k likeliest (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    parser.add_argument("--seed", type=_int_at_least(0), default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--kv-dtype", default=None, help="cache dtype: bfloat16, float16, float32 or fp8 "
                         "(default: the model's compute dtype)")
-    parser.add_argument("--page-size", type=_int_at_least(1), default=16, help="tokens per cache page (default 16)")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per cache page (default 16)")
 
 
 def load_checkpoint(checkpoint: str, step: int | None = None) -> tuple[Any, Any, Any]:

@@ -88,11 +88,11 @@ class Engine:
       max_stop_tokens: most stop tokens of one request.
     """
 
-    def __init__(self, model: GPT, params: Any, *, max_slots: int = 8, page_size: int = 16, num_pages: int | None = None,
-                 max_seq_len: int | None = None, kv_dtype: Any = None, weights: str | None = None,
-                 mesh: Mesh | None = None, tp_axis: str = "tp", decode_steps: int = 8, prefill_chunk: int | None = None,
-                 prefill_buckets: Sequence[int] | None = None, max_prefill_tokens: int | None = None,
-                 max_stop_tokens: int = 8):
+    def __init__(self, model: GPT, params: Any, *, max_slots: int = 8, page_size: int = 16,
+                 num_pages: int | None = None, max_seq_len: int | None = None, kv_dtype: Any = None,
+                 weights: str | None = None, mesh: Mesh | None = None, tp_axis: str = "tp", decode_steps: int = 8,
+                 prefill_chunk: int | None = None, prefill_buckets: Sequence[int] | None = None,
+                 max_prefill_tokens: int | None = None, max_stop_tokens: int = 8):
         if not isinstance(model, GPT):
             raise TypeError(f"Engine: model must be a mtjax.models.GPT; got {type(model).__name__}")
         cfg = model.config
@@ -100,7 +100,8 @@ class Engine:
             raise ValueError(f"Engine: weights={weights!r} is not supported; accepted: None, 'fp8'")
         max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
         if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= cfg.max_seq_len:
-            raise ValueError(f"Engine: max_seq_len={max_seq_len!r}; expected 1 .. the model's max_seq_len={cfg.max_seq_len}")
+            raise ValueError(f"Engine: max_seq_len={max_seq_len!r}; expected 1 .. the model's "
+                             f"max_seq_len={cfg.max_seq_len}")
         for name, value in (("max_slots", max_slots), ("page_size", page_size), ("decode_steps", decode_steps),
                             ("max_stop_tokens", max_stop_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -111,7 +112,8 @@ class Engine:
         buckets = _powers_of_two(min(16, prefill_chunk), prefill_chunk) if prefill_buckets is None else sorted(
             set(prefill_buckets) | {prefill_chunk})
         if buckets[0] < 1 or buckets[-1] > prefill_chunk:
-            raise ValueError(f"Engine: prefill_buckets={prefill_buckets!r}; expected lengths 1 .. prefill_chunk={prefill_chunk}")
+            raise ValueError(f"Engine: prefill_buckets={prefill_buckets!r}; expected lengths 1 .. "
+                             f"prefill_chunk={prefill_chunk}")
         max_pages_per_seq = -(-max_seq_len // page_size)
         num_pages = max_slots * max_pages_per_seq + 1 if num_pages is None else num_pages
         if not isinstance(num_pages, int) or num_pages < 2:
@@ -153,8 +155,9 @@ class Engine:
 
     # -- device functions ------------------------------------------------------------------------
     def _forward(self, params, pages, tokens, positions, view, logits_index=None):
-        logits, variables = self.model.apply({"params": params, PAGED_KV_COLLECTION: pages}, tokens, positions=positions,
-                                             paged_kv=view, logits_index=logits_index, mutable=[PAGED_KV_COLLECTION])
+        logits, variables = self.model.apply({"params": params, PAGED_KV_COLLECTION: pages}, tokens,
+                                             positions=positions, paged_kv=view, logits_index=logits_index,
+                                             mutable=[PAGED_KV_COLLECTION])
         pages = jax.lax.with_sharding_constraint(variables[PAGED_KV_COLLECTION], self._page_shardings)
         return logits, pages
 
@@ -177,7 +180,8 @@ class Engine:
 
         def body(i, carry):
             pages, tokens, lengths, active, generated, out = carry
-            page = jnp.take_along_axis(block_tables, jnp.minimum(lengths // page_size, last_page)[:, None], axis=1)[:, 0]
+            page_index = jnp.minimum(lengths // page_size, last_page)[:, None]
+            page = jnp.take_along_axis(block_tables, page_index, axis=1)[:, 0]
             slot = jnp.where(active, page * page_size + lengths % page_size, SCRATCH_PAGE * page_size)
             view = self._view(block_tables, jnp.where(active, lengths + 1, 0), slot[:, None], False)
             positions = jnp.where(active, lengths, 0)[:, None]
@@ -208,10 +212,11 @@ class Engine:
         if not prompt:
             raise ValueError("Engine.add_request: the prompt is empty; expected at least one token id")
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"Engine.add_request: prompt token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+            raise ValueError(f"Engine.add_request: prompt token ids must be in [0, {vocab}); got "
+                             f"{min(prompt)}..{max(prompt)}")
         if len(prompt) + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"Engine.add_request: the prompt ({len(prompt)} tokens) plus max_tokens={params.max_tokens} "
-                             f"exceed max_seq_len={self.max_seq_len}: ask for at most "
+            raise ValueError(f"Engine.add_request: the prompt ({len(prompt)} tokens) plus "
+                             f"max_tokens={params.max_tokens} exceed max_seq_len={self.max_seq_len}: ask for at most "
                              f"{max(self.max_seq_len - len(prompt), 0)} new tokens")
         needed = self.cache.pages_for(len(prompt) + params.max_tokens - 1)
         if needed > self.cache.num_pages - 1:
@@ -357,7 +362,8 @@ class Engine:
         """Groups chunks by kind and padded length into batches of the compiled sizes."""
         groups: dict[tuple[bool, int], list[PrefillChunk]] = collections.defaultdict(list)
         for chunk in chunks:
-            length = self.prefill_chunk if not chunk.whole else next(b for b in self.prefill_buckets if b >= chunk.length)
+            length = (next(b for b in self.prefill_buckets if b >= chunk.length) if chunk.whole
+                      else self.prefill_chunk)
             groups[(chunk.whole, length)].append(chunk)
         for (whole, length), group in groups.items():
             largest = self.prefill_batch_sizes[length][-1]

@@ -36,7 +36,8 @@ def resolve_kv_dtype(kv_dtype: Any, model_dtype: Any) -> jnp.dtype:
         dtype = None
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32),
                      jnp.dtype(jnp.float8_e4m3fn)):
-        raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; accepted: None (the model dtype), {', '.join(KV_DTYPES)}")
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not supported; accepted: None (the model dtype), "
+                         f"{', '.join(KV_DTYPES)}")
     return dtype
 
 
@@ -170,7 +171,8 @@ class KVCache:
         def replace(path, leaf):
             name = getattr(path[-1], "key", None)
             if name in ("k_scale", "v_scale"):
-                value = jnp.broadcast_to(jnp.asarray(k_scale if name == "k_scale" else v_scale, jnp.float32), leaf.shape)
+                given = k_scale if name == "k_scale" else v_scale
+                value = jnp.broadcast_to(jnp.asarray(given, jnp.float32), leaf.shape)
                 return jax.device_put(value, leaf.sharding)
             return leaf
 

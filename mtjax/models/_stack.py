@@ -10,13 +10,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import ops
+from mtjax import axes, ops
 from mtjax.flax import TransformerLayer
 from mtjax.flax.attention import CACHE_COLLECTION, PAGED_KV_COLLECTION, PagedKV
 from mtjax.fp8 import FP8_COLLECTION
 
 # The logical axis name of a scanned stack's leading layer axis (its parameters' first dimension).
-LAYERS_AXIS = "layers"
 
 # name -> jax.checkpoint policy (what the backward pass may keep instead of recomputing); "none": no remat.
 REMAT_POLICIES: dict[str, Any] = {
@@ -89,7 +88,7 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
             split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
-            metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )
         carry = (x, jnp.zeros_like(x)) if defer else x
         carry, _ = stack(name="layers", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
@@ -107,10 +106,10 @@ def unstack_layers(params: Mapping[str, Any], num_layers: int) -> dict[str, Any]
     Inference unrolls: a scanned stack would carry each layer's cache pages through the scan and
     copy them every step."""
     params = dict(params)
-    if LAYERS_AXIS not in params:
-        raise ValueError(f"unstack_layers: params have no {LAYERS_AXIS!r} entry (not a scanned stack); "
+    if "layers" not in params:
+        raise ValueError(f"unstack_layers: params have no 'layers' entry (not a scanned stack); "
                          f"top-level keys: {sorted(params)}")
-    stacked = nn.meta.unbox(params.pop(LAYERS_AXIS))
+    stacked = nn.meta.unbox(params.pop("layers"))
     for i in range(num_layers):
-        params[f"{LAYERS_AXIS}_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
     return params

@@ -26,13 +26,13 @@ import jax.numpy as jnp
 
 from mtjax import backend
 from mtjax.kernels import paged_attention as paged_attention_kernel
-from mtjax.kernels._common import FP8_DTYPES
-from mtjax.kernels._common import interpret as kernel_interpret
-from mtjax.ops._checks import check_float, check_rank
+from mtjax.kernels.common import KERNEL_FP8_DTYPES
+from mtjax.kernels.common import interpret as kernel_interpret
+from mtjax.ops.checks import check_float, check_rank
 from mtjax.ops.softmax import masked_softmax
 
 PAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)) + tuple(
-    jnp.dtype(d) for d in FP8_DTYPES)
+    jnp.dtype(d) for d in KERNEL_FP8_DTYPES)
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array, page_scale: jax.Array | None) -> jax.Array:
@@ -82,7 +82,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 
 def _check_page_scale(op: str, name: str, page_scale, pages: jax.Array) -> jax.Array | None:
-    is_fp8 = jnp.dtype(pages.dtype) in [jnp.dtype(d) for d in FP8_DTYPES]
+    is_fp8 = jnp.dtype(pages.dtype) in [jnp.dtype(d) for d in KERNEL_FP8_DTYPES]
     if page_scale is None:
         if is_fp8:
             raise ValueError(f"{op}: FP8 pages ({pages.dtype}) need {name} (float32 [kv_heads] dequantization scales)")
@@ -186,7 +186,7 @@ def _pallas_triton_unsupported(q, k_pages, v_pages, block_tables, lengths, k_sca
 
 
 @backend.register("paged_attention", "pallas_triton", requires=(backend.PALLAS_TRITON,),
-                  supports=_pallas_triton_unsupported, priority=10, single_device=True)
+                  unsupported=_pallas_triton_unsupported, priority=10, single_device=True)
 def _paged_attention_pallas_triton(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale,
                                    logits_soft_cap, window_size):
     left = None if window_size is None or window_size[0] < 0 else window_size[0]
@@ -238,7 +238,7 @@ def _cudnn_not_preferred(*args, **static) -> str | None:
 
 
 @backend.register("paged_attention", "cudnn", requires=(backend.CUDNN_ATTENTION,), platforms=("cuda",),
-                  supports=_cudnn_unsupported, prefer=_cudnn_not_preferred, priority=20)
+                  unsupported=_cudnn_unsupported, prefer=_cudnn_not_preferred, priority=20)
 def _paged_attention_cudnn(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale, logits_soft_cap,
                            window_size):
     k_blocks, v_blocks = (jnp.transpose(p, (1, 2, 0, 3)) for p in (k_pages, v_pages))

@@ -148,7 +148,8 @@ def test_stop_tokens_end_a_request_and_are_returned(setup):
     greedy = reference(prompt, 10)
     stop = greedy[3]
     first = greedy.index(stop)
-    out = engine.generate([prompt, prompt], [SamplingParams(max_tokens=10, stop=(stop, 255)), SamplingParams(max_tokens=10)])
+    out = engine.generate([prompt, prompt],
+                          [SamplingParams(max_tokens=10, stop=(stop, 255)), SamplingParams(max_tokens=10)])
     assert out[0] == greedy[:first + 1]
     assert out[1] == greedy
 
