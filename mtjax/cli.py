@@ -14,7 +14,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("mtjax.info", "versions, platform, devices, capabilities, plugins and the kernel each op uses"),
     "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
-    "generate": ("mtjax.inference.cli", "continue prompts from a checkpoint (the inference engine)"),
+    "generate": ("mtjax.generate", "continue prompts from a checkpoint (the inference engine)"),
     "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
     "serve": ("mtjax.inference.server", "serve a checkpoint over HTTP (OpenAI-compatible /v1/completions)"),
 }

@@ -1,10 +1,13 @@
-"""``mtjax generate``: continue prompts with a model trained by ``mtjax train``, on the `Engine`.
+"""``mtjax generate``: continue prompts with a model trained by ``mtjax train``, on `mtjax.inference.Engine`.
 
     mtjax generate --checkpoint runs/tiny --prompt "def main(" --max-new-tokens 200
     mtjax generate --checkpoint runs/tiny --prompt "def a(" --prompt "class B" --temperature 0.8 --top-p 0.95
 
 The checkpoint's meta names the model preset and tokenizer, so nothing else is needed. Several
 ``--prompt`` run as one batch; each continuation is printed after its prompt.
+
+A command module on top of the layers: it joins `mtjax.train`'s checkpoints and tokenizers
+(`load_checkpoint`, also what ``mtjax serve`` loads) with `mtjax.inference`, which import neither.
 """
 
 from __future__ import annotations
