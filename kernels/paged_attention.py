@@ -113,7 +113,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, ks_ref, vs_ref, o_ref, 
     logit_scale = st.scale * k_scale
 
     def body(j, carry):
-        acc, m, l = carry
+        acc, m, denom = carry
         page0 = split_start + j * st.pages_per_block
         pages = bt_ref[pl.ds(page0, st.pages_per_block)]
         k = k_ref[pages].reshape(block_k, head_dim)
@@ -134,17 +134,17 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, ks_ref, vs_ref, o_ref, 
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
+        denom = denom * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc, m_new, l
+        return acc, m_new, denom
 
     carry = (jnp.zeros((st.block_rows, head_dim), jnp.float32),
              jnp.full((st.block_rows,), -jnp.inf, jnp.float32), jnp.zeros((st.block_rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(start_block, end_block, body, carry)
-    empty = l == 0.0
-    o_ref[...] = acc * (v_scale / jnp.where(empty, 1.0, l))[:, None]
+    acc, m, denom = lax.fori_loop(start_block, end_block, body, carry)
+    empty = denom == 0.0
+    o_ref[...] = acc * (v_scale / jnp.where(empty, 1.0, denom))[:, None]
     # Log-sum-exp in base 2; -inf where this split saw nothing (the merge then gives it no weight).
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, denom)))
 
 
 def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:

@@ -217,13 +217,15 @@ def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
         for label, make, kv_dtype in variants:
             if label.endswith("dequantize") and batch > 8:
                 continue  # weight-only FP8 is a small-batch option: larger batches are compute-bound
-            per_token = 2 * cfg.num_layers * cfg.resolved_num_kv_heads * cfg.resolved_head_dim * jnp.dtype(kv_dtype).itemsize
+            per_token = (2 * cfg.num_layers * cfg.resolved_num_kv_heads * cfg.resolved_head_dim
+                         * jnp.dtype(kv_dtype).itemsize)
             fits = [c for c in sizes.contexts if not memory or per_token * batch * c <= CACHE_MEMORY_FRACTION * memory]
             for context in sizes.contexts:
                 if context not in fits:
                     need = per_token * batch * context / 2**30
                     rows.append(skipped_row(f"decode {model_name} b{batch} ctx{context}", label,
-                                            f"a {need:.0f} GiB cache exceeds {CACHE_MEMORY_FRACTION:.0%} of the device"))
+                                            f"a {need:.0f} GiB cache exceeds {CACHE_MEMORY_FRACTION:.0%} of "
+                                            "the device"))
             if not fits:
                 continue
 
@@ -428,7 +430,8 @@ def kernel_time(impl: str, q, k, v, tables, lengths, scales: dict, sizes: Sizes,
             kb, vb = (jnp.transpose(p, (1, 2, 0, 3)) for p in (k, v))
             fn = jax.jit(lambda q, kb, vb, t, n: cudnn_paged_attention(q, kb, vb, t, n, scale=0.125))
             return timing.measure(fn, [(q, kb, vb, tables, lengths)], runs=sizes.runs)
-        fn = jax.jit(lambda q, k, v, t, n: ops.paged_attention(q, k, v, t, n, scale=0.125, implementation=impl, **scales))
+        fn = jax.jit(lambda q, k, v, t, n: ops.paged_attention(q, k, v, t, n, scale=0.125, implementation=impl,
+                                                               **scales))
         return timing.measure(fn, [(q, k, v, tables, lengths)], runs=sizes.runs)
 
 

@@ -303,6 +303,7 @@ def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity
                          "through mtjax.fp8.DotGeneral)")
     if base not in _classes:
         _classes[base] = _fp8_weights_class(base)
-    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init and f.name not in ("parent", "name")}
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+              if f.init and f.name not in ("parent", "name")}
     model8 = _classes[base](**fields, fp8_weights_mode=mode, fp8_gemms=tuple(gemms))
     return model8, quantize_params(params, gemms, granularity=granularity)

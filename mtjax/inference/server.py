@@ -145,7 +145,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *,
+            low_open: bool = False) -> float:
     value = body.get(name, default)
     if value is None:
         return default
@@ -342,9 +343,11 @@ class CompletionServer:
         metric("mtjax_tokens_per_second", "gauge", "Generated tokens per second of engine time.",
                f"{stats['tokens_per_s']:.3f}")
         metric("mtjax_engine_failures_total", "counter", "Engine steps that raised.", self.loop.failures)
-        metric("mtjax_uptime_seconds", "gauge", "Seconds since the server started.", f"{time.time() - self.started:.1f}")
+        metric("mtjax_uptime_seconds", "gauge", "Seconds since the server started.",
+               f"{time.time() - self.started:.1f}")
         for status, count in sorted(self.http_requests.items()):
-            metric("mtjax_http_responses_total", "counter", "HTTP responses by status.", count, f'{{status="{status}"}}')
+            metric("mtjax_http_responses_total", "counter", "HTTP responses by status.", count,
+                   f'{{status="{status}"}}')
         self._count(200)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
@@ -370,7 +373,8 @@ class CompletionServer:
         seed = random.randrange(2**32) if seed is None else seed
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+                or len(stop) > MAX_STOP_STRINGS):
             raise RequestError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", "stop")
         if stop and self.tokenizer is None:
             raise RequestError("this server has no tokenizer: use 'stop_token_ids' instead of 'stop'", "stop")
@@ -500,9 +504,11 @@ class CompletionServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="the --workdir of a `mtjax train` run (or its checkpoints/)")
+    parser.add_argument("--checkpoint", required=True,
+                        help="the --workdir of a `mtjax train` run (or its checkpoints/)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--model-name", help="the 'model' of responses (default: the checkpoint folder's name)")
     engine = parser.add_argument_group("engine (mtjax.inference.Engine)")

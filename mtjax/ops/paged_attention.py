@@ -94,7 +94,8 @@ def _check_page_scale(op: str, name: str, page_scale, pages: jax.Array) -> jax.A
     if jnp.ndim(page_scale) == 0:
         page_scale = jnp.broadcast_to(page_scale, (kv_heads,))
     if jnp.shape(page_scale) != (kv_heads,):
-        raise ValueError(f"{op}: {name} has shape {jnp.shape(page_scale)}; expected ({kv_heads},) (one per KV head) or a scalar")
+        raise ValueError(f"{op}: {name} has shape {jnp.shape(page_scale)}; expected ({kv_heads},) (one per KV "
+                         "head) or a scalar")
     return jnp.asarray(page_scale, jnp.float32)
 
 

@@ -17,15 +17,14 @@ import jax
 import optax
 import pytest
 
-aiohttp = pytest.importorskip("aiohttp")
-
+from mtjax.inference import Engine, SamplingParams
+from mtjax.inference.cli import load_checkpoint
+from mtjax.inference.server import Completion
 from mtjax.train.checkpoint import Checkpointer
 from mtjax.train.cli import RunConfig
 from mtjax.train.state import init_train_state
 
-from mtjax.inference import Engine, SamplingParams
-from mtjax.inference.cli import load_checkpoint
-from mtjax.inference.server import Completion
+aiohttp = pytest.importorskip("aiohttp")
 
 MAX_SLOTS, DECODE_STEPS, EOS = 4, 2, 256  # the byte tokenizer's end of document
 PROMPTS = [[5, 6, 7], [100, 3, 3, 9, 250, 1, 2], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [300, 301], [1, 2, 3, 4]]
@@ -210,7 +209,8 @@ def test_health_metrics_and_unknown_routes(server):
                 return text, missing.status, await missing.json()
 
     text, status, missing = asyncio.run(main())
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    samples = [line.split() for line in text.splitlines() if line and not line.startswith("#")]
+    values = {name: float(value) for name, value in samples}
     assert values["mtjax_requests_waiting"] == 0
     assert values["mtjax_generated_tokens_total"] >= 2
     assert "mtjax_tokens_per_second" in values and 'mtjax_http_responses_total{status="200"}' in values

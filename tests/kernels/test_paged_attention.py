@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax._src.pallas.triton import lowering as triton_lowering
-from mtjax.kernels import paged_attention as pa
 
 from mtjax import backend, ops
+from mtjax.kernels import paged_attention as pa
 
 
 def make_case(seed, *, lengths, q_len=1, kv_heads=2, groups=2, head_dim=16, page_size=4, pages_per_seq=None,
@@ -40,21 +40,33 @@ def make_case(seed, *, lengths, q_len=1, kv_heads=2, groups=2, head_dim=16, page
             jnp.asarray(np.asarray(lengths, np.int32)))
 
 
-def dense_per_sequence(q, k_pages, v_pages, block_tables, lengths, **kw):
-    """Each sequence alone through `mtjax.ops.attention` (causal, bottom-right aligned) on its gathered K/V."""
-    out = np.zeros(q.shape, np.float32)
-    page_size = k_pages.shape[2]
-    q_len = q.shape[1]
+def dense_per_sequence(q, k_pages, v_pages, block_tables, lengths, *, window_size=None, logits_soft_cap=None):
+    """Each sequence alone on its contiguous K/V, in float64 numpy: causal (query t at position
+    length - q_len + t), GQA by repeating KV heads, optional window and soft cap."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    out = np.zeros(q.shape)
     for b, length in enumerate(np.asarray(lengths)):
-        length = int(length)
         if length == 0:
-            continue
+            continue  # an empty slot: zeros
         pages = np.asarray(block_tables[b, :math.ceil(length / page_size)])
-        k = jnp.swapaxes(k_pages[:, pages].reshape(k_pages.shape[0], -1, k_pages.shape[-1])[:, :length], 0, 1)[None]
-        v = jnp.swapaxes(v_pages[:, pages].reshape(v_pages.shape[0], -1, v_pages.shape[-1])[:, :length], 0, 1)[None]
-        t0 = max(q_len - length, 0)  # queries at negative positions see nothing
-        res = ops.attention(q[b:b + 1, t0:], k, v, mask_type="causal", implementation="xla", **kw)
-        out[b, t0:] = np.asarray(res[0], np.float32)
+        k = k_pages[:, pages].reshape(kv_heads, -1, head_dim)[:, :length]  # [kv_heads, length, head_dim]
+        v = v_pages[:, pages].reshape(kv_heads, -1, head_dim)[:, :length]
+        k, v = (np.repeat(x, heads // kv_heads, axis=0) for x in (k, v))
+        logits = np.einsum("thd,hsd->hts", q[b], k) * head_dim ** -0.5
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+        q_pos = length - q_len + np.arange(q_len)[:, None]
+        k_pos = np.arange(length)[None, :]
+        keep = k_pos <= q_pos
+        if window_size is not None:
+            keep &= k_pos >= q_pos - window_size[0]
+        logits = np.where(keep[None], logits, -np.inf)
+        top = np.max(logits, axis=-1, keepdims=True)
+        p = np.where(keep[None], np.exp(logits - np.where(np.isfinite(top), top, 0.0)), 0.0)
+        total = p.sum(-1, keepdims=True)
+        out[b] = np.einsum("hts,hsd->thd", p / np.where(total == 0, 1.0, total), v)
     return out
 
 
@@ -181,6 +193,7 @@ def test_dispatch_uses_kernel_in_interpret_mode(interpret):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=4)
 @given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=3),
     q_len=st.integers(1, 3),
@@ -250,7 +263,8 @@ def test_lowers_for_cuda(q_len, groups, page_dtype, page_size, head_dim, options
 def test_selection_on_cuda():
     q = jax.ShapeDtypeStruct((8, 1, 32, 64), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((8, 100, 16, 64), jnp.bfloat16)
-    args = (q, pages, pages, jax.ShapeDtypeStruct((8, 10), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32), None, None)
+    tables, lengths = jax.ShapeDtypeStruct((8, 10), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)
+    args = (q, pages, pages, tables, lengths, None, None)
     static = {"scale": 0.125, "logits_soft_cap": None, "window_size": None}
     assert backend.select("paged_attention", platform_name="cuda", args=args, static=static)[0].name == "pallas_triton"
     odd = (jax.ShapeDtypeStruct((8, 1, 32, 80), jnp.bfloat16), jax.ShapeDtypeStruct((8, 100, 16, 80), jnp.bfloat16))
@@ -275,7 +289,8 @@ def test_gpu_real_sizes(batch, context, page_dtype):
     scales = {}
     if page_dtype != jnp.bfloat16:
         k, v = k.astype(page_dtype), v.astype(page_dtype)
-        scales = {"k_scale": jnp.full((kv_heads,), 0.5, jnp.float32), "v_scale": jnp.full((kv_heads,), 2.0, jnp.float32)}
+        scales = {"k_scale": jnp.full((kv_heads,), 0.5, jnp.float32),
+                  "v_scale": jnp.full((kv_heads,), 2.0, jnp.float32)}
     got = ops.paged_attention(q, k, v, tables, lengths, implementation="pallas_triton", **scales)
     want = ops.paged_attention(q, k, v, tables, lengths, implementation="xla", **scales)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
@@ -289,10 +304,9 @@ def test_cudnn_is_explicit_only():
     args = (q, pages, pages, jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32),
             jax.ShapeDtypeStruct((batch,), jnp.int32), None, None)
     static = {"scale": 0.1, "logits_soft_cap": None, "window_size": None}
-    cudnn = backend.get_implementation if hasattr(backend, "get_implementation") else backend._get
-    impl = cudnn("paged_attention", "cudnn")
-    assert impl.unsupported(args, static) is None
+    impl = backend.get_implementation("paged_attention", "cudnn")
+    assert impl.unsupported(*args, **static) is None
     assert "copy the whole cache" in impl.not_preferred(args, static)
     assert backend.select("paged_attention", platform_name="cuda", args=args, static=static)[0].name == "pallas_triton"
     pool = jax.ShapeDtypeStruct((4, 40, 16, 128), jnp.bfloat16)  # more pages than batch * pages_per_seq
-    assert "pool" in impl.unsupported((q, pool, pool) + args[3:], static)
+    assert "pool" in impl.unsupported(q, pool, pool, *args[3:], **static)
