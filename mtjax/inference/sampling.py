@@ -78,8 +78,7 @@ def sample(logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array, top_p
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0.0
 
-    def draw():
-        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    def filtered(scaled):
         ordered = -jnp.sort(-scaled, axis=-1)  # descending
         rank = jnp.arange(vocab)[None, :]
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -89,7 +88,16 @@ def sample(logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array, top_p
         kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None], axis=-1)
         kept = jnp.clip(jnp.minimum(kept, k), 1, vocab)
         threshold = jnp.take_along_axis(ordered, (kept - 1)[:, None], axis=-1)
-        masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        # Rows that do not filter keep every token whatever the others do (a request's draws must
+        # not depend on its batch).
+        return jnp.where((scaled >= threshold) | ~filters[:, None], scaled, -jnp.inf)
+
+    filters = (top_k > 0) | (top_p < 1.0)
+
+    def draw():
+        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+        # The sort over the vocabulary only runs when some sampled row filters.
+        masked = jax.lax.cond(jnp.any(sampled & filters), filtered, lambda x: x, scaled)
         row_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys), index)
         drawn = jax.vmap(jax.random.categorical)(row_keys, masked).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy)
