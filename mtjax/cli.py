@@ -1,4 +1,4 @@
-"""The ``mtjax`` command: ``mtjax info`` | ``mtjax train`` | ``mtjax generate`` | ``mtjax bench``.
+"""The ``mtjax`` command: ``mtjax info`` | ``mtjax train`` | ``mtjax generate`` | ``mtjax bench`` | ``mtjax serve``.
 
 Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 """
@@ -14,8 +14,9 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("mtjax.info", "versions, platform, devices, capabilities, plugins and the kernel each op uses"),
     "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
-    "generate": ("mtjax.train.generate", "continue a prompt from a checkpoint"),
+    "generate": ("mtjax.generate", "continue prompts from a checkpoint (the inference engine)"),
     "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
+    "serve": ("mtjax.inference.server", "serve a checkpoint over HTTP (OpenAI-compatible /v1/completions)"),
 }
 
 

@@ -42,6 +42,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "inference": LAYERS_UNDER_MODELS | {"models", "cli_args"},
     "info": LOW,
     "bench": LAYERS_UNDER_MODELS | {"models", "train", "inference", "cli_args", "info"},
+    # Commands that join train's checkpoints with the inference engine sit on top, as bench does.
+    "generate": LAYERS_UNDER_MODELS | {"models", "train", "inference", "cli_args"},
+    "serve": LAYERS_UNDER_MODELS | {"models", "train", "inference", "cli_args", "generate"},
     "cli": {"cli_args"},  # sub-commands are imported by name, when chosen
     "mtjax": {"config", "backend", "ops"},  # importing mtjax registers the ops
 }

@@ -25,6 +25,7 @@ SUITES = {
     "attention": "mtjax.bench.attention",
     "layer": "mtjax.bench.layer",
     "train": "mtjax.bench.train",
+    "decode": "mtjax.bench.decode",
 }
 
 
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=float, default=report.H200_BF16_PEAK_TFLOPS,
                         help="dense bf16 peak used as the MFU denominator (default: H200, %(default)s)")
     parser.add_argument("--presets", nargs="+", metavar="NAME",
-                        help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick)")
+                        help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick); decode suite: "
+                             "presets to decode (default: llama-1b gpt-1.3b; tiny with --quick)")
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
                         help="layer and train suites: also run mtjax with these kernel choices (OP=IMPL) and XLA "
                              "options (xla_...=VALUE); repeatable, one extra pair of rows each")
@@ -58,6 +60,8 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
         return module.run(args.quick, presets=args.presets, profile_dir=args.profile, settings=settings)
     if name == "layer":
         return module.run(args.quick, settings=settings)
+    if name == "decode":
+        return module.run(args.quick, models=args.presets)
     return module.run(args.quick)
 
 

@@ -6,9 +6,11 @@ constraint (the names of `mtjax.axes`); without a mesh and rules they are no-ops
 
 from mtjax.flax.attention import (
     ATTN_BIAS_TYPES,
+    PAGED_KV_COLLECTION,
     ROTARY_GROUP_METHODS,
     DotProductAttention,
     MultiHeadAttention,
+    PagedKV,
     RelativePositionBiases,
     apply_rotary_pos_emb,
 )
@@ -19,7 +21,8 @@ from mtjax.flax.normalization import LAYERNORM_TYPES, LayerNorm
 from mtjax.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
-    "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "ROTARY_GROUP_METHODS", "DenseGeneral", "DotProductAttention", "Embed",
-    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases",
+    "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "PAGED_KV_COLLECTION", "ROTARY_GROUP_METHODS", "DenseGeneral",
+    "DotProductAttention", "Embed",
+    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "PagedKV", "RelativePositionBiases",
     "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb",
 ]

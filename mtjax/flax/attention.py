@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 
 from mtjax import axes, ops
@@ -27,6 +29,11 @@ from mtjax.sharding.context import context_parallel_size
 ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
 CACHE_COLLECTION = "cache"
+# The variable collection of paged key/value caches (`PagedKV`): ``k_pages``/``v_pages`` per layer
+# (and ``k_scale``/``v_scale`` with FP8 pages).
+PAGED_KV_COLLECTION = "paged_kv"
+# Largest finite float8_e4m3fn value: FP8 pages store ``clip(k / k_scale, -E4M3_MAX, E4M3_MAX)``.
+E4M3_MAX = 448.0
 
 Q_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, axes.ACTIVATION_HEAD_DIM)
 KV_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_KV_HEADS, axes.ACTIVATION_HEAD_DIM)
@@ -101,6 +108,56 @@ def apply_rotary_pos_emb(x: jax.Array, positions: jax.Array, *, windows: tuple[f
     timescale = min_timescale * (max_timescale / min_timescale) ** exponent
     angle = positions.astype(jnp.float32)[:, :, None, None] / timescale  # [batch, length, 1, half]
     return _rotate(x, jnp.sin(angle), jnp.cos(angle), group_method)
+
+
+@struct.dataclass
+class PagedKV:
+    """Where the tokens of one call sit in a paged key/value cache (a pytree; pass as ``paged_kv=``).
+
+    The pages themselves are variables of the `PAGED_KV_COLLECTION` collection, per attention layer:
+    ``k_pages``/``v_pages [kv_heads, num_pages, page_size, head_dim]`` in ``dtype`` (stacked on a
+    leading layer axis by a scanned stack) and, when ``dtype`` is float8, ``k_scale``/``v_scale
+    [kv_heads]`` float32 dequantization scales. A call that does not find them creates them (zeros,
+    scales 1), which is how a cache's shapes are obtained (`jax.eval_shape` of an ``apply`` with
+    ``mutable=[PAGED_KV_COLLECTION]``); every later call passes them in and gets them back updated
+    (``mutable=[PAGED_KV_COLLECTION]``).
+
+    Each layer writes the keys and values of the call's tokens ``[batch, q_len]`` at ``slots``, then
+    attends: with ``prefill`` the tokens are whole sequences from position 0 (right-padded) and
+    attend causally among themselves (`mtjax.ops.attention`); otherwise they are the last ``q_len``
+    tokens of each sequence and attend to its pages (`mtjax.ops.paged_attention`: decode with
+    ``q_len == 1``, chunked prefill with more).
+
+    Attributes:
+      block_tables: ``[batch, max_pages_per_seq]`` int32, the page ids of each sequence in order.
+      lengths: ``[batch]`` int32, each sequence's tokens in the cache including this call's (0: an
+        empty row, whose output is zeros).
+      slots: ``[batch, q_len]`` int32 flat cache slot ``page * page_size + offset`` of each token
+        (padding tokens write to a scratch page no sequence reads).
+      num_pages: pages per layer (static).
+      page_size: tokens per page (static).
+      dtype: page dtype (static): a float dtype, or ``float8_e4m3fn`` with per-head scales.
+      prefill: the tokens are whole sequences starting at position 0 (static).
+    """
+
+    block_tables: jax.Array
+    lengths: jax.Array
+    slots: jax.Array
+    num_pages: int = struct.field(pytree_node=False)
+    page_size: int = struct.field(pytree_node=False)
+    dtype: Any = struct.field(pytree_node=False, default=jnp.bfloat16)
+    prefill: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def quantized(self) -> bool:
+        """The pages are float8 (with per-head scales)."""
+        return jnp.dtype(self.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x [..., kv_heads, head_dim]`` to float8_e4m3fn with per-head ``scale [kv_heads]`` (saturating)."""
+    scaled = x.astype(jnp.float32) / scale[:, None]
+    return jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
 class DotProductAttention(nn.Module):
@@ -211,7 +268,8 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention: (normed) input projections, rotary embeddings, `DotProductAttention`, output projection.
 
     ``__call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, q_segment_ids=None, kv_segment_ids=None,
-    q_positions=None, kv_positions=None, decode=False, deterministic=False) -> (output, layernorm_output)``.
+    q_positions=None, kv_positions=None, decode=False, deterministic=False, residual=None, paged_kv=None)
+    -> (output, layernorm_output)``.
     ``inputs_kv=None`` (or ``inputs_kv is inputs_q``) is self-attention: the input norm feeds Q, K and V;
     otherwise (cross-attention) only the query input is normed. Inputs are ``[batch, length, hidden]``;
     the output ``[batch, q_len, hidden]``; ``layernorm_output`` is the normed query input when
@@ -229,6 +287,12 @@ class MultiHeadAttention(nn.Module):
     ``[batch, max_length, kv_heads, head_dim]`` and ``cache_index``. Initialise it by running `init`
     with ``decode=True`` on a ``[batch, max_length, hidden]`` input; each later call appends its keys at
     ``cache_index`` and attends causally to everything cached (positions default to the cache index).
+
+    Paged decoding (``paged_kv=PagedKV(...)``, causal self-attention): the keys and values of the
+    call's tokens go into the pages of the `PAGED_KV_COLLECTION` collection at ``paged_kv.slots``
+    (after the rotary embedding), then the queries attend as `PagedKV` describes; ``q_positions``
+    are the tokens' positions in their sequences (needed unless ``paged_kv.prefill``). Call with
+    ``mutable=[PAGED_KV_COLLECTION]``.
 
     Attributes:
       head_dim, num_attention_heads, num_gqa_groups, attention_dropout, attn_mask_type, attn_bias_type,
@@ -298,7 +362,8 @@ class MultiHeadAttention(nn.Module):
                  bias: jax.Array | None = None, *, q_segment_ids: jax.Array | None = None,
                  kv_segment_ids: jax.Array | None = None, q_positions: jax.Array | None = None,
                  kv_positions: jax.Array | None = None, decode: bool = False,
-                 deterministic: bool = False, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                 deterministic: bool = False, residual: jax.Array | None = None,
+                 paged_kv: PagedKV | None = None) -> tuple[jax.Array, ...]:
         owner = "MultiHeadAttention"
         if residual is not None and not self.input_layernorm:
             raise ValueError(f"{owner}: residual= needs input_layernorm=True (it is added in the input norm's kernel)")
@@ -357,10 +422,18 @@ class MultiHeadAttention(nn.Module):
 
         mask_type, window_size = self.attn_mask_type, self.window_size
         cache_index = None
-        if decode:
+        if decode or paged_kv is not None:
+            what = "decode=True" if paged_kv is None else "paged_kv"
+            if decode and paged_kv is not None:
+                raise ValueError(f"{owner}: pass decode=True (the dense cache) or paged_kv, not both")
             if q_segment_ids is not None or mask is not None or bias is not None or not self_attention:
-                raise ValueError(f"{owner}: decode=True supports causal self-attention without mask, bias or segment "
-                                 "ids")
+                raise ValueError(f"{owner}: {what} supports causal self-attention without mask, bias or segment ids")
+            if paged_kv is not None and self.attn_mask_type not in ("causal", "padding_causal"):
+                raise ValueError(f"{owner}: paged_kv needs attn_mask_type 'causal'; got {self.attn_mask_type!r}")
+            if (paged_kv is not None and not paged_kv.prefill and self.enable_rotary_pos_emb
+                    and q_positions is None):
+                raise ValueError(f"{owner}: paged_kv with prefill=False needs q_positions (the tokens' positions)")
+        if decode:
             cache_index = self._cache_index(key)
         if self.enable_rotary_pos_emb:
             batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
@@ -378,16 +451,25 @@ class MultiHeadAttention(nn.Module):
         if self_attention and kv_segment_ids is None:
             kv_segment_ids = q_segment_ids
 
-        out = DotProductAttention(
-            head_dim=self.head_dim, num_attention_heads=heads, num_gqa_groups=groups,
-            attention_dropout=self.attention_dropout, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
-            dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
-            scale_factor=self.head_dim ** -0.5 if self.scale_attn_logits else 1.0, window_size=window_size,
-            logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
-            context_parallel_load_balanced=self.context_parallel_load_balanced, dtype=self.dtype,
-            name="core_attention",
-        )(query, key, value, mask, bias, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-          deterministic=deterministic)
+        scale = self.head_dim ** -0.5 if self.scale_attn_logits else 1.0
+        pages = None if paged_kv is None else self._write_pages(paged_kv, key, value)
+        if pages is not None and not paged_kv.prefill:
+            k_pages, v_pages, k_scale, v_scale = pages
+            compute_dtype = jnp.float32 if self.float32_logits else self.dtype
+            out = ops.paged_attention(
+                query.astype(compute_dtype), k_pages, v_pages, paged_kv.block_tables, paged_kv.lengths, scale=scale,
+                k_scale=k_scale, v_scale=v_scale, logits_soft_cap=self.logits_soft_cap, window_size=window_size,
+            ).astype(self.dtype)
+        else:  # with prefill pages the new tokens attend among themselves (their keys are all there is)
+            out = DotProductAttention(
+                head_dim=self.head_dim, num_attention_heads=heads, num_gqa_groups=groups,
+                attention_dropout=self.attention_dropout, attn_mask_type=mask_type, attn_bias_type=self.attn_bias_type,
+                dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits, scale_factor=scale,
+                window_size=window_size, logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
+                context_parallel_load_balanced=self.context_parallel_load_balanced, dtype=self.dtype,
+                name="core_attention",
+            )(query, key, value, mask, bias, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+              deterministic=deterministic)
         out = nn.with_logical_constraint(out, Q_AXES)
         out = DenseGeneral(
             features=hidden, axis=(-2, -1), kernel_init=self.kernel_init,
@@ -396,6 +478,35 @@ class MultiHeadAttention(nn.Module):
         )(out)
         out = nn.with_logical_constraint(out, axes.BATCH_LENGTH_EMBED)
         return (out, ln_out if self.return_layernorm_output else None, *stream)
+
+    def _write_pages(self, paged: PagedKV, key: jax.Array, value: jax.Array):
+        """Writes ``key``/``value [batch, q_len, kv_heads, head_dim]`` at ``paged.slots``; returns the
+        updated ``(k_pages, v_pages, k_scale, v_scale)`` (scales None unless the pages are float8)."""
+        batch, q_len, groups, head_dim = key.shape
+        if paged.slots.shape != (batch, q_len):
+            raise ValueError(f"MultiHeadAttention: paged_kv.slots has shape {paged.slots.shape}; expected "
+                             f"[batch, q_len] = {(batch, q_len)}")
+        shape = (groups, paged.num_pages, paged.page_size, head_dim)
+        pages = [self.variable(PAGED_KV_COLLECTION, name, jnp.zeros, shape, paged.dtype)
+                 for name in ("k_pages", "v_pages")]
+        for page in pages:
+            if page.value.shape != shape or page.value.dtype != jnp.dtype(paged.dtype):
+                raise ValueError(f"MultiHeadAttention: {page.name} is {page.value.dtype} {page.value.shape}; paged_kv "
+                                 f"describes {jnp.dtype(paged.dtype)} {shape} "
+                                 f"(kv_heads, num_pages, page_size, head_dim)")
+        new = [key, value]
+        scales = [None, None]
+        if paged.quantized:
+            scale_vars = [self.variable(PAGED_KV_COLLECTION, name, jnp.ones, (groups,), jnp.float32)
+                          for name in ("k_scale", "v_scale")]
+            scales = [v.value for v in scale_vars]
+            new = [quantize_kv(x, sc) for x, sc in zip(new, scales)]
+        slots = paged.slots.reshape(-1)
+        for page, x in zip(pages, new):
+            flat = page.value.reshape(groups, -1, head_dim)
+            rows = jnp.swapaxes(x.reshape(batch * q_len, groups, head_dim), 0, 1).astype(flat.dtype)
+            page.value = flat.at[:, slots].set(rows).reshape(shape)
+        return pages[0].value, pages[1].value, *scales
 
     def _cache_index(self, key: jax.Array) -> nn.Variable | None:
         """The cache position variable, or None while `init` creates the cache (a plain causal pass)."""

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 
 from mtjax import ops
 from mtjax.axes import BATCH_LENGTH_EMBED
-from mtjax.flax.attention import ROTARY_GROUP_METHODS, MultiHeadAttention, RelativePositionBiases, check_heads
+from mtjax.flax.attention import (
+    ROTARY_GROUP_METHODS,
+    MultiHeadAttention,
+    PagedKV,
+    RelativePositionBiases,
+    check_heads,
+)
 from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import LayerNorm, check_layernorm_type
 from mtjax.flax.params import Dtype, Initializer
@@ -35,10 +41,12 @@ class TransformerLayer(nn.Module):
     which gives the original (BERT) post-LN block ``y = norm(x + attn(x)); out = norm(y + mlp(y))``.
 
     ``__call__(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None, *, segment_ids=None,
-    encoder_segment_ids=None, positions=None, deterministic=False, decode=False, residual=None)``: ``inputs
+    encoder_segment_ids=None, positions=None, deterministic=False, decode=False, residual=None, paged_kv=None)``:
+    ``inputs
     [batch, length, hidden_size]``; masks are boolean keep-masks ``[batch|1, heads|1, q_len, kv_len]``;
     ``segment_ids [batch, length]`` (0 = padding) restrict attention to the own segment (packing);
-    ``positions [batch, length]`` feed the rotary embedding. Returns ``[batch, length, hidden_size]``.
+    ``positions [batch, length]`` feed the rotary embedding; ``paged_kv`` (a `PagedKV`) runs the
+    self-attention on a paged key/value cache. Returns ``[batch, length, hidden_size]``.
 
     Residual adds across blocks (pre-LN only): with ``defer_residual_add`` a block returns
     ``(branch, stream)``, its output being ``branch + stream``; the next block takes them as
@@ -169,7 +177,7 @@ class TransformerLayer(nn.Module):
                  encoder_decoder_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
                  encoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                  deterministic: bool = False, decode: bool = False, residual: jax.Array | None = None,
-                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 paged_kv: PagedKV | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         head_dim = self._validate()
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
             raise ValueError(f"TransformerLayer: inputs has shape {inputs.shape}; expected [batch, length, "
@@ -205,8 +213,8 @@ class TransformerLayer(nn.Module):
 
         bias = None
         if self.enable_relative_embedding:
-            if decode:
-                raise ValueError("TransformerLayer: decode=True does not support enable_relative_embedding")
+            if decode or paged_kv is not None:
+                raise ValueError("TransformerLayer: decode=True and paged_kv do not support enable_relative_embedding")
             relpos = self.relative_embedding or RelativePositionBiases(
                 num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
                 dtype=self.dtype, param_dtype=self.param_dtype, name="relpos_bias")
@@ -222,7 +230,7 @@ class TransformerLayer(nn.Module):
             logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
             context_parallel_load_balanced=self.context_parallel_load_balanced, name="self_attention", **attention,
         )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
-          decode=decode, deterministic=deterministic, residual=residual)
+          decode=decode, deterministic=deterministic, residual=residual, paged_kv=paged_kv)
         if stream:
             inputs = nn.with_logical_constraint(stream[0], BATCH_LENGTH_EMBED)
         branch, residual = x, inputs  # the stream is inputs + dropout(x) from here

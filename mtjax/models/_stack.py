@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from mtjax import axes, ops
 from mtjax.flax import TransformerLayer
-from mtjax.flax.attention import CACHE_COLLECTION
+from mtjax.flax.attention import CACHE_COLLECTION, PAGED_KV_COLLECTION, PagedKV
 from mtjax.fp8 import FP8_COLLECTION
 
 # The logical axis name of a scanned stack's leading layer axis (its parameters' first dimension).
@@ -55,22 +55,24 @@ class _StackedLayer(TransformerLayer):
     The carry is the stream, or with ``defer_residual_add`` the pair ``(branch, stream)`` whose sum
     the stream is (``stream`` ``None`` before an unrolled stack's first layer)."""
 
-    def __call__(self, carry, segment_ids, positions, deterministic, decode):
+    def __call__(self, carry, segment_ids, positions, deterministic, decode, paged_kv):
         x, residual = carry if self.defer_residual_add else (carry, None)
         y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
-                             decode=decode, residual=residual)
+                             decode=decode, residual=residual, paged_kv=paged_kv)
         return y, None
 
 
 def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, scan_layers: bool, remat_policy: str,
                  segment_ids: jax.Array | None, positions: jax.Array | None, deterministic: bool,
-                 decode: bool) -> jax.Array:
+                 decode: bool, paged_kv: PagedKV | None = None) -> jax.Array:
     """Runs ``num_layers`` ``TransformerLayer(**layer)`` on ``x``; call from a compact method.
 
     Parameters are ``layers/...`` with a leading layer axis when scanned, ``layers_{i}/...`` otherwise.
     With ``layer["defer_residual_add"]`` each layer adds the previous one's output branch to the
     stream in its attention's norm kernel, and the result is the pair ``(branch, stream)`` whose sum
     is the stack's output (a scanned stack starts from ``(x, zeros)``, so its first norm adds zeros).
+    ``paged_kv`` (a `mtjax.flax.PagedKV`, shared by the layers) runs every self-attention on its own
+    pages in the `PAGED_KV_COLLECTION` collection (stacked on the layer axis when scanned).
     """
     defer = layer.get("defer_residual_add", False)
     if remat_policy not in REMAT_POLICIES:
@@ -82,16 +84,32 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
     if scan_layers:
         stack = nn.scan(
             block,
-            variable_axes={"params": 0, FP8_COLLECTION: 0, CACHE_COLLECTION: 0},
+            variable_axes={"params": 0, FP8_COLLECTION: 0, CACHE_COLLECTION: 0, PAGED_KV_COLLECTION: 0},
             split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )
         carry = (x, jnp.zeros_like(x)) if defer else x
-        carry, _ = stack(name="layers", **layer)(carry, segment_ids, positions, deterministic, decode)
+        carry, _ = stack(name="layers", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
         return carry
     carry = (x, None) if defer else x
     for i in range(num_layers):
-        carry, _ = block(name=f"layers_{i}", **layer)(carry, segment_ids, positions, deterministic, decode)
+        carry, _ = block(name=f"layers_{i}", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
     return carry
+
+
+def unstack_layers(params: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """The parameters of a scanned stack (``layers/...`` with a leading layer axis) as an unrolled
+    stack's (``layers_{i}/...``): the same model with ``scan_layers=False`` computes the same thing.
+
+    Inference unrolls: a scanned stack would carry each layer's cache pages through the scan and
+    copy them every step."""
+    params = dict(params)
+    if "layers" not in params:
+        raise ValueError(f"unstack_layers: params have no 'layers' entry (not a scanned stack); "
+                         f"top-level keys: {sorted(params)}")
+    stacked = nn.meta.unbox(params.pop("layers"))
+    for i in range(num_layers):
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params

@@ -2,7 +2,7 @@
 
 `GPTConfig` describes the model (presets via `gpt_config`), `GPT` is the linen module:
 ``GPT(config)(tokens [batch, seq] int32, *, positions=None, segment_ids=None, deterministic=True,
-decode=False) -> logits [batch, seq, vocab]`` in float32.
+decode=False, paged_kv=None, logits_index=None) -> logits [batch, seq, vocab]`` in float32.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ import jax.numpy as jnp
 
 from mtjax import axes, ops
 from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
-from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, check_heads
+from mtjax.flax.attention import (
+    CACHE_COLLECTION,
+    ROTARY_GROUP_METHODS,
+    PagedKV,
+    check_heads,
+)
 from mtjax.flax.normalization import LAYERNORM_TYPES
 from mtjax.models._stack import apply_layers, check_stack_config
 from mtjax.ops import CONTEXT_PARALLEL_STRATEGIES
@@ -202,6 +207,12 @@ class GPT(nn.Module):
     ``decode=True`` uses the ``"cache"`` collection: create it with ``init(..., decode=True)`` on tokens
     ``[batch, max_length]``, then call with ``mutable=["cache"]`` on one (or a few) tokens at a time.
 
+    ``paged_kv=PagedKV(...)`` runs on a paged key/value cache instead (the `PAGED_KV_COLLECTION`
+    collection, ``mutable=[PAGED_KV_COLLECTION]``; `mtjax.inference` builds and drives it):
+    ``positions`` are then the tokens' positions in their sequences (needed unless
+    ``paged_kv.prefill``). ``logits_index [batch]`` returns the logits of that one position of each
+    row only, ``[batch, 1, vocab_size]`` (the last prompt token of a padded prefill).
+
     Attributes:
       config: a `GPTConfig`.
     """
@@ -210,11 +221,16 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 deterministic: bool = True, decode: bool = False) -> jax.Array:
+                 deterministic: bool = True, decode: bool = False, paged_kv: PagedKV | None = None,
+                 logits_index: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"GPT: tokens must be int [batch, seq]; got {tokens.dtype} {tokens.shape}")
         batch, seq = tokens.shape
+        if logits_index is not None and logits_index.shape != (batch,):
+            raise ValueError(f"GPT: logits_index has shape {logits_index.shape}; expected [batch] = ({batch},)")
+        if paged_kv is not None and not paged_kv.prefill and positions is None:
+            raise ValueError("GPT: paged_kv with prefill=False needs positions (each token's position in its sequence)")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
             if decode:
@@ -250,7 +266,9 @@ class GPT(nn.Module):
         )
         x = apply_layers(x, layer=layer, num_layers=cfg.num_layers, scan_layers=cfg.scan_layers,
                          remat_policy=cfg.remat_policy, segment_ids=segment_ids, positions=positions,
-                         deterministic=deterministic, decode=decode)
+                         deterministic=deterministic, decode=decode, paged_kv=paged_kv)
+        if logits_index is not None:  # one position per row: the final norm and output layer skip the rest
+            x = jax.tree.map(lambda t: jnp.take_along_axis(t, logits_index[:, None, None].astype(jnp.int32), axis=1), x)
         final_norm = LayerNorm(epsilon=cfg.layernorm_epsilon, layernorm_type=cfg.layernorm_type,
                                zero_centered_gamma=cfg.zero_centered_gamma, dtype=cfg.dtype,
                                param_dtype=cfg.param_dtype, name="final_norm")

@@ -30,6 +30,7 @@ from mtjax.ops.context_parallel import (
 from mtjax.ops.cross_entropy import softmax_cross_entropy
 from mtjax.ops.gemm import fp8_gemm
 from mtjax.ops.normalization import LAYERNORM_TYPES, Norm, layernorm, norm_fp8, residual_norm, rmsnorm
+from mtjax.ops.paged_attention import PAGE_DTYPES, paged_attention
 from mtjax.ops.quantization import cast_transpose, dequantize, quantize
 from mtjax.ops.softmax import softmax
 
@@ -39,6 +40,7 @@ __all__ = [
     "COLLECTIVE_MATMUL_KINDS", "all_gather_matmul", "matmul_reduce_scatter", "sequence_parallel_matmul",
     "CONTEXT_PARALLEL_STRATEGIES", "all_gather_attention", "attention_with_lse", "attention_with_lse_backward",
     "context_parallel_attention", "merge_attention", "ring_attention",
-    "LAYERNORM_TYPES", "Norm", "layernorm", "norm_fp8", "quantize", "residual_norm", "rmsnorm", "softmax",
+    "LAYERNORM_TYPES", "Norm", "PAGE_DTYPES", "layernorm", "norm_fp8", "paged_attention", "quantize", "residual_norm",
+    "rmsnorm", "softmax",
     "softmax_cross_entropy",
 ]

@@ -1,0 +1,12 @@
+"""Inference: a continuous-batching `Engine` over a paged key/value cache (`KVCache`), its
+`Scheduler`, and on-device sampling (`SamplingParams`). User guide: docs/inference.md."""
+
+from mtjax.inference.engine import Engine, RequestOutput
+from mtjax.inference.kv_cache import KV_DTYPES, KVCache, PageAllocator
+from mtjax.inference.sampling import SamplingParams, sample
+from mtjax.inference.scheduler import Request, RequestStatus, Scheduler
+
+__all__ = [
+    "KV_DTYPES", "Engine", "KVCache", "PageAllocator", "Request", "RequestOutput", "RequestStatus", "SamplingParams",
+    "Scheduler", "sample",
+]

@@ -1,0 +1,553 @@
+"""``mtjax serve``: an OpenAI-compatible completions server over the continuous-batching `Engine`.
+
+    mtjax serve --checkpoint runs/tiny --port 8000
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "def main(", "max_tokens": 32, "temperature": 0}'
+
+Endpoints:
+- ``POST /v1/completions``: OpenAI's completions request (``prompt`` text or token ids, one or a list;
+  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``; extensions ``top_k``,
+  ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent events with ``"stream": true`` (one
+  ``data:`` chunk per batch of new tokens, then ``data: [DONE]``). Each choice also carries the
+  ``token_ids`` it produced. Bad requests get HTTP 400 with OpenAI's error object.
+- ``GET /health``: ``{"status": "ok"}`` while the engine loop runs.
+- ``GET /metrics``: Prometheus text: waiting and running requests, free pages, preemptions, tokens
+  generated, tokens/s.
+
+Every request goes into one `Engine`; a background thread runs its ``step()`` loop, so concurrent
+clients are decoded together in one batch. The server listens on 127.0.0.1 unless told otherwise.
+Needs the ``serve`` extra (aiohttp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # jax, the engine and aiohttp are imported when the command runs
+    from aiohttp import web
+
+    from mtjax.inference.engine import Engine, RequestOutput
+
+logger = logging.getLogger("mtjax.serve")
+
+MAX_STOP_STRINGS = 4
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400), naming the offending parameter."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine loop: one thread steps the engine; requests come and go from the event loop
+# --------------------------------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a background thread while requests are pending.
+
+    ``submit`` queues a request and registers ``on_output(output, error)``, called on the loop thread
+    with each `RequestOutput` of the request (``error`` set instead if the engine failed; the
+    request is then dropped). A failing step fails the requests it was running, never the loop.
+    """
+
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._callbacks: dict[int, Callable[[RequestOutput | None, BaseException | None], None]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mtjax-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, prompt: Sequence[int], params: Any,
+               on_output: Callable[[RequestOutput | None, BaseException | None], None]) -> int:
+        """Queues a request (raises the engine's ValueError for one it refuses); returns its id."""
+        with self._lock:
+            request_id = self.engine.add_request(prompt, params)
+            self._callbacks[request_id] = on_output
+        self._wake.set()
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        with self._lock:
+            if self._callbacks.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # the server must outlive any failing step
+                self.failures += 1
+                logger.exception("engine step failed; failing its requests")
+                with self._lock:
+                    failed, self._callbacks = self._callbacks, {}
+                for request_id, callback in failed.items():
+                    self.engine.abort(request_id)
+                    callback(None, err)
+                continue
+            with self._lock:
+                targets = [(self._callbacks.get(o.request_id), o) for o in outputs]
+                for output in outputs:
+                    if output.finished:
+                        self._callbacks.pop(output.request_id, None)
+            for callback, output in targets:
+                if callback is not None:
+                    callback(output, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *,
+            low_open: bool = False) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise RequestError(f"'{name}' must be a number; got {value!r}", name)
+    if not (low < value if low_open else low <= value) or value > high:
+        bound = f"{'(' if low_open else '['}{low}, {high}]"
+        raise RequestError(f"'{name}'={value!r} is outside {bound}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        accepted = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"'{name}' must be an integer {accepted}; got {value!r}", name)
+    return value
+
+
+def parse_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
+    """OpenAI's ``prompt``: a string, a list of token ids, or a list of either, as token-id lists."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise RequestError("this server has no tokenizer: send 'prompt' as token ids", "prompt")
+            ids = [int(t) for t in tokenizer.encode(item)]
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            ids = list(item)
+        else:
+            raise RequestError("'prompt' must be a non-empty string, a list of token ids, or a list of those", "prompt")
+        if not ids:
+            raise RequestError("'prompt' is empty; expected at least one token", "prompt")
+        prompts.append(ids)
+    return prompts
+
+
+class Completion:
+    """The state of one prompt of a request: tokens so far, text emitted so far, stop strings."""
+
+    def __init__(self, index: int, prompt: list[int], stop: list[str], stop_ids: frozenset[int], tokenizer: Any):
+        self.index, self.prompt, self.stop, self.stop_ids, self.tokenizer = index, prompt, stop, stop_ids, tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.finish_reason: str | None = None
+        self.request_id: int | None = None
+
+    def update(self, output: RequestOutput) -> bool:
+        """Takes the request's new tokens; True once it is done (a stop string may end it early)."""
+        if self.finish_reason is not None:
+            return True
+        self.token_ids = list(output.token_ids)
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode([t for t in self.token_ids if t not in self.stop_ids])
+        for s in self.stop:
+            at = self.text.find(s)
+            if at >= 0:
+                self.text = self.text[:at]
+                self.finish_reason = "stop"
+                return True
+        if output.finished:
+            self.finish_reason = "stop" if output.finish_reason == "stop" else output.finish_reason or "length"
+        return self.finish_reason is not None
+
+    def delta(self) -> str:
+        """Text not streamed yet that can be streamed now: a tail that may still become a stop string
+        or an incomplete UTF-8 character is held back until the completion ends."""
+        end = len(self.text)
+        if self.finish_reason is None:
+            while end > self.emitted and self.text[end - 1] == "\ufffd":
+                end -= 1
+            if self.stop:
+                end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
+        piece = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return piece
+
+
+class CompletionServer:
+    """The aiohttp application: parses requests, feeds the `EngineLoop`, answers JSON or SSE.
+
+    Args:
+      engine: the `Engine` every request goes to.
+      tokenizer: encodes text prompts and decodes the answers (``None``: token-id prompts only, empty texts).
+      model_name: the ``model`` field of responses.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, *, model_name: str = "mtjax"):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.loop = EngineLoop(engine)
+        self.started = time.time()
+        self.http_requests: dict[str, int] = {}
+        self.active = 0
+
+    def app(self) -> web.Application:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=16 * 2**20, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app) -> None:
+        self.loop.start()
+
+    async def _stop(self, _app) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+
+    def _count(self, status: int) -> None:
+        self.http_requests[str(status)] = self.http_requests.get(str(status), 0) + 1
+
+    def _json(self, body: Any, status: int = 200):
+        from aiohttp import web
+
+        self._count(status)
+        return web.json_response(body, status=status)
+
+    @staticmethod
+    def _json_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        from aiohttp import web
+
+        return web.json_response(error_body(message, param=param, kind=kind), status=status)
+
+    async def _errors_impl(self, request, handler):
+        from aiohttp import web
+
+        try:
+            response = await handler(request)
+        except RequestError as err:
+            self._count(400)
+            return self._json_error(400, str(err), err.param)
+        except web.HTTPException as err:
+            self._count(err.status)
+            if err.status >= 400:
+                return self._json_error(err.status, err.reason or "error", kind="not_found_error"
+                                        if err.status == 404 else "invalid_request_error")
+            raise
+        except Exception as err:  # a handler bug answers 500; the server lives on
+            logger.exception("request failed")
+            self._count(500)
+            return self._json_error(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
+        return response
+
+    @property
+    def _errors(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def errors(request, handler):
+            return await self._errors_impl(request, handler)
+
+        return errors
+
+    # -- endpoints -------------------------------------------------------------------------------
+
+    async def health(self, _request):
+        if not self.loop.alive:
+            return self._json(error_body("the engine loop is not running", kind="server_error"), 503)
+        return self._json({"status": "ok"})
+
+    async def metrics(self, _request):
+        from aiohttp import web
+
+        stats = self.engine.stats()
+        lines: list[str] = []
+        described: set[str] = set()
+
+        def metric(name: str, kind: str, help_text: str, value: Any, labels: str = "") -> None:
+            if name not in described:
+                described.add(name)
+                lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+            lines.append(f"{name}{labels} {value}")
+
+        metric("mtjax_requests_waiting", "gauge", "Requests queued for a slot (the queue length).", stats["waiting"])
+        metric("mtjax_requests_running", "gauge", "Requests holding a decode slot.", stats["running"])
+        metric("mtjax_completion_requests_active", "gauge", "HTTP completion requests in progress.", self.active)
+        metric("mtjax_cache_pages_free", "gauge", "Free KV-cache pages.", stats["free_pages"])
+        metric("mtjax_cache_pages_total", "gauge", "KV-cache pages.", stats["total_pages"])
+        metric("mtjax_preemptions_total", "counter", "Requests preempted for pages (recomputed later).",
+               stats["preemptions"])
+        metric("mtjax_generated_tokens_total", "counter", "Tokens generated.", stats["generated_tokens"])
+        metric("mtjax_tokens_per_second", "gauge", "Generated tokens per second of engine time.",
+               f"{stats['tokens_per_s']:.3f}")
+        metric("mtjax_engine_failures_total", "counter", "Engine steps that raised.", self.loop.failures)
+        metric("mtjax_uptime_seconds", "gauge", "Seconds since the server started.",
+               f"{time.time() - self.started:.1f}")
+        for status, count in sorted(self.http_requests.items()):
+            metric("mtjax_http_responses_total", "counter", "HTTP responses by status.", count,
+                   f'{{status="{status}"}}')
+        self._count(200)
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    def _parse(self, body: Any) -> tuple[list[list[int]], Any, list[str], frozenset[int], bool]:
+        from mtjax.inference.sampling import SamplingParams
+
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        if "prompt" not in body:
+            raise RequestError("'prompt' is required", "prompt")
+        prompts = parse_prompts(body["prompt"], self.tokenizer)
+        unsupported = {"n": lambda v: _is_int(v) and v == 1, "best_of": lambda v: _is_int(v) and v == 1,
+                       "echo": lambda v: v is False, "logprobs": lambda v: False, "suffix": lambda v: v == ""}
+        for name, accepted in unsupported.items():
+            value = body.get(name)
+            if value is not None and not accepted(value):
+                raise RequestError(f"'{name}'={value!r} is not supported by this server", name)
+        max_tokens = _integer(body, "max_tokens", 16, 1)
+        temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+        top_k = _integer(body, "top_k", 0, 0)
+        seed = _integer(body, "seed", None, 0, 2**32 - 1)
+        seed = random.randrange(2**32) if seed is None else seed
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+                or len(stop) > MAX_STOP_STRINGS):
+            raise RequestError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", "stop")
+        if stop and self.tokenizer is None:
+            raise RequestError("this server has no tokenizer: use 'stop_token_ids' instead of 'stop'", "stop")
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+            raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise RequestError("'ignore_eos' must be a boolean", "ignore_eos")
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if eos is not None and not ignore_eos and eos < self.engine.model.config.vocab_size:
+            stop_ids = [*stop_ids, int(eos)]
+        stop_ids = list(dict.fromkeys(stop_ids))
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("'stream' must be a boolean", "stream")
+        max_len = self.engine.max_seq_len
+        for ids in prompts:
+            if len(ids) >= max_len:
+                raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_len} tokens "
+                                   f"in all, so at most {max_len - 1} prompt tokens", "prompt")
+            if len(ids) + max_tokens > max_len:
+                raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens={max_tokens} exceed the model's "
+                                   f"{max_len} tokens: ask for at most {max_len - len(ids)}", "max_tokens")
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=seed, stop=tuple(stop_ids))
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+        return prompts, params, stop, frozenset(stop_ids), stream
+
+    async def completions(self, request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise RequestError("the request body is not valid JSON") from None
+        prompts, params, stop, stop_ids, stream = self._parse(body)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        completions = [Completion(i, p, stop, stop_ids, self.tokenizer) for i, p in enumerate(prompts)]
+
+        def on_output(index):
+            def deliver(output, error):
+                loop.call_soon_threadsafe(queue.put_nowait, (index, output, error))
+            return deliver
+
+        self.active += 1
+        try:
+            for c in completions:
+                try:
+                    c.request_id = self.loop.submit(c.prompt, params, on_output(c.index))
+                except ValueError as err:
+                    raise RequestError(str(err), "prompt") from None
+            created = int(time.time())
+            completion_id = f"cmpl-{uuid.uuid4().hex}"
+            if stream:
+                return await self._stream(request, completions, queue, completion_id, created)
+            await self._drain(completions, queue)
+            self._count(200)
+            from aiohttp import web
+
+            return web.json_response(self._response(completion_id, created, completions))
+        finally:
+            self.active -= 1
+            for c in completions:  # the client left, or a stop string ended it: free the slot (no-op if done)
+                if c.request_id is not None:
+                    self.loop.abort(c.request_id)
+
+    async def _next(self, completions: list[Completion], queue: asyncio.Queue) -> Completion:
+        index, output, error = await queue.get()
+        if error is not None:
+            raise RuntimeError(f"the engine failed: {type(error).__name__}: {error}")
+        completion = completions[index]
+        completion.update(output)
+        return completion
+
+    async def _drain(self, completions: list[Completion], queue: asyncio.Queue) -> None:
+        while any(c.finish_reason is None for c in completions):
+            await self._next(completions, queue)
+
+    def _response(self, completion_id: str, created: int, completions: list[Completion]) -> dict[str, Any]:
+        prompt_tokens = sum(len(c.prompt) for c in completions)
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        return {
+            "id": completion_id, "object": "text_completion", "created": created, "model": self.model_name,
+            "choices": [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": None,
+                         "finish_reason": c.finish_reason} for c in completions],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+    async def _stream(self, request, completions, queue, completion_id: str, created: int):
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        self._count(200)
+
+        async def send(payload: Any) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await response.write(f"data: {data}\n\n".encode())
+
+        sent_tokens = [0] * len(completions)
+        try:
+            while any(c.finish_reason is None for c in completions):
+                c = await self._next(completions, queue)
+                new_ids = c.token_ids[sent_tokens[c.index]:]
+                sent_tokens[c.index] = len(c.token_ids)
+                await send({"id": completion_id, "object": "text_completion", "created": created,
+                            "model": self.model_name,
+                            "choices": [{"index": c.index, "text": c.delta(), "token_ids": new_ids, "logprobs": None,
+                                         "finish_reason": c.finish_reason}]})
+            await send(self._response(completion_id, created, completions) | {"choices": []})
+            await send("[DONE]")
+        except (ConnectionResetError, asyncio.CancelledError):
+            logger.info("client of %s went away; aborting", completion_id)
+            raise
+        except RuntimeError as err:  # the engine failed mid-stream: tell the client in-band
+            await send(error_body(str(err), kind="server_error"))
+        await response.write_eof()
+        return response
+
+
+# --------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="the --workdir of a `mtjax train` run (or its checkpoints/)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    parser.add_argument("--model-name", help="the 'model' of responses (default: the checkpoint folder's name)")
+    engine = parser.add_argument_group("engine (mtjax.inference.Engine)")
+    engine.add_argument("--max-slots", type=int, default=16, help="requests decoded together (default 16)")
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
+    engine.add_argument("--num-pages", type=int, help="KV-cache pages (default: max-slots full-length sequences)")
+    engine.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
+    engine.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32", "fp8"), help="KV-cache dtype")
+    engine.add_argument("--weights", choices=("fp8",), help="store the GEMM weights in FP8")
+    engine.add_argument("--decode-steps", type=int, default=4, help="tokens decoded per dispatch (default 4)")
+    engine.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before serving")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from aiohttp import web
+    except ImportError:
+        print("mtjax serve: error: needs aiohttp (pip install 'mtjax[serve]')", file=sys.stderr)
+        return 2
+    from mtjax.inference.cli import load_checkpoint
+    from mtjax.inference.engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        model, params, tokenizer = load_checkpoint(args.checkpoint, args.step)
+        engine = Engine(model, params, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
+                        max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, weights=args.weights,
+                        decode_steps=args.decode_steps)
+    except (FileNotFoundError, ValueError, TypeError) as err:
+        print(f"mtjax serve: error: {err}", file=sys.stderr)
+        return 2
+    if not args.no_warmup:
+        logger.info("compiling (warm-up)")
+        engine.warmup()
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    server = CompletionServer(engine, tokenizer, model_name=name)
+
+    def ready(*_):
+        print(f"mtjax serve: listening on http://{args.host}:{args.port}", flush=True)
+
+    web.run_app(server.app(), host=args.host, port=args.port, print=ready, handle_signals=True)
+    return 0

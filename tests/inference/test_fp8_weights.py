@@ -1,0 +1,130 @@
+"""FP8 weights: the GEMMs found in every layer, kernels stored as E4M3, and the logits' error against
+the unquantized model bounded (and printed, for the record)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax.inference import fp8_weights
+from mtjax.models import GPT, gpt_config
+
+
+def tiny(scan_layers=False, **overrides):
+    model = GPT(gpt_config("tiny", scan_layers=scan_layers, **overrides))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    return model, params, tokens
+
+
+def relative_error(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_finds_every_projection(scan_layers):
+    model = GPT(gpt_config("tiny", scan_layers=scan_layers))
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]  # shapes suffice
+    gemms = fp8_weights.find_gemms(model, params)
+    names = sorted({g.kernel_path[-2:] if g.kernel_path[-1] == "kernel" else g.kernel_path[-1:] for g in gemms})
+    assert names == [("kv", "kernel"), ("out", "kernel"), ("query", "kernel"), ("wi_kernel",), ("wo_kernel",)]
+    assert len(gemms) == (5 if scan_layers else 10)
+    assert {g.layer_axes for g in gemms} == {1 if scan_layers else 0}
+    assert {g.in_axes for g in gemms if g.kernel_path[-2] == "out"} == {2}  # [heads, head_dim, embed]
+
+
+# Relative L2 error of the logits (random-init tiny model). E4M3 keeps 3 mantissa bits: each weight and
+# (fp8_gemm) each input rounds by up to 2**-4 relative, ~2 % RMS per GEMM, which the residual stream
+# averages down; 6 % bounds what we measure (about 3 %) with margin.
+@pytest.mark.parametrize("mode,granularity,scan_layers", [("fp8_gemm", "channel", False),
+                                                          ("dequantize", "tensor", True)])
+def test_logits_error_against_unquantized(mode, granularity, scan_layers, capsys):
+    model, params, tokens = tiny(scan_layers)
+    model8, params8 = fp8_weights.quantize_weights(model, params, granularity=granularity, mode=mode)
+    assert isinstance(model8, GPT) and model8.config == model.config
+    want = model.apply({"params": params}, tokens)
+    got = model8.apply({"params": params8}, tokens)
+    err = relative_error(want, got)
+    with capsys.disabled():
+        print(f"\nFP8 weights ({mode}, {granularity} scales, scan_layers={scan_layers}): "
+              f"relative logits error {err:.4f}")
+    assert 0 < err < 0.06
+    np.testing.assert_array_less(np.abs(np.asarray(want - got)).max(), 0.1 * np.abs(np.asarray(want)).max())
+
+
+def test_kernels_are_fp8_and_scales_fit():
+    model, params, _ = tiny()
+    _, params8 = fp8_weights.quantize_weights(model, params)
+    layer = params8["layers_0"]
+    assert jax.tree.leaves(layer["mlp"]["wi_kernel"])[0].dtype == jnp.float8_e4m3fn
+    assert layer["self_attention"]["out"]["dot_general"]["weight_scale"].shape == (64,)
+    assert layer["self_attention"]["kv"]["dot_general"]["weight_scale"].shape == (2, 2, 16)
+    assert jax.tree.leaves(params8["token_embed"])[0].dtype == jnp.float32  # embeddings untouched
+    # Stored output axes first: wo [mlp, hidden] as [hidden, mlp], out [heads, head_dim, embed] as
+    # [embed, heads, head_dim].
+    w = jax.tree.leaves(params["layers_0"]["mlp"]["wo_kernel"])[0]
+    w8 = jax.tree.leaves(layer["mlp"]["wo_kernel"])[0]
+    assert w8.shape == w.shape[::-1]
+    assert jax.tree.leaves(layer["self_attention"]["out"]["kernel"])[0].shape == (64, 4, 16)
+    w8 = w8.T
+    # Dequantized kernels are within E4M3 rounding (2**-4 relative) of the originals.
+    s = layer["mlp"]["wo_dot_general"]["weight_scale"]
+    np.testing.assert_allclose(np.asarray(w8.astype(jnp.float32) * s), np.asarray(w), rtol=2**-4,
+                               atol=float(s.max()) * 2**-9)
+
+
+def test_fp8_gemm_mode_multiplies_fp8_operands():
+    model, params, tokens = tiny()
+    model8, params8 = fp8_weights.quantize_weights(model, params)
+    text = jax.jit(lambda p, t: model8.apply({"params": p}, t)).lower(params8, tokens).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    fp8_dots = [line for line in dots if line.count("f8E4M3FN") >= 2]  # both operands FP8
+    assert len(fp8_dots) == 10  # 5 projections x 2 layers; the tied output projection stays as it is
+
+
+def test_bfloat16_model():
+    model, params, tokens = tiny(dtype=jnp.bfloat16)
+    model8, params8 = fp8_weights.quantize_weights(model, params)
+    got = model8.apply({"params": params8}, tokens)
+    want = model.apply({"params": params}, tokens)
+    assert got.dtype == want.dtype
+    assert relative_error(want, got) < 0.08
+
+
+def test_errors():
+    model, params, _ = tiny()
+    with pytest.raises(ValueError, match="granularity"):
+        fp8_weights.quantize_weights(model, params, granularity="row")
+    with pytest.raises(ValueError, match="mode"):
+        fp8_weights.quantize_weights(model, params, mode="int8")
+    model8, params8 = fp8_weights.quantize_weights(model, params)
+    with pytest.raises(ValueError, match="already"):
+        fp8_weights.quantize_weights(model8, params8)
+
+
+def test_engine_option():
+    from mtjax.inference import Engine, SamplingParams
+
+    model, params, _ = tiny()
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9]]
+    want = Engine(model, params, max_slots=2).generate(prompts, SamplingParams(max_tokens=4))
+    got = Engine(model, params, max_slots=2, weights="fp8").generate(prompts, SamplingParams(max_tokens=4))
+    assert got == want  # greedy tokens of this model are far from ties: FP8 rounding does not change them
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemms_read_the_stored_kernels_without_copies():
+    """On the GPU the FP8 GEMMs take the stored (output-axes-first) kernels as they are: the compiled
+    step has FP8 GEMMs and no transpose or copy of an FP8 parameter."""
+    model = GPT(gpt_config("tiny", hidden_size=256, mlp_dim=1024, num_heads=4, num_kv_heads=2, dtype=jnp.bfloat16))
+    tokens = jnp.zeros((8, 1), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    model8, params8 = fp8_weights.quantize_weights(model, params)
+    text = jax.jit(lambda p, t: model8.apply({"params": p}, t)).lower(params8, tokens).compile().as_text()
+    lines = text.splitlines()
+    assert any("f8e4m3fn" in line and ("custom-call" in line or "fusion" in line) for line in lines)
+    copies = [line for line in lines if "f8e4m3fn[" in line and (" transpose(" in line or " copy(" in line)]
+    assert not copies, "\n".join(copies[:10])

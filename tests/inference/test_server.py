@@ -1,0 +1,233 @@
+"""`mtjax serve` end to end: a checkpoint written with the train API, the server started as a process,
+concurrent clients (aiohttp's), answers checked against `Engine.generate`, and bad requests answered
+with HTTP 400 while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import optax
+import pytest
+
+from mtjax.inference import Engine, SamplingParams
+from mtjax.inference.cli import load_checkpoint
+from mtjax.inference.server import Completion
+from mtjax.train.checkpoint import Checkpointer
+from mtjax.train.cli import RunConfig
+from mtjax.train.state import init_train_state
+
+aiohttp = pytest.importorskip("aiohttp")
+
+MAX_SLOTS, DECODE_STEPS, EOS = 4, 2, 256  # the byte tokenizer's end of document
+PROMPTS = [[5, 6, 7], [100, 3, 3, 9, 250, 1, 2], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [300, 301], [1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    run = RunConfig(preset="tiny", model="tiny", model_overrides={"vocab_size": 384}, tokenizer="byte", batch_size=2,
+                    seq_len=32, steps=0, learning_rate=1e-3, warmup_steps=0, grad_accum=1, seed=0, fp8=False)
+    from mtjax.models import GPT
+
+    state = init_train_state(GPT(run.model_config()), optax.adamw(1e-3), jax.random.PRNGKey(3), (1, 8))
+    workdir = tmp_path_factory.mktemp("serve_run")
+    with Checkpointer(workdir / "checkpoints", save_every=None, async_save=False) as checkpointer:
+        checkpointer.save(0, state, {"run": dataclasses.asdict(run)}, force=True)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtjax.cli", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
+         "--no-warmup", "--max-slots", str(MAX_SLOTS), "--decode-steps", str(DECODE_STEPS), "--model-name", "tiny"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mtjax serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail("mtjax serve did not start listening within 300 s")
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model, params, tokenizer = load_checkpoint(checkpoint)
+    engine = Engine(model, params, max_slots=MAX_SLOTS, decode_steps=DECODE_STEPS)
+    return engine, tokenizer
+
+
+async def post(session, url, body, *, raw=None):
+    async with session.post(url + "/v1/completions", data=raw if raw is not None else json.dumps(body),
+                            headers={"Content-Type": "application/json"}) as response:
+        return response.status, await response.json()
+
+
+async def post_stream(session, url, body):
+    chunks = []
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for line in response.content:
+            line = line.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            chunks.append(line[len("data: "):])
+    assert chunks[-1] == "[DONE]"
+    return [json.loads(c) for c in chunks[:-1]]
+
+
+def test_concurrent_requests_match_engine_generate(server, reference):
+    engine, _ = reference
+    max_tokens = [9, 5, 12, 3, 7, 10]
+    want = [engine.generate([p], SamplingParams(max_tokens=n, temperature=0.0))[0] for p, n in zip(PROMPTS, max_tokens)]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            plain = [post(session, server, {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+                     for p, n in zip(PROMPTS[:4], max_tokens[:4])]
+            streamed = [post_stream(session, server, {"prompt": p, "max_tokens": n, "temperature": 0,
+                                                      "ignore_eos": True})
+                        for p, n in zip(PROMPTS[4:], max_tokens[4:])]
+            return await asyncio.gather(*plain, *streamed)
+
+    results = asyncio.run(main())  # 6 clients at once on 4 slots: some wait for a slot
+    for i, result in enumerate(results[:4]):
+        status, body = result
+        assert status == 200, body
+        [choice] = body["choices"]
+        assert choice["token_ids"] == want[i]
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(PROMPTS[i]), "completion_tokens": max_tokens[i],
+                                 "total_tokens": len(PROMPTS[i]) + max_tokens[i]}
+        assert body["object"] == "text_completion" and body["model"] == "tiny"
+    for i, chunks in enumerate(results[4:], start=4):
+        tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+        assert tokens == want[i]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == max_tokens[i]
+
+
+def test_text_prompts_batches_and_stop_strings(server, reference):
+    engine, tokenizer = reference
+    prompt = "The quick"
+    ids = [int(t) for t in tokenizer.encode(prompt)]
+    free = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, stop=(EOS,)))[0]
+
+    async def main(body):
+        async with aiohttp.ClientSession() as session:
+            return await post(session, server, body)
+
+    status, body = asyncio.run(main({"prompt": [prompt, ids], "max_tokens": 12, "temperature": 0}))
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for choice in body["choices"]:
+        assert choice["token_ids"] == free
+        assert choice["text"] == tokenizer.decode([t for t in free if t != EOS])
+    text = body["choices"][0]["text"]
+    if len(text) >= 4:  # a stop string taken from the answer cuts it there
+        stop = text[2:4]
+        status, body = asyncio.run(main({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}))
+        assert status == 200, body
+        assert body["choices"][0]["text"] == text[:text.find(stop)]
+        assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body,raw,param", [
+    (None, "{not json", None),
+    ([1, 2], None, None),
+    ({"max_tokens": 4}, None, "prompt"),
+    ({"prompt": ""}, None, "prompt"),
+    ({"prompt": [1.5, 2]}, None, "prompt"),
+    ({"prompt": [1000]}, None, "prompt"),  # outside the vocabulary
+    ({"prompt": [1] * 200}, None, "prompt"),  # longer than the model's 128 tokens
+    ({"prompt": [1], "max_tokens": 500}, None, "max_tokens"),
+    ({"prompt": [1], "max_tokens": "ten"}, None, "max_tokens"),
+    ({"prompt": [1], "temperature": -1}, None, "temperature"),
+    ({"prompt": [1], "top_p": 0}, None, "top_p"),
+    ({"prompt": [1], "n": 2}, None, "n"),
+    ({"prompt": [1], "stream": "yes"}, None, "stream"),
+    ({"prompt": [1], "stop": [""]}, None, "stop"),
+])
+def test_bad_requests_get_400_and_the_server_lives(server, body, raw, param):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            status, answer = await post(session, server, body, raw=raw)
+            async with session.get(server + "/health") as health:
+                healthy = health.status, await health.json()
+            return status, answer, healthy
+
+    status, answer, healthy = asyncio.run(main())
+    assert status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+    assert answer["error"]["param"] == param
+    assert healthy == (200, {"status": "ok"})
+
+
+def test_too_long_prompt_says_how_long(server):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await post(session, server, {"prompt": [1] * 200})
+
+    _, answer = asyncio.run(main())
+    assert "200 tokens" in answer["error"]["message"] and "at most 127" in answer["error"]["message"]
+
+
+def test_health_metrics_and_unknown_routes(server):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await post(session, server, {"prompt": [3, 4], "max_tokens": 2})
+            async with session.get(server + "/metrics") as metrics:
+                text = await metrics.text()
+            async with session.get(server + "/v1/nothing") as missing:
+                return text, missing.status, await missing.json()
+
+    text, status, missing = asyncio.run(main())
+    samples = [line.split() for line in text.splitlines() if line and not line.startswith("#")]
+    values = {name: float(value) for name, value in samples}
+    assert values["mtjax_requests_waiting"] == 0
+    assert values["mtjax_generated_tokens_total"] >= 2
+    assert "mtjax_tokens_per_second" in values and 'mtjax_http_responses_total{status="200"}' in values
+    assert status == 404 and "error" in missing
+
+
+def test_completion_streams_text_but_holds_back_a_possible_stop():
+    class Chars:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    class Output:
+        def __init__(self, ids, finished=False):
+            self.token_ids, self.finished, self.finish_reason = ids, finished, "length" if finished else None
+
+    c = Completion(0, [1], ["xyz"], frozenset(), Chars())
+    c.update(Output([ord(ch) for ch in "abcx"]))
+    assert c.delta() == "ab"  # the last len("xyz") - 1 characters may begin the stop string
+    c.update(Output([ord(ch) for ch in "abcxyzq"]))
+    assert c.finish_reason == "stop" and c.text == "abc" and c.delta() == "c"
