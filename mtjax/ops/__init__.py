@@ -5,12 +5,18 @@ from mtjax.ops.activation import (ACTIVATIONS, Activation, activation, activatio
                                   canonical_activation, is_gated)
 from mtjax.ops.attention import MASK_TYPES, attention
 from mtjax.ops.cross_entropy import softmax_cross_entropy
+from mtjax.ops.grouped_gemm import grouped_gemm, grouped_gemm_fp8, grouped_gemm_wgrad
 from mtjax.ops.normalization import LAYERNORM_TYPES, Norm, layernorm, layernorm_fp8, residual_norm, rmsnorm
+from mtjax.ops.permutation import PermuteState, expert_capacity, permute, unpermute
+from mtjax.ops.router import SCORE_FUNCTIONS, RouterOutput, expert_counts, load_balancing_loss, route, router_z_loss
 from mtjax.ops.softmax import softmax
 
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "Activation", "activation", "activation_fp8", "activation_grad_fp8", "attention",
     "canonical_activation", "is_gated",
+    "grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_wgrad",
+    "PermuteState", "expert_capacity", "permute", "unpermute",
+    "SCORE_FUNCTIONS", "RouterOutput", "expert_counts", "load_balancing_loss", "route", "router_z_loss",
     "LAYERNORM_TYPES", "Norm", "layernorm", "layernorm_fp8", "residual_norm", "rmsnorm", "softmax",
     "softmax_cross_entropy",
 ]
