@@ -5,7 +5,7 @@ axes, `init_sharded` / `shard_variables` / `jit_sharded` apply them, and `mtjax.
 pipelines a stack of layers over the ``pp`` axis.
 """
 
-from mtjax.sharding.mesh import AXES, BATCH_AXES, DP, FSDP, PP, TP, MeshConfig, use_mesh
+from mtjax.sharding.mesh import AXES, BATCH_AXES, DP, EP, FSDP, PP, TP, MeshConfig, use_mesh
 from mtjax.sharding.partition import (
     init_sharded,
     jit_sharded,
@@ -18,7 +18,7 @@ from mtjax.sharding.pipeline import Circular, GPipe, OneFOneB, Schedule, pipelin
 from mtjax.sharding.rules import LogicalRules, logical_axis_rules
 
 __all__ = [
-    "AXES", "BATCH_AXES", "DP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
+    "AXES", "BATCH_AXES", "DP", "EP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
     "LogicalRules", "logical_axis_rules",
     "init_sharded", "jit_sharded", "logical_shardings", "named_sharding", "shard_variables", "tree_shardings",
     "Schedule", "GPipe", "Circular", "OneFOneB", "pipeline_loss",

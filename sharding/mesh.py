@@ -6,6 +6,10 @@ Mesh axes (names shared by the whole library, see `AXES`), from the outermost to
 - ``dp``: data parallelism; the batch is split, weights are replicated (one gradient all-reduce).
 - ``fsdp``: fully sharded data parallelism; the batch *and* the weights are split, weights are
   all-gathered layer by layer and their gradients reduce-scattered.
+- ``ep``: expert parallelism; each device holds ``num_experts / ep`` of a mixture-of-experts
+  layer's experts and the tokens travel to their experts' devices and back (all-to-all,
+  `mtjax.sharding.expert`); the batch is split over ``ep`` as well, so outside the expert MLPs it
+  acts as one more data-parallel axis.
 - ``tp``: tensor parallelism (Megatron layout); with ``sp`` the sequence of the activations
   between the attention and MLP blocks is split over the same devices.
 
@@ -33,23 +37,25 @@ import flax.linen as nn
 import jax
 from jax.sharding import AxisType, Mesh
 
-# Mesh axis names, outermost first. Expert ("ep") and context ("cp") parallelism will be added
-# here and as fields of MeshConfig; the rules in `mtjax.sharding.rules` name axes only through these.
-PP, DP, FSDP, TP = "pp", "dp", "fsdp", "tp"
-AXES = (PP, DP, FSDP, TP)
+# Mesh axis names, outermost first. Context ("cp") parallelism will be added here and as a field
+# of MeshConfig; the rules in `mtjax.sharding.rules` name axes only through these.
+PP, DP, FSDP, EP, TP = "pp", "dp", "fsdp", "ep", "tp"
+AXES = (PP, DP, FSDP, EP, TP)
 # The mesh axes that split the batch.
-BATCH_AXES = (DP, FSDP)
+BATCH_AXES = (DP, FSDP, EP)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """How the devices are split between the kinds of parallelism.
 
-    The product ``pp * dp * fsdp * tp`` must equal the number of devices the mesh is built over.
+    The product ``pp * dp * fsdp * ep * tp`` must equal the number of devices the mesh is built over.
 
     Attributes:
       dp: data-parallel ways (batch split, weights replicated).
       fsdp: fully-sharded data-parallel ways (batch split, weights split and gathered per layer).
+      ep: expert-parallel ways (mixture-of-experts layers: experts split, tokens exchanged
+        all-to-all; the batch is split too). Must divide the models' ``num_experts``.
       tp: tensor-parallel ways (Megatron: heads and MLP columns split).
       sp: sequence parallelism on the ``tp`` axis: norms, dropout and residuals keep the sequence
         split over ``tp`` (all-gather before the column-parallel GEMM, reduce-scatter after the
@@ -60,6 +66,7 @@ class MeshConfig:
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
+    ep: int = 1
     sp: bool = False
     pp: int = 1
 
@@ -81,7 +88,7 @@ class MeshConfig:
         return math.prod(self.shape.values())
 
     def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
-        """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "tp")`` over ``devices``.
+        """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "ep", "tp")`` over ``devices``.
 
         Args:
           devices: the devices to use; default ``jax.devices()``, i.e. every device of every host.

@@ -5,17 +5,23 @@ constraint (names in the README's "Flax modules" section); without a mesh and ru
 """
 
 from mtjax.flax.attention import (
-    ATTN_BIAS_TYPES, ROTARY_GROUP_METHODS, DotProductAttention, MultiHeadAttention, RelativePositionBiases,
+    ATTN_BIAS_TYPES,
+    ROTARY_GROUP_METHODS,
+    DotProductAttention,
+    MultiHeadAttention,
+    RelativePositionBiases,
     apply_rotary_pos_emb,
 )
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from mtjax.flax.embedding import Embed
 from mtjax.flax.mlp import LayerNormMLP
+from mtjax.flax.moe import MOE_LOSSES, MOE_METRICS, MoEBlock, MoETransformerLayer, moe_aux_loss, moe_metrics
 from mtjax.flax.normalization import LAYERNORM_TYPES, LayerNorm
 from mtjax.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
     "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "ROTARY_GROUP_METHODS", "DenseGeneral", "DotProductAttention", "Embed",
-    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "RelativePositionBiases",
-    "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb",
+    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MOE_LOSSES", "MOE_METRICS", "MoEBlock",
+    "MoETransformerLayer", "MultiHeadAttention", "RelativePositionBiases",
+    "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb", "moe_aux_loss", "moe_metrics",
 ]
