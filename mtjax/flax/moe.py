@@ -297,7 +297,7 @@ class MoEBlock(nn.Module):
         load_balancing = ops.load_balancing_loss(routing.probs, routing.experts, self.num_experts)
         z_loss = ops.router_z_loss(logits)
         slots = routing.experts.size
-        load = jnp.zeros((self.num_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0) / slots
+        load = ops.expert_counts(routing.experts, self.num_experts).astype(jnp.float32) / slots
         self.sow(MOE_METRICS, "load_balancing_loss", load_balancing)
         self.sow(MOE_METRICS, "router_z_loss", z_loss)
         self.sow(MOE_METRICS, "expert_load", load)
@@ -309,7 +309,7 @@ class MoEBlock(nn.Module):
     def _expert_capacity(self, tokens: int) -> int | None:
         if self.capacity_factor is None:
             return None
-        return max(1, math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.num_experts))
+        return ops.expert_capacity(tokens, self.experts_per_token, self.num_experts, self.capacity_factor)
 
     def _routed(self, x: jax.Array, experts: jax.Array, weights: jax.Array, wi: jax.Array, wo: jax.Array,
                 activation: str) -> tuple[jax.Array, jax.Array]:
@@ -353,7 +353,7 @@ class MoEBlock(nn.Module):
         weights = weights.reshape(tokens, -1)
         x_sorted, group_sizes, state = ops.permute(x, experts, self.num_experts,
                                                    capacity=self._expert_capacity(tokens))
-        dropped = experts.size - group_sizes.sum()
+        dropped = state.num_dropped
         if ep_axis is None:
             y_sorted = expert_mlp(x_sorted, group_sizes, wi, wo, activation)
         else:
@@ -370,7 +370,7 @@ class MoEBlock(nn.Module):
             y_sorted = expert_parallel.combine(y_local, dispatch_state, axis_name=ep_axis, rows=rows)
         if mlp_axes:  # partial sums of the second GEMM over the split expert columns
             y_sorted = jax.lax.psum(y_sorted, mlp_axes)
-        y = ops.unpermute(y_sorted, weights, state)
+        y = ops.unpermute(*_vary_alike(y_sorted, weights), state)
         return y.reshape(batch, length, hidden).astype(self.dtype), dropped.astype(jnp.int32)
 
 
