@@ -58,10 +58,10 @@ class GemmTiles:
     """
 
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 8
+    num_stages: int = 3
     group_m: int = 8
 
     def __post_init__(self) -> None:
@@ -94,13 +94,26 @@ class BlockSizes:
 
     forward: GemmTiles = GemmTiles()
     dlhs: GemmTiles = GemmTiles()
-    wgrad: GemmTiles = GemmTiles(block_m=64, block_n=128, block_k=128)
+    wgrad: GemmTiles = GemmTiles(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
     @classmethod
-    def default(cls, m: int, k: int, n: int, num_groups: int) -> BlockSizes:
-        """The default tiles (each kernel clamps them to the shapes at launch)."""
-        del m, k, n, num_groups
-        return cls()
+    def default(cls, m: int, k: int, n: int, num_groups: int, dtype: Any = jnp.bfloat16) -> BlockSizes:
+        """Starting tiles for ``lhs [m, k]``, ``rhs [num_groups, k, n]`` of ``dtype`` (not yet tuned
+        on a GPU; docs/moe-kernels.md says how to sweep them).
+
+        Forward and ``d lhs``: 128 x 256 output tiles on 8 warps with 3 stages (the Triton matmul
+        tutorial's best Hopper configuration), 128-column tiles where the output width is a multiple
+        of 128 but not of 256 (no half-empty last tile); FP8 doubles ``block_k`` (same bytes per
+        stage). The weight gradient: 128 x 128 output tiles, 64 rows per step.
+        """
+        del m, num_groups
+
+        def tiles(width: int) -> GemmTiles:
+            block_n = 128 if width % 256 and not width % 128 else 256
+            block_k = 128 if jnp.dtype(dtype) in [jnp.dtype(d) for d in FP8_DTYPES] else 64
+            return GemmTiles(block_n=block_n, block_k=block_k)
+
+        return cls(forward=tiles(n), dlhs=tiles(k))
 
 
 def _cdiv(a, b: int):
@@ -126,6 +139,11 @@ def _check(fn: str, lhs, rhs) -> None:
     reason = unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype)
     if reason is not None:
         raise ValueError(f"{fn}: unsupported {reason}")
+
+
+def _check_group_scale(fn: str, group_scale, num_groups: int) -> None:
+    if group_scale is not None and group_scale.shape != (num_groups,):
+        raise ValueError(f"{fn}: group_scale has shape {group_scale.shape}; expected ({num_groups},)")
 
 
 def _accumulate(a, b, acc, *, contract_lhs: int, contract_rhs: int):
@@ -200,10 +218,12 @@ class _GmmStatic:
     num_groups: int
     num_visits: int
     transpose_rhs: bool
+    scaled: bool
     tiles: GemmTiles
 
 
-def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, *, st: _GmmStatic):
+def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *refs, st: _GmmStatic):
+    scale_ref, out_ref = refs if st.scaled else (None, refs[0])
     t = st.tiles
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     n_tiles = pl.cdiv(st.n, bn)
@@ -245,18 +265,23 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, 
         # The pseudo-group past the last group runs no iteration: its rows are zeros.
         steps = jnp.where(group < st.num_groups, jnp.int32(pl.cdiv(st.k, bk)), jnp.int32(0))
         acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+        if scale_ref is not None:  # the pseudo-group's rows are zeros whatever scale they get
+            acc = acc * scale_ref[jnp.minimum(group, jnp.int32(st.num_groups - 1))]
         store_mask = _conj((rows >= lo)[:, None] & (rows < hi)[:, None], col_mask)
         pltriton.store(out_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
                        mask=jnp.broadcast_to(store_mask, (bm, bn)))
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-        out_dtype: Any = None, tiles: GemmTiles | None = None, interpret: bool = False) -> jax.Array:
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
+        transpose_rhs: bool = False, out_dtype: Any = None, tiles: GemmTiles | None = None,
+        interpret: bool = False) -> jax.Array:
     """``out[m] = lhs[m] @ rhs[g(m)]`` (module docstring); not differentiable (see `mtjax.ops.grouped_gemm`).
 
     Args:
       lhs: ``[M, K]``, rows sorted by group; rhs: ``[G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``).
       group_sizes: ``[G]`` int, non-negative, ``sum <= M`` (clipped at ``M``).
+      group_scale: optional float32 ``[G]``: group ``g``'s float32 accumulator is multiplied by
+        ``group_scale[g]`` before the cast to ``out_dtype`` (FP8 dequantization in the epilogue).
       out_dtype: default ``lhs.dtype``; accumulation is float32.
       tiles: default `GemmTiles()`, clamped to the shapes.
       interpret: run in Pallas interpret mode (CPU tests).
@@ -271,11 +296,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs
         raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} (transpose_rhs={transpose_rhs}) disagree on K")
     if group_sizes.shape != (g,):
         raise ValueError(f"gmm: group_sizes has shape {group_sizes.shape}; expected ({g},)")
+    _check_group_scale("gmm", group_scale, g)
     tiles = (tiles or GemmTiles()).clamp(m=m, n=n, k=k)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     st = _GmmStatic(m=m, k=k, n=n, num_groups=g, num_visits=num_visits(m, g, tiles.block_m),
-                    transpose_rhs=transpose_rhs, tiles=tiles)
+                    transpose_rhs=transpose_rhs, scaled=group_scale is not None, tiles=tiles)
     schedule = visits(group_sizes, m, tiles.block_m)
+    scale = () if group_scale is None else (group_scale.astype(jnp.float32),)
     return pl.pallas_call(
         functools.partial(_gmm_kernel, st=st),
         grid=(st.num_visits * pl.cdiv(n, tiles.block_n),),
@@ -283,7 +310,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm",
-    )(*schedule, lhs, rhs)
+    )(*schedule, lhs, rhs, *scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,10 +323,12 @@ class _TgmmStatic:
     m: int
     k: int
     n: int
+    scaled: bool
     tiles: GemmTiles
 
 
-def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, out_ref, *, st: _TgmmStatic):
+def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, *refs, st: _TgmmStatic):
+    scale_ref, out_ref = refs if st.scaled else (None, refs[0])
     t = st.tiles
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     n0 = pl.program_id(0) * bn
@@ -320,6 +349,8 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, out_ref, *, st: _TgmmStatic):
         return _accumulate(a, b, acc, contract_lhs=0, contract_rhs=0)
 
     acc = lax.fori_loop(0, _cdiv(end - start, bm), body, jnp.zeros((bk, bn), jnp.float32))
+    if scale_ref is not None:
+        acc = acc * scale_ref[g]
     out_mask = _conj(None if k_mask is None else k_mask.T, n_mask)
     out = out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)]
     if out_mask is None:
@@ -328,13 +359,14 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, out_ref, *, st: _TgmmStatic):
         pltriton.store(out, acc.astype(out_ref.dtype), mask=jnp.broadcast_to(out_mask, (bk, bn)))
 
 
-def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, out_dtype: Any = None,
-         tiles: GemmTiles | None = None, interpret: bool = False) -> jax.Array:
+def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
+         out_dtype: Any = None, tiles: GemmTiles | None = None, interpret: bool = False) -> jax.Array:
     """``out[g] = lhs[rows of g]^T @ dy[rows of g]`` into ``[G, K, N]`` (module docstring).
 
     Args:
       lhs: ``[M, K]``; dy: ``[M, N]``, rows sorted by group as for `gmm`.
       group_sizes: ``[G]`` int, non-negative, ``sum <= M`` (clipped at ``M``).
+      group_scale: optional float32 ``[G]`` multiplying group ``g``'s accumulator (as in `gmm`).
       out_dtype: default ``lhs.dtype``; accumulation is float32.
       tiles: default ``BlockSizes().wgrad``, clamped to the shapes.
       interpret: run in Pallas interpret mode.
@@ -345,11 +377,13 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, out_dtype: An
         raise ValueError(f"tgmm: lhs {lhs.shape} and dy {dy.shape} must share M")
     n = dy.shape[1]
     g = group_sizes.shape[0]
+    _check_group_scale("tgmm", group_scale, g)
     tiles = (tiles or BlockSizes().wgrad).clamp(m=m, n=n, k=k)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-    st = _TgmmStatic(m=m, k=k, n=n, tiles=tiles)
+    st = _TgmmStatic(m=m, k=k, n=n, scaled=group_scale is not None, tiles=tiles)
+    scale = () if group_scale is None else (group_scale.astype(jnp.float32),)
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, st=st),
         grid=(pl.cdiv(n, tiles.block_n), pl.cdiv(k, tiles.block_k), g),
@@ -357,4 +391,4 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, out_dtype: An
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm_wgrad",
-    )(offsets, lhs, dy)
+    )(offsets, lhs, dy, *scale)

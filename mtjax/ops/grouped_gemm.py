@@ -16,8 +16,9 @@ gradient with ``rhs`` transposed, ``d rhs`` the per-group ``lhs^T dy`` into ``[G
 
 `grouped_gemm_fp8` is the FP8 variant (E4M3 operands, E5M2 output gradient by default) with current
 scaling: a per-tensor scale for ``lhs`` and the output gradient, a per-group scale for ``rhs``,
-computed from each tensor's amax in the same step. Accumulation is float32 and the scales are applied
-to the float32 accumulator.
+computed from each tensor's amax in the same step. Accumulation is float32; the dequantization scales
+multiply the float32 accumulator in the kernels' epilogue (one ``[G]`` scale per group), so no float32
+product is ever written out.
 """
 
 from __future__ import annotations
@@ -85,33 +86,39 @@ def _check_block_sizes(op: str, block_sizes: Any, kind: type) -> None:
 
 
 @backend.register("grouped_gemm", backend.REFERENCE)
-def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool,
-                           out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
-    """The ``"xla"`` grouped GEMM: `jax.lax.ragged_dot`, float32 accumulation (``tiles`` unused)."""
+def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None,
+                           *, transpose_rhs: bool, out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
+    """The ``"xla"`` grouped GEMM: `jax.lax.ragged_dot`, float32 accumulation, then each row times its
+    group's ``group_scale`` (``[G]`` float32 or ``None``; FP8 dequantization); ``tiles`` unused."""
     del tiles
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     out = lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    if group_scale is not None:
+        out = out * _row_group_scale(group_scale, group_sizes, lhs.shape[0])[:, None]
     return out.astype(out_dtype)
 
 
 @backend.register("grouped_gemm_wgrad", backend.REFERENCE)
-def grouped_gemm_wgrad_reference(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, out_dtype: Any,
-                                 tiles: GemmTiles | None) -> jax.Array:
-    """The ``"xla"`` per-group ``lhs^T grad``: `jax.lax.ragged_dot_general` with a ragged contraction."""
+def grouped_gemm_wgrad_reference(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
+                                 group_scale: jax.Array | None, *, out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
+    """The ``"xla"`` per-group ``lhs^T grad`` (times ``group_scale[g]``): `jax.lax.ragged_dot_general`
+    with a ragged contraction."""
     del tiles
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     out = lax.ragged_dot_general(lhs, grad, group_sizes.astype(jnp.int32), numbers,
                                  preferred_element_type=jnp.float32)
+    if group_scale is not None:
+        out = out * group_scale[:, None, None]
     return out.astype(out_dtype)
 
 
-def _kernel_unsupported_gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles) -> str | None:
+def _kernel_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles) -> str | None:
     return gg_kernels.unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs))
 
 
-def _kernel_unsupported_wgrad(lhs, grad, group_sizes, *, out_dtype, tiles) -> str | None:
+def _kernel_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles) -> str | None:
     return gg_kernels.unsupported(jnp.shape(lhs), (1,) + jnp.shape(grad)[::-1], jnp.result_type(lhs),
                                   jnp.result_type(grad))
 
@@ -120,23 +127,23 @@ _KERNEL = {"requires": (backend.PALLAS_TRITON,), "priority": 10, "single_device"
 
 
 @backend.register("grouped_gemm", "pallas_triton", supports=_kernel_unsupported_gmm, **_KERNEL)
-def _grouped_gemm_pallas(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, tiles):
-    return gg_kernels.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+def _grouped_gemm_pallas(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
+    return gg_kernels.gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                           tiles=tiles, interpret=kernel_interpret())
 
 
 @backend.register("grouped_gemm_wgrad", "pallas_triton", supports=_kernel_unsupported_wgrad, **_KERNEL)
-def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, *, out_dtype, tiles):
-    return gg_kernels.tgmm(lhs, grad, group_sizes, out_dtype=out_dtype, tiles=tiles, interpret=kernel_interpret())
+def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles):
+    return gg_kernels.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles, interpret=kernel_interpret())
 
 
-def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, implementation):
-    return backend.dispatch("grouped_gemm", lhs, rhs, group_sizes, implementation=implementation,
+def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, implementation, group_scale=None):
+    return backend.dispatch("grouped_gemm", lhs, rhs, group_sizes, group_scale, implementation=implementation,
                             transpose_rhs=transpose_rhs, out_dtype=jnp.dtype(out_dtype), tiles=tiles)
 
 
-def _tgmm(lhs, grad, group_sizes, out_dtype, tiles, implementation):
-    return backend.dispatch("grouped_gemm_wgrad", lhs, grad, group_sizes, implementation=implementation,
+def _tgmm(lhs, grad, group_sizes, out_dtype, tiles, implementation, group_scale=None):
+    return backend.dispatch("grouped_gemm_wgrad", lhs, grad, group_sizes, group_scale, implementation=implementation,
                             out_dtype=jnp.dtype(out_dtype), tiles=tiles)
 
 
@@ -189,7 +196,7 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tran
     m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, transpose_rhs)
     _check_block_sizes(op, block_sizes, BlockSizes)
     out_dtype = _out_dtype(op, preferred_element_type, lhs.dtype)
-    blocks = block_sizes or BlockSizes.default(m, k, n, g)
+    blocks = block_sizes or BlockSizes.default(m, k, n, g, lhs.dtype)
     return _grouped_gemm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, blocks, implementation)
 
 
@@ -219,7 +226,7 @@ def grouped_gemm_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, 
     _check_block_sizes(op, block_sizes, GemmTiles)
     out_dtype = _out_dtype(op, preferred_element_type, lhs.dtype)
     (m, k), n, g = lhs.shape, grad.shape[1], group_sizes.shape[0]
-    tiles = block_sizes or BlockSizes.default(m, k, n, g).wgrad
+    tiles = block_sizes or BlockSizes.default(m, k, n, g, lhs.dtype).wgrad
     return _tgmm(lhs, grad, group_sizes, out_dtype, tiles, implementation)
 
 
@@ -263,23 +270,21 @@ def _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_
 def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
     lhs_q, lhs_scale_inv = _quantize_tensor(lhs, forward_dtype)
     rhs_q, rhs_scale_inv = _quantize_groups(rhs, forward_dtype)
-    acc = _gmm(lhs_q, rhs_q, group_sizes, False, jnp.float32, blocks.forward, implementation)
-    row_scale = _row_group_scale(rhs_scale_inv, group_sizes, lhs.shape[0]) * lhs_scale_inv
-    out = (acc * row_scale[:, None]).astype(out_dtype)
+    out = _gmm(lhs_q, rhs_q, group_sizes, False, out_dtype, blocks.forward, implementation,
+               group_scale=rhs_scale_inv * lhs_scale_inv)
     return out, (lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
 
 
 def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, implementation, residuals, grad):
     lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes = residuals
     grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
-    m = lhs_q.shape[0]
-    # d lhs = grad @ rhs[g]^T: the per-group rhs scale is a per-row scale of the result.
-    d_lhs = _gmm(grad_q, rhs_q, group_sizes, True, jnp.float32, blocks.dlhs, implementation)
-    d_lhs = d_lhs * (_row_group_scale(rhs_scale_inv, group_sizes, m) * grad_scale_inv)[:, None]
+    # d lhs = grad @ rhs[g]^T: rows of group g carry rhs[g]'s scale.
+    d_lhs = _gmm(grad_q, rhs_q, group_sizes, True, out_dtype, blocks.dlhs, implementation,
+                 group_scale=rhs_scale_inv * grad_scale_inv)
     # d rhs[g] = lhs[g]^T grad[g]: both scales per tensor.
-    d_rhs = _tgmm(lhs_q, grad_q, group_sizes, jnp.float32, blocks.wgrad, implementation)
-    d_rhs = d_rhs * (lhs_scale_inv * grad_scale_inv)
-    return d_lhs.astype(out_dtype), d_rhs.astype(out_dtype), None
+    d_rhs = _tgmm(lhs_q, grad_q, group_sizes, out_dtype, blocks.wgrad, implementation,
+                  group_scale=jnp.broadcast_to(lhs_scale_inv * grad_scale_inv, rhs_scale_inv.shape))
+    return d_lhs, d_rhs, None
 
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
@@ -313,6 +318,6 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     forward_dtype, gradient_dtype = jnp.dtype(forward_dtype), jnp.dtype(gradient_dtype)
     check_choice(op, "forward_dtype", forward_dtype, fp8)
     check_choice(op, "gradient_dtype", gradient_dtype, fp8)
-    blocks = block_sizes or BlockSizes.default(m, k, n, g)
+    blocks = block_sizes or BlockSizes.default(m, k, n, g, forward_dtype)
     return _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, jnp.dtype(lhs.dtype), blocks,
                              implementation)

@@ -73,6 +73,25 @@ def test_tgmm_matches_numpy(group_sizes):
     assert_close(out, np_tgmm(lhs, dy, gs))
 
 
+def test_group_scale_multiplies_each_group():
+    lhs, rhs, gs, dy = _kernel_case(SIZES[0], seed=5)
+    scale = np.array([0.5, 3.0, -2.0, 0.25, 1e-3], np.float32)
+    row_scale = np.concatenate([np.repeat(scale, gs), np.ones(70 - gs.sum())])[:, None]
+    out = gg.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(gs), jnp.asarray(scale), tiles=SMALL, interpret=True)
+    assert_close(out, np_gmm(lhs, rhs, gs) * row_scale)
+    out = gg.tgmm(jnp.asarray(lhs), jnp.asarray(dy), jnp.asarray(gs), jnp.asarray(scale), tiles=SMALL, interpret=True)
+    assert_close(out, np_tgmm(lhs, dy, gs) * scale[:, None, None])
+
+
+def test_default_block_sizes():
+    bf16 = gg.BlockSizes.default(32768, 2048, 8192, 8, jnp.bfloat16)
+    assert (bf16.forward.block_m, bf16.forward.block_n, bf16.forward.block_k) == (128, 256, 64)
+    narrow = gg.BlockSizes.default(98304, 2048, 1408, 64, jnp.bfloat16)
+    assert narrow.forward.block_n == 128 and narrow.dlhs.block_n == 256  # 1408 = 11 x 128
+    assert gg.BlockSizes.default(4096, 2048, 8192, 8, jnp.float8_e4m3fn).forward.block_k == 128
+    assert gg.GemmTiles().clamp(m=20, n=300, k=8) == gg.GemmTiles(block_m=32, block_n=256, block_k=16)
+
+
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_op_forward_and_gradients(interpret, transpose_rhs):
     """The differentiable op on the kernels (forward, d lhs, d rhs), f32 against float64 numpy."""
@@ -177,16 +196,16 @@ def test_lowers_for_cuda(dtype, fp8, monkeypatch):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
 def test_selection_per_platform():
-    args = (S((4096, 1024), jnp.bfloat16), S((8, 1024, 512), jnp.bfloat16), S((8,), jnp.int32))
+    args = (S((4096, 1024), jnp.bfloat16), S((8, 1024, 512), jnp.bfloat16), S((8,), jnp.int32), None)
     static = {"transpose_rhs": False, "out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
     assert backend.select("grouped_gemm", platform_name="cuda", args=args, static=static)[0].name == "pallas_triton"
     assert backend.select("grouped_gemm", platform_name="rocm", args=args, static=static)[0].name == "pallas_triton"
     assert backend.select("grouped_gemm", platform_name="cpu", args=args, static=static)[0].name == "xla"
-    wgrad_args = (S((4096, 1024), jnp.bfloat16), S((4096, 512), jnp.bfloat16), S((8,), jnp.int32))
+    wgrad_args = (S((4096, 1024), jnp.bfloat16), S((4096, 512), jnp.bfloat16), S((8,), jnp.int32), None)
     wgrad_static = {"out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
     assert backend.select("grouped_gemm_wgrad", platform_name="cuda", args=wgrad_args,
                           static=wgrad_static)[0].name == "pallas_triton"
-    big = (S((2**20, 4096), jnp.bfloat16), S((8, 4096, 512), jnp.bfloat16), S((8,), jnp.int32))
+    big = (S((2**20, 4096), jnp.bfloat16), S((8, 4096, 512), jnp.bfloat16), S((8,), jnp.int32), None)
     impl, why = backend.select("grouped_gemm", platform_name="cuda", args=big, static=static)
     assert impl.name == "xla" and "int32" in why
 
