@@ -141,6 +141,20 @@ def _check(fn: str, lhs, rhs) -> None:
         raise ValueError(f"{fn}: unsupported {reason}")
 
 
+def _out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+    """The pallas_call's output type; inside ``shard_map`` it varies over the axes its operands vary
+    over (``check_vma=True`` needs that spelled out)."""
+    types = [getattr(jax.typeof(x), "mat", None) for x in operands]
+    varying = [t for t in types if t is not None and t.varying]
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    widest = max(varying, key=lambda t: len(t.varying))
+    if any(not t.varying <= widest.varying for t in varying):
+        raise ValueError("grouped GEMM inside shard_map: the operands vary over different mesh axes "
+                         f"({[sorted(t.varying) for t in varying]}); pcast them to the same ones")
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=widest)
+
+
 def _check_group_scale(fn: str, group_scale, num_groups: int) -> None:
     if group_scale is not None and group_scale.shape != (num_groups,):
         raise ValueError(f"{fn}: group_scale has shape {group_scale.shape}; expected ({num_groups},)")
@@ -306,7 +320,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
     return pl.pallas_call(
         functools.partial(_gmm_kernel, st=st),
         grid=(st.num_visits * pl.cdiv(n, tiles.block_n),),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=_out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm",
@@ -387,7 +401,7 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, st=st),
         grid=(pl.cdiv(n, tiles.block_n), pl.cdiv(k, tiles.block_k), g),
-        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        out_shape=_out_struct((g, k, n), out_dtype, lhs, dy, group_sizes),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm_wgrad",

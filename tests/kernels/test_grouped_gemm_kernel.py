@@ -191,6 +191,30 @@ def test_lowers_for_cuda(dtype, fp8, monkeypatch):
     assert text.count("mtjax_grouped_gemm") >= 3  # forward, d lhs, and the weight gradient's name
 
 
+def test_lowers_for_cuda_inside_shard_map():
+    """Inside ``shard_map(check_vma=True)`` (MoEBlock's per-device experts) the kernels are staged
+    too: their outputs vary over the mesh axes their operands vary over."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec, use_abstract_mesh
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((4,), ("ep",), (AxisType.Explicit,), abstract_device=device)
+
+    def per_device(lhs, rhs, group_sizes):
+        rhs, group_sizes = (jax.lax.pcast(a, ("ep",), to="varying") for a in (rhs, group_sizes))
+        out, vjp = jax.vjp(lambda a, b: ops.grouped_gemm(a, b, group_sizes), lhs, rhs)
+        return out, vjp(out)[1]
+
+    def spec(shape, dtype, *axes):
+        return S(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*axes)))
+
+    with use_abstract_mesh(mesh):
+        fn = jax.shard_map(per_device, mesh=mesh, in_specs=(PartitionSpec("ep"), PartitionSpec(), PartitionSpec()),
+                           out_specs=(PartitionSpec("ep"), PartitionSpec("ep")), check_vma=True)
+        text = jax.jit(fn).trace(spec((4 * 256, 128), jnp.bfloat16, "ep"), spec((2, 128, 64), jnp.bfloat16),
+                                 spec((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mtjax_grouped_gemm_wgrad" in text
+
+
 # -------------------------------------------------------------------------------------------------- dispatch
 
 
