@@ -35,7 +35,13 @@ def dense_moe(params, x, *, top_k, activations, score_function="softmax", num_sh
 
 
 def _init(block, x):
-    return nn.meta.unbox(block.init(jax.random.PRNGKey(1), x, deterministic=True)["params"])
+    init = jax.jit(lambda x: block.init(jax.random.PRNGKey(1), x, deterministic=True)["params"])
+    return nn.meta.unbox(init(x))
+
+
+def _apply(block, params, x, mutable=(MOE_LOSSES, MOE_METRICS)):
+    """``block.apply`` jitted (eager op-by-op dispatch is slow on the CPU): ``((y, ln_out), sown)``."""
+    return jax.jit(lambda p, x: block.apply({"params": p}, x, deterministic=True, mutable=list(mutable)))(params, x)
 
 
 @pytest.mark.parametrize("activations,num_shared,score", [(("silu", "linear"), 0, "softmax"),
@@ -57,9 +63,9 @@ def test_matches_dense_mixture_forward_and_backward(activations, num_shared, sco
 
     ref = lambda p, x: dense_moe(p, x, top_k=2, activations=activations, score_function=score,  # noqa: E731
                                  num_shared=num_shared)
-    np.testing.assert_allclose(ours(params, x), ref(params, x), rtol=1e-5, atol=1e-5)
-    got = jax.grad(loss(ours), argnums=(0, 1))(params, x)
-    want = jax.grad(loss(ref), argnums=(0, 1))(params, x)
+    np.testing.assert_allclose(jax.jit(ours)(params, x), jax.jit(ref)(params, x), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(params, x)
+    want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(params, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -69,7 +75,7 @@ def test_sows_weighted_losses_and_load_metrics():
                      router_z_loss_weight=0.01)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
     params = _init(block, x)
-    _, sown = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_LOSSES, MOE_METRICS])
+    _, sown = _apply(block, params, x)
     metrics, losses = sown[MOE_METRICS], sown[MOE_LOSSES]
     np.testing.assert_allclose(losses["load_balancing_loss"][0], 0.1 * metrics["load_balancing_loss"][0], rtol=1e-6)
     np.testing.assert_allclose(losses["router_z_loss"][0], 0.01 * metrics["router_z_loss"][0], rtol=1e-6)
@@ -81,7 +87,7 @@ def test_sows_weighted_losses_and_load_metrics():
     np.testing.assert_allclose(summary["moe_aux_loss"], moe_aux_loss(losses), rtol=1e-6)
     # Zero coefficients: nothing to add to the loss, the metrics are still there.
     quiet = block.clone(load_balancing_loss_weight=0.0, router_z_loss_weight=0.0)
-    _, sown = quiet.apply({"params": params}, x, deterministic=True, mutable=[MOE_LOSSES, MOE_METRICS])
+    _, sown = _apply(quiet, params, x)
     assert MOE_LOSSES not in sown and float(moe_aux_loss(sown.get(MOE_LOSSES, {}))) == 0.0
 
 
@@ -89,12 +95,12 @@ def test_capacity_drops_tokens_and_counts_them():
     block = MoEBlock(num_experts=4, experts_per_token=2, expert_dim=8, capacity_factor=0.5, enable_layernorm=False)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 8))
     params = _init(block, x)
-    (y, _), sown = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
+    (y, _), sown = _apply(block, params, x)
     dropped = float(sown[MOE_METRICS]["dropped_fraction"][0])
     # Each expert keeps ceil(0.5 * 32 * 2 / 4) = 8 of the 64 slots' rows: at least half are dropped.
     assert dropped >= 0.5
     dropless = block.clone(capacity_factor=None)
-    (y_full, _), _ = dropless.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
+    (y_full, _), _ = _apply(dropless, params, x)
     assert not np.allclose(y, y_full)
 
 
@@ -107,10 +113,11 @@ def test_fp8_grouped_gemm_under_autocast():
         (y, _), _ = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
         return y
 
-    y = run(params, x)
+    y = jax.jit(run)(params, x)
     with fp8.fp8_autocast(recipe=fp8.CurrentScaling()):
-        y8 = jax.jit(run)(params, x)
-        jaxpr = str(jax.make_jaxpr(run)(params, x))
+        # A new function: jit's trace cache does not key on the autocast context.
+        y8 = jax.jit(lambda p, x: run(p, x))(params, x)
+        jaxpr = str(jax.make_jaxpr(lambda p, x: run(p, x))(params, x))
     assert "float8_e4m3fn" in jaxpr
     # E4M3 keeps 3 mantissa bits (relative rounding error <= 2^-4 per operand); two GEMMs in a row.
     rel = float(jnp.linalg.norm(y8 - y) / jnp.linalg.norm(y))
@@ -123,11 +130,11 @@ def test_transformer_layer_with_moe_mlp_and_fused_residual():
                                 layernorm_type="rmsnorm", moe={"num_experts": 4, "experts_per_token": 2,
                                                                "expert_dim": 8, "num_shared_experts": 1})
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
-    variables = layer.init(jax.random.PRNGKey(1), x, deterministic=True)
+    variables = jax.jit(lambda x: layer.init(jax.random.PRNGKey(1), x, deterministic=True))(x)
     mlp = variables["params"]["mlp"]
     assert {"router_kernel", "wi_kernel", "wo_kernel", "shared_experts", "scale"} <= set(mlp)
     assert mlp["wi_kernel"].names == ("expert", "embed", None, "mlp")
-    y, sown = layer.apply({"params": variables["params"]}, x, deterministic=True, mutable=[MOE_LOSSES])
+    y, sown = _apply(layer, nn.meta.unbox(variables["params"]), x, mutable=[MOE_LOSSES])
     assert y.shape == x.shape and np.isfinite(y).all()
     assert "load_balancing_loss" in sown[MOE_LOSSES]["mlp"]
 
