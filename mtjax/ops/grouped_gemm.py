@@ -38,9 +38,6 @@ from mtjax.kernels._common import saturate_cast
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
 from mtjax.ops._checks import check_choice, check_float, check_rank
 
-FP8_FORWARD_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2, jnp.float8_e5m2fnuz)
-
-
 def _check_group_sizes(op: str, group_sizes: Any, num_groups: int) -> None:
     if jnp.shape(group_sizes) != (num_groups,):
         raise ValueError(f"{op}: group_sizes has shape {jnp.shape(group_sizes)}; expected ({num_groups},)")
@@ -73,6 +70,13 @@ def _out_dtype(op: str, preferred_element_type: DTypeLike | None, default: Any) 
     if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
         raise TypeError(f"{op}: preferred_element_type={dtype}; expected float32, bfloat16 or float16")
     return dtype
+
+
+def _row_group_scale(group_scale: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
+    """``[M]``: each row's group's value of ``group_scale [G]`` (1 for rows past the groups)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
+    return jnp.concatenate([group_scale, jnp.ones((1,), group_scale.dtype)])[row_group]
 
 
 def _check_block_sizes(op: str, block_sizes: Any, kind: type) -> None:
@@ -254,13 +258,6 @@ def _quantize_groups(rhs: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     return saturate_cast(rhs.astype(jnp.float32) * scale[:, None, None], dtype), 1.0 / scale
 
 
-def _row_group_scale(group_scale: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
-    """``[M]``: each row's group's value of ``group_scale [G]`` (1 for rows past the groups)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
-    return jnp.concatenate([group_scale, jnp.ones((1,), group_scale.dtype)])[row_group]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
     return _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks,
@@ -314,7 +311,7 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     op = "grouped_gemm_fp8"
     m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, False)
     _check_block_sizes(op, block_sizes, BlockSizes)
-    fp8 = [jnp.dtype(d) for d in FP8_FORWARD_DTYPES]
+    fp8 = [jnp.dtype(d) for d in gg_kernels.FP8_DTYPES]
     forward_dtype, gradient_dtype = jnp.dtype(forward_dtype), jnp.dtype(gradient_dtype)
     check_choice(op, "forward_dtype", forward_dtype, fp8)
     check_choice(op, "gradient_dtype", gradient_dtype, fp8)

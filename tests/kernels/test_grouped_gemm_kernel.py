@@ -2,6 +2,8 @@
 interpret mode on the CPU with 16-row tiles (many tiles, group boundaries inside tiles, K and N
 tails), the cuda lowering on an abstract H200, dispatch rules, and real sizes on a GPU (``gpu`` marker)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,11 +157,12 @@ def test_fp8_kernel_matches_fp8_reference(interpret):
     E5M2 x E4M3 d lhs GEMM runs on bfloat16-upcast operands in the kernel, exactly."""
     lhs, rhs, gs, dy = _kernel_case(SIZES[0], seed=4)
 
-    def run(implementation):
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(implementation, lhs, rhs, dy):
         return value_and_grads(lambda a, b: ops.grouped_gemm_fp8(a, b, jnp.asarray(gs), block_sizes=SMALL_BLOCKS,
                                                                  implementation=implementation), lhs, rhs, dy)
 
-    for got, want in zip(run("pallas_triton"), run("xla")):
+    for got, want in zip(run("pallas_triton", lhs, rhs, dy), run("xla", lhs, rhs, dy)):
         assert_close(got, np.asarray(want, np.float64))
 
 

@@ -98,14 +98,15 @@ def test_permute_hypothesis(tokens, top_k, num_experts, capacity, seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(tokens, 3)).astype(np.float32)
     experts = random_experts(rng, tokens, top_k, num_experts)
-    x_sorted, group_sizes, state = ops.permute(jnp.asarray(x), jnp.asarray(experts), num_experts, capacity=capacity)
+    permute = jax.jit(ops.permute, static_argnums=2, static_argnames="capacity")
+    x_sorted, group_sizes, state = permute(jnp.asarray(x), jnp.asarray(experts), num_experts, capacity=capacity)
     exp_sorted, exp_sizes, row_of, dropped = np_permute(x, experts, num_experts, capacity)
     np.testing.assert_array_equal(x_sorted, exp_sorted)
     np.testing.assert_array_equal(group_sizes, exp_sizes)
     assert int(state.num_dropped) == dropped
     weights = rng.uniform(size=(tokens, top_k)).astype(np.float32)
     d = dense_dispatch(row_of, x_sorted.shape[0], tokens, top_k)
-    np.testing.assert_allclose(ops.unpermute(x_sorted, jnp.asarray(weights), state),
+    np.testing.assert_allclose(jax.jit(ops.unpermute)(x_sorted, jnp.asarray(weights), state),
                                np.einsum("tk,tkr,rh->th", weights, d, exp_sorted), rtol=1e-5, atol=1e-6)
 
 

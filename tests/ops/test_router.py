@@ -1,6 +1,8 @@
 """mtjax.ops.route, load_balancing_loss and router_z_loss against float64 numpy formulations
 (token by token), forward and gradients; argument errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,7 +110,7 @@ def test_route_hypothesis(tokens, experts_per_group, num_groups, seed, sigmoid):
     logits = rng.normal(size=(tokens, experts)).astype(np.float32)
     kw = {"top_k": top_k, "score_function": "sigmoid" if sigmoid else "softmax", "num_groups": num_groups,
               "group_top_k": group_top_k}
-    out = ops.route(jnp.asarray(logits), **kw)
+    out = jax.jit(functools.partial(ops.route, **kw))(jnp.asarray(logits))
     weights, chosen, _ = np_route(logits, **{**kw, "normalize": True})
     np.testing.assert_array_equal(out.experts, chosen)
     np.testing.assert_allclose(out.weights, weights, rtol=1e-5, atol=1e-6)
