@@ -8,7 +8,8 @@ from mtjax.ops.cross_entropy import softmax_cross_entropy
 from mtjax.ops.grouped_gemm import grouped_gemm, grouped_gemm_fp8, grouped_gemm_wgrad
 from mtjax.ops.normalization import LAYERNORM_TYPES, Norm, layernorm, layernorm_fp8, residual_norm, rmsnorm
 from mtjax.ops.permutation import PermuteState, expert_capacity, permute, unpermute
-from mtjax.ops.router import SCORE_FUNCTIONS, RouterOutput, expert_counts, load_balancing_loss, route, router_z_loss
+from mtjax.ops.router import (SCORE_FUNCTIONS, RouterOutput, expert_counts, load_balancing_loss, route, router_z_loss,
+                              update_expert_bias)
 from mtjax.ops.softmax import softmax
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_wgrad",
     "PermuteState", "expert_capacity", "permute", "unpermute",
     "SCORE_FUNCTIONS", "RouterOutput", "expert_counts", "load_balancing_loss", "route", "router_z_loss",
+    "update_expert_bias",
     "LAYERNORM_TYPES", "Norm", "layernorm", "layernorm_fp8", "residual_norm", "rmsnorm", "softmax",
     "softmax_cross_entropy",
 ]

@@ -89,12 +89,21 @@ def _check_block_sizes(op: str, block_sizes: Any, kind: type) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _exact_for_xla(*operands: jax.Array) -> tuple[jax.Array, ...]:
+    """FP8 operands as bfloat16 (which holds every E4M3 and E5M2 value exactly): XLA's ragged dots
+    take no FP8 (or mixed-FP8) operands on every platform."""
+    if any(jnp.dtype(x.dtype) in [jnp.dtype(d) for d in gg_kernels.FP8_DTYPES] for x in operands):
+        return tuple(x.astype(jnp.bfloat16) for x in operands)
+    return operands
+
+
 @backend.register("grouped_gemm", backend.REFERENCE)
 def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None,
                            *, transpose_rhs: bool, out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
     """The ``"xla"`` grouped GEMM: `jax.lax.ragged_dot`, float32 accumulation, then each row times its
     group's ``group_scale`` (``[G]`` float32 or ``None``; FP8 dequantization); ``tiles`` unused."""
     del tiles
+    lhs, rhs = _exact_for_xla(lhs, rhs)
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     out = lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
@@ -109,6 +118,7 @@ def grouped_gemm_wgrad_reference(lhs: jax.Array, grad: jax.Array, group_sizes: j
     """The ``"xla"`` per-group ``lhs^T grad`` (times ``group_scale[g]``): `jax.lax.ragged_dot_general`
     with a ragged contraction."""
     del tiles
+    lhs, grad = _exact_for_xla(lhs, grad)
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     out = lax.ragged_dot_general(lhs, grad, group_sizes.astype(jnp.int32), numbers,

@@ -15,7 +15,8 @@ combine weights:
    DeepSeek-V3's normalized sigmoid), then multiplied by ``scaling_factor``.
 
 `load_balancing_loss` (Switch/GShard) and `router_z_loss` (ST-MoE) are the auxiliary losses a train
-step adds with its own coefficients. All arithmetic is float32; everything here is plain
+step adds with its own coefficients; `update_expert_bias` is the auxiliary-loss-free alternative's
+per-step bias update from `expert_counts`. All arithmetic is float32; everything here is plain
 jax.numpy (XLA fuses it; the router is a small fraction of an MoE layer).
 """
 
@@ -126,6 +127,29 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax", num
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
     """int32 ``[num_experts]``: how many (token, choice) assignments each expert received."""
     return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1, mode="drop")
+
+
+def update_expert_bias(expert_bias: jax.Array, counts: jax.Array, update_rate: float) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing step: ``bias + rate * sign(mean load - load)``.
+
+    Experts that received more than the mean number of assignments get their selection bias lowered
+    by ``update_rate``, the others raised; call it once per step with the step's `expert_counts`
+    (summed over devices and micro-batches) and keep the bias out of the optimizer.
+
+    Args:
+      expert_bias: float ``[experts]``; counts: ``[experts]`` assignments per expert.
+      update_rate: the bias step (DeepSeek-V3: 1e-3).
+    Returns:
+      the new bias, float32.
+    """
+    op = "update_expert_bias"
+    check_float(op, "expert_bias", expert_bias)
+    check_rank(op, "expert_bias", expert_bias, 1)
+    check_shape(op, "counts", counts, expert_bias.shape)
+    if not update_rate >= 0:
+        raise ValueError(f"{op}: update_rate={update_rate!r}; expected a float >= 0")
+    load = counts.astype(jnp.float32)
+    return expert_bias.astype(jnp.float32) + jnp.float32(update_rate) * jnp.sign(jnp.mean(load) - load)
 
 
 def load_balancing_loss(probs: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:

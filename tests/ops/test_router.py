@@ -140,6 +140,16 @@ def test_router_z_loss_matches_numpy_and_gradient():
     np.testing.assert_allclose(g, 2 * lse[:, None] * softmax / 10, rtol=1e-4, atol=1e-7)
 
 
+def test_update_expert_bias():
+    bias = jnp.array([0.0, 0.5, -0.5, 0.0])
+    new = ops.update_expert_bias(bias, jnp.array([10, 2, 4, 4], jnp.int32), 0.01)  # mean load 5
+    np.testing.assert_allclose(new, [-0.01, 0.51, -0.49, 0.01], rtol=1e-6)
+    with pytest.raises(ValueError, match="counts"):
+        ops.update_expert_bias(bias, jnp.zeros(3, jnp.int32), 0.01)
+    with pytest.raises(ValueError, match="update_rate"):
+        ops.update_expert_bias(bias, jnp.zeros(4, jnp.int32), -1.0)
+
+
 def test_argument_errors():
     logits = jnp.zeros((4, 8))
     with pytest.raises(ValueError, match="top_k"):
