@@ -9,7 +9,8 @@ start of the next is visited twice, once per group, and each visit stores only i
 (a masked store), so tiles stay aligned to ``block_m`` rows and no row is ever padded or copied.
 Rows past ``sum(group_sizes)`` form one more pseudo-group whose visits store zeros without a GEMM.
 There are at most ``cdiv(M, block_m) + G`` visits; the grid has that many (times the N-tiles) and
-programs without a visit return at once. Programs walk the (visit, N-tile) plane in bands of
+programs without a visit return at once, or (``GemmTiles.num_programs``) a fixed number of
+persistent programs walks the same tile list. Programs walk the (visit, N-tile) plane in bands of
 ``group_m`` visits (the Triton matmul tutorial's grouped order), so programs running together
 share ``rhs`` tiles of one group and ``lhs`` tiles of a few M-tiles in L2.
 
@@ -54,6 +55,8 @@ class GemmTiles:
       num_warps: warps per program.
       num_stages: software-pipelining depth of the inner loop (shared memory grows with it).
       group_m: ``gmm`` only: M-tiles per band of the grouped program order (L2 reuse).
+      num_programs: ``gmm`` only: ``None`` launches one program per output tile; an int launches
+        that many persistent programs (e.g. a multiple of the SM count) that walk the tiles.
     All blocks are powers of two, at least 16; tiles larger than the array shrink to fit.
     """
 
@@ -63,6 +66,7 @@ class GemmTiles:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    num_programs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -73,6 +77,8 @@ class GemmTiles:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GemmTiles({name}={value!r}): expected a positive int")
+        if self.num_programs is not None and (not isinstance(self.num_programs, int) or self.num_programs < 1):
+            raise ValueError(f"GemmTiles(num_programs={self.num_programs!r}): expected None or a positive int")
 
     def clamp(self, **dims: int) -> GemmTiles:
         """Shrink ``block_<name>`` to the power of two covering ``dims[name]`` where the tile is larger."""
@@ -238,11 +244,29 @@ class _GmmStatic:
 
 def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, *refs, st: _GmmStatic):
     scale_ref, out_ref = refs if st.scaled else (None, refs[0])
+    tile_refs = (group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, scale_ref, out_ref)
+    programs = st.tiles.num_programs
+    if programs is None:
+        _gmm_tile(pl.program_id(0), *tile_refs, st=st)
+        return
+    # Persistent: program p computes tiles p, p + programs, ... of the grouped order (the grid
+    # coordinate is read outside the loop: interpret mode cannot read it inside).
+    first = pl.program_id(0)
+    total = st.num_visits * pl.cdiv(st.n, st.tiles.block_n)
+
+    def step(i, carry):
+        _gmm_tile(first + i * programs, *tile_refs, st=st)
+        return carry
+
+    lax.fori_loop(0, _cdiv(total - first, programs), step, jnp.int32(0))
+
+
+def _gmm_tile(pid, group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, scale_ref, out_ref, *, st: _GmmStatic):
+    """Output tile ``pid`` of the grouped order: one visit's rows, ``block_n`` columns."""
     t = st.tiles
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     n_tiles = pl.cdiv(st.n, bn)
     # The grouped order: bands of group_m visits, N-tiles walked down each band.
-    pid = pl.program_id(0)
     band = t.group_m * n_tiles
     first = (pid // band) * t.group_m
     rows_in_band = jnp.minimum(st.num_visits - first, jnp.int32(t.group_m))
@@ -317,9 +341,10 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
                     transpose_rhs=transpose_rhs, scaled=group_scale is not None, tiles=tiles)
     schedule = visits(group_sizes, m, tiles.block_m)
     scale = () if group_scale is None else (group_scale.astype(jnp.float32),)
+    num_tiles = st.num_visits * pl.cdiv(n, tiles.block_n)
     return pl.pallas_call(
         functools.partial(_gmm_kernel, st=st),
-        grid=(st.num_visits * pl.cdiv(n, tiles.block_n),),
+        grid=(num_tiles if tiles.num_programs is None else min(tiles.num_programs, num_tiles),),
         out_shape=_out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,

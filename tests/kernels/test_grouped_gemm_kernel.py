@@ -68,6 +68,15 @@ def test_gmm_matches_numpy(group_sizes, transpose_rhs):
     assert np.all(np.asarray(out)[int(np.sum(group_sizes)):] == 0)
 
 
+@pytest.mark.parametrize("num_programs", [3, 1000])
+def test_persistent_gmm_matches_numpy(num_programs):
+    """A few persistent programs walking every tile (and more programs than tiles)."""
+    lhs, rhs, gs, _ = _kernel_case(SIZES[0], seed=6)
+    tiles = gg.GemmTiles(block_m=16, block_n=16, block_k=16, group_m=2, num_programs=num_programs)
+    out = gg.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(gs), tiles=tiles, interpret=True)
+    assert_close(out, np_gmm(lhs, rhs, gs))
+
+
 @pytest.mark.parametrize("group_sizes", SIZES)
 def test_tgmm_matches_numpy(group_sizes):
     lhs, _, gs, dy = _kernel_case(group_sizes)
@@ -169,8 +178,9 @@ def test_fp8_kernel_matches_fp8_reference(interpret):
 # -------------------------------------------------------------------------------------------------- cuda lowering
 
 
-@pytest.mark.parametrize("dtype, fp8", [(jnp.bfloat16, False), (jnp.float32, False), (jnp.bfloat16, True)])
-def test_lowers_for_cuda(dtype, fp8, monkeypatch):
+@pytest.mark.parametrize("dtype, fp8, persistent", [(jnp.bfloat16, False, False), (jnp.float32, False, False),
+                                                    (jnp.bfloat16, True, False), (jnp.bfloat16, False, True)])
+def test_lowers_for_cuda(dtype, fp8, persistent, monkeypatch):
     """Automatic selection stages the kernels for cuda; their Triton modules (forward, d lhs with rhs
     transposed, weight gradient) pass the MLIR verifier, on the CPU, for an H200."""
     lower_module = triton_lowering.lower_jaxpr_to_triton_module
@@ -182,9 +192,11 @@ def test_lowers_for_cuda(dtype, fp8, monkeypatch):
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
     gemm = ops.grouped_gemm_fp8 if fp8 else ops.grouped_gemm
+    tiles = gg.GemmTiles(num_programs=264) if persistent else gg.GemmTiles()
+    blocks = gg.BlockSizes(forward=tiles, dlhs=tiles)
 
     def f(lhs, rhs, group_sizes):
-        out, vjp = jax.vjp(lambda a, b: gemm(a, b, group_sizes), lhs, rhs)
+        out, vjp = jax.vjp(lambda a, b: gemm(a, b, group_sizes, block_sizes=blocks), lhs, rhs)
         return out, vjp(out)
 
     with backend.abstract_gpu():
@@ -249,6 +261,8 @@ def test_kernel_argument_errors():
         gg.tgmm(lhs, jnp.ones((7, 3)), gs, interpret=True)
     with pytest.raises(ValueError, match="positive int"):
         gg.GemmTiles(num_stages=0)
+    with pytest.raises(ValueError, match="num_programs"):
+        gg.GemmTiles(num_programs=0)
 
 
 # -------------------------------------------------------------------------------------------------- GPU
