@@ -110,14 +110,17 @@ class BlockSizes:
         Forward and ``d lhs``: 128 x 256 output tiles on 8 warps with 3 stages (the Triton matmul
         tutorial's best Hopper configuration), 128-column tiles where the output width is a multiple
         of 128 but not of 256 (no half-empty last tile); FP8 doubles ``block_k`` (same bytes per
-        stage). The weight gradient: 128 x 128 output tiles, 64 rows per step.
+        stage). Groups of fewer than 128 rows on average (decoding, many small experts) get
+        ``block_m`` of the power of two covering the mean group (at least 16), so boundary tiles
+        waste fewer rows. The weight gradient: 128 x 128 output tiles, 64 rows per step.
         """
-        del m, num_groups
+        mean_rows = m // max(num_groups, 1)
+        block_m = 128 if mean_rows >= 128 else max(MIN_BLOCK, pl.next_power_of_2(max(mean_rows, 1)))
 
         def tiles(width: int) -> GemmTiles:
             block_n = 128 if width % 256 and not width % 128 else 256
             block_k = 128 if jnp.dtype(dtype) in [jnp.dtype(d) for d in FP8_DTYPES] else 64
-            return GemmTiles(block_n=block_n, block_k=block_k)
+            return GemmTiles(block_m=block_m, block_n=block_n, block_k=block_k)
 
         return cls(forward=tiles(n), dlhs=tiles(k))
 

@@ -100,6 +100,8 @@ def test_default_block_sizes():
     narrow = gg.BlockSizes.default(98304, 2048, 1408, 64, jnp.bfloat16)
     assert narrow.forward.block_n == 128 and narrow.dlhs.block_n == 256  # 1408 = 11 x 128
     assert gg.BlockSizes.default(4096, 2048, 8192, 8, jnp.float8_e4m3fn).forward.block_k == 128
+    assert gg.BlockSizes.default(64 * 8, 2048, 1408, 64, jnp.bfloat16).forward.block_m == 16  # 8 rows per expert
+    assert gg.BlockSizes.default(64 * 100, 2048, 1408, 64, jnp.bfloat16).dlhs.block_m == 128
     assert gg.GemmTiles().clamp(m=20, n=300, k=8) == gg.GemmTiles(block_m=32, block_n=256, block_k=16)
 
 
