@@ -57,7 +57,8 @@ class GemmTiles:
       group_m: ``gmm`` only: M-tiles per band of the grouped program order (L2 reuse).
       num_programs: ``gmm`` only: ``None`` launches one program per output tile; an int launches
         that many persistent programs (e.g. a multiple of the SM count) that walk the tiles.
-    All blocks are powers of two, at least 16; tiles larger than the array shrink to fit.
+    All blocks are powers of two, at least 16; tiles larger than the array shrink to fit; with FP8
+    operands the contraction block (``gmm``'s ``block_k``, ``tgmm``'s ``block_m``) is at least 32.
     """
 
     block_m: int = 128
@@ -162,6 +163,17 @@ def _out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
         raise ValueError("grouped GEMM inside shard_map: the operands vary over different mesh axes "
                          f"({[sorted(t.varying) for t in varying]}); pcast them to the same ones")
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=widest)
+
+
+FP8_MIN_CONTRACTION = 32  # an FP8 tensor-core MMA contracts 32 elements at a time
+
+
+def _fp8_contraction(tiles: GemmTiles, field: str, *dtypes) -> GemmTiles:
+    """``tiles`` with the contraction block ``field`` at least `FP8_MIN_CONTRACTION` for FP8 operands."""
+    fp8 = [jnp.dtype(d) for d in FP8_DTYPES]
+    if all(jnp.dtype(d) in fp8 for d in dtypes) and getattr(tiles, field) < FP8_MIN_CONTRACTION:
+        return dataclasses.replace(tiles, **{field: FP8_MIN_CONTRACTION})
+    return tiles
 
 
 def _check_group_scale(fn: str, group_scale, num_groups: int) -> None:
@@ -338,7 +350,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
     if group_sizes.shape != (g,):
         raise ValueError(f"gmm: group_sizes has shape {group_sizes.shape}; expected ({g},)")
     _check_group_scale("gmm", group_scale, g)
-    tiles = (tiles or GemmTiles()).clamp(m=m, n=n, k=k)
+    tiles = _fp8_contraction((tiles or GemmTiles()).clamp(m=m, n=n, k=k), "block_k", lhs.dtype, rhs.dtype)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     st = _GmmStatic(m=m, k=k, n=n, num_groups=g, num_visits=num_visits(m, g, tiles.block_m),
                     transpose_rhs=transpose_rhs, scaled=group_scale is not None, tiles=tiles)
@@ -420,7 +432,7 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
     n = dy.shape[1]
     g = group_sizes.shape[0]
     _check_group_scale("tgmm", group_scale, g)
-    tiles = (tiles or BlockSizes().wgrad).clamp(m=m, n=n, k=k)
+    tiles = _fp8_contraction((tiles or BlockSizes().wgrad).clamp(m=m, n=n, k=k), "block_m", lhs.dtype, dy.dtype)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
