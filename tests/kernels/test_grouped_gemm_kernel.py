@@ -2,6 +2,7 @@
 interpret mode on the CPU with 16-row tiles (many tiles, group boundaries inside tiles, K and N
 tails), the cuda lowering on an abstract H200, dispatch rules, and real sizes on a GPU (``gpu`` marker)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -273,18 +274,24 @@ def test_kernel_argument_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", ["balanced", "skewed"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_real_sizes(sizes, fp8):
-    """16 experts, 8192 rows, hidden 2048, expert ffn 1408: the kernels against ragged_dot (bf16) or
-    the FP8 reference on the same quantized operands."""
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_real_sizes(sizes, fp8, persistent):
+    """16 experts, 8192 rows, hidden 2048, expert ffn 1408: the kernels (default tiles, or the
+    forward and d lhs as 264 persistent programs) against ragged_dot (bf16) or the FP8 reference on
+    the same quantized operands."""
     m, k, n, g = 8192, 2048, 1408, 16
     group_sizes = np.full(g, m // g) if sizes == "balanced" else np.array([m - 15 * 37] + [37] * 14 + [0])
     lhs, rhs, gs, dy = random_case(0, m, k, n, group_sizes, dtype=np.float32)
     args = [jnp.asarray(a, jnp.bfloat16) for a in (lhs, rhs, dy)]
     gemm = ops.grouped_gemm_fp8 if fp8 else ops.grouped_gemm
+    blocks = gg.BlockSizes.default(m, k, n, g, jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    if persistent:
+        blocks = gg.BlockSizes(forward=dataclasses.replace(blocks.forward, num_programs=264),
+                               dlhs=dataclasses.replace(blocks.dlhs, num_programs=264), wgrad=blocks.wgrad)
 
     def run(implementation):
         return jax.jit(lambda a, b, c: value_and_grads(
-            lambda a, b: gemm(a, b, jnp.asarray(gs), implementation=implementation), a, b, c))(*args)
+            lambda a, b: gemm(a, b, jnp.asarray(gs), block_sizes=blocks, implementation=implementation), a, b, c))(*args)
 
     for got, want in zip(run("pallas_triton"), run("xla")):
         assert_close(np.asarray(got, np.float32), np.asarray(want, np.float64), rtol=2e-2)
