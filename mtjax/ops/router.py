@@ -78,7 +78,9 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax", num
       group_top_k: how many groups a token may use (needed with ``num_groups``).
       expert_bias: float ``[experts]`` added to the scores for selection only (aux-loss-free balancing;
         not differentiated: it is updated from expert loads, not by gradients).
-      normalize_weights: divide the chosen scores by their sum.
+      normalize_weights: divide the chosen scores by their sum. With ``top_k=1`` that makes every
+        weight 1 and gives the router no gradient through the weights: Switch-style top-1 routing
+        passes ``False``.
       scaling_factor: multiplies the weights (DeepSeek-V3's ``routed_scaling_factor``).
     Returns:
       `RouterOutput`; ``weights`` are differentiable in ``logits``.
