@@ -25,6 +25,7 @@ SUITES = {
     "attention": "mtjax.bench.attention",
     "layer": "mtjax.bench.layer",
     "train": "mtjax.bench.train",
+    "moe": "mtjax.bench.moe",
 }
 
 
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "options (xla_...=VALUE); repeatable, one extra pair of rows each")
     parser.add_argument("--profile", metavar="DIR",
                         help="train suite: write a per-op GPU-time profile of each train step into DIR")
+    from mtjax.bench import moe
+
+    moe.add_arguments(parser.add_argument_group("moe suite"))
 
 
 def _available(name: str) -> bool:
@@ -58,6 +62,9 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
         return module.run(args.quick, presets=args.presets, profile_dir=args.profile, settings=settings)
     if name == "layer":
         return module.run(args.quick, settings=settings)
+    if name == "moe":
+        return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
+                          parts=args.moe_parts)
     return module.run(args.quick)
 
 
