@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from mtjax import fp8, ops
+from mtjax import ops
 from mtjax.bench import peers, timing
 from mtjax.bench import train as train_suite
 from mtjax.bench.variants import DEFAULT
@@ -80,7 +80,7 @@ def _tokamax_ragged_dot() -> Callable[..., jax.Array] | None:
         return None
     try:
         import tokamax
-    except Exception as err:  # noqa: BLE001 - an unimportable optional peer only loses its rows
+    except Exception as err:  # noqa: BLE001  (an unimportable optional peer only loses its rows)
         print(f"mtjax bench: tokamax is installed but does not import ({err!r}); no tokamax rows", file=sys.stderr)
         return None
     return getattr(tokamax, "ragged_dot", None)
@@ -138,7 +138,7 @@ def run_gemm(quick: bool, tiles: GemmTiles | None = None) -> list[dict]:
                     try:
                         compiled, _ = timing.compile_lowered(wrap(fn).lower(*args))
                         t = timing.measure(compiled, [args], runs=3 if quick else 20)
-                    except Exception as err:  # noqa: BLE001
+                    except Exception as err:  # noqa: BLE001  (a failing row records its error)
                         shape_rows.append(_failed(name, implementation, err, shape=[m, k, n, g]))
                         continue
                     times[implementation] = t.median
@@ -249,9 +249,9 @@ def run_layer(quick: bool) -> list[dict]:
             return y[None], config.load_balancing_loss_weight * aux
 
         def fwd_bwd(layer):
-            def run(params, x, dy):
-                (y, aux), vjp = jax.vjp(lambda p, x: layer(p, x), params, x)
-                return (y, *vjp((dy, jnp.ones_like(aux))))
+            def run(layer_params, inputs, cotangent):
+                (y, aux), vjp = jax.vjp(layer, layer_params, inputs)
+                return (y, *vjp((cotangent, jnp.ones_like(aux))))
             return jax.jit(run)
 
         times = {}
@@ -259,7 +259,7 @@ def run_layer(quick: bool) -> list[dict]:
             try:
                 compiled, _ = timing.compile_lowered(fwd_bwd(layer).lower(params, x, dy))
                 t = timing.measure(compiled, [(params, x, dy)], runs=3 if quick else 20)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001  (a failing row records its error)
                 rows.append(_failed(name, implementation, err))
                 continue
             times[implementation] = t.median
@@ -403,14 +403,12 @@ def run_train(quick: bool, presets: Sequence[str] | None = None) -> list[dict]:
         flops = config.flops_per_token(seq_len) * tokens_per_step
         name = f"train {preset} b{batch_size} s{seq_len}"
         batches = train_suite._batches(config.vocab_size, batch_size, seq_len)
-        todo = [lambda: train_suite._mtjax_variant(config, False, DEFAULT, (batch_size, seq_len)),
-                lambda: _flax_moe_variant(config, (batch_size, seq_len)),
-                lambda: train_suite._mtjax_variant(config, True, DEFAULT, (batch_size, seq_len))]
         times = {}
-        for index, make in enumerate(todo):
-            implementation = ("mtjax", "flax moe", "mtjax fp8")[index]
+        for implementation in ("mtjax", "flax moe", "mtjax fp8"):
             try:
-                variant = make()
+                variant = (_flax_moe_variant(config, (batch_size, seq_len)) if implementation == "flax moe" else
+                           train_suite._mtjax_variant(config, implementation == "mtjax fp8", DEFAULT,
+                                                      (batch_size, seq_len)))
                 variant.peer = None if implementation == "flax moe" else "flax moe"
                 step, compile_s = train_suite._compile(variant, batches[0])
                 with variant.context():
@@ -418,7 +416,7 @@ def run_train(quick: bool, presets: Sequence[str] | None = None) -> list[dict]:
                 t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 6,
                                                           steps_per_sample=1 if quick else 3)
                 memory = step.memory_analysis()
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001  (a failing row records its error)
                 rows.append(_failed(name, implementation, err, preset=preset))
                 continue
             times[implementation] = t.median

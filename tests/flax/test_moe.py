@@ -61,7 +61,7 @@ def test_matches_dense_mixture_forward_and_backward(activations, num_shared, sco
     def loss(fn):
         return lambda params, x: jnp.sum(fn(params, x) * cotangent)
 
-    ref = lambda p, x: dense_moe(p, x, top_k=2, activations=activations, score_function=score,  # noqa: E731
+    ref = lambda p, x: dense_moe(p, x, top_k=2, activations=activations, score_function=score,
                                  num_shared=num_shared)
     np.testing.assert_allclose(jax.jit(ours)(params, x), jax.jit(ref)(params, x), rtol=1e-5, atol=1e-5)
     got = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(params, x)
