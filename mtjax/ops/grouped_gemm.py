@@ -133,8 +133,10 @@ def _kernel_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs
 
 
 def _kernel_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles) -> str | None:
-    return gg_kernels.unsupported(jnp.shape(lhs), (1,) + jnp.shape(grad)[::-1], jnp.result_type(lhs),
-                                  jnp.result_type(grad))
+    # Checked as a gmm of lhs [M, K] against the output [G, K, N]: every array the kernel indexes (lhs, grad
+    # [M, N] and the output) then stays within the int32 bound.
+    out_shape = (jnp.shape(group_sizes)[0], jnp.shape(lhs)[1], jnp.shape(grad)[1])
+    return gg_kernels.unsupported(jnp.shape(lhs), out_shape, jnp.result_type(lhs), jnp.result_type(grad))
 
 
 _KERNEL = {"requires": (backend.PALLAS_TRITON,), "priority": 10, "single_device": True}
