@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mtjax.kernels.grouped_gemm import GemmTiles
 
 from mtjax.bench import cli, moe
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock
+from mtjax.kernels.grouped_gemm import GemmTiles
 from mtjax.models import gpt_config
 
 
