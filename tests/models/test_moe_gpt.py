@@ -161,3 +161,24 @@ def test_mtjax_train_moe_preset_logs_expert_metrics(tmp_path):
     assert len(train) == 2 and len(train[0]["moe_expert_load"]) == 8 and "moe_aux_loss" in train[0]
     assert main(["train", "--preset", "tiny", "--data", str(corpus), "--workdir", str(tmp_path / "bad"), "--ep", "2",
                  "--no-progress"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["moe-mixtral-1b", "moe-deepseek-1b"])
+def test_large_preset_trains_on_one_gpu_at_sequence_2048(preset):
+    """The two large presets fit one H200 at batch 8 x 2048 (f32 master weights, Adam, bf16 copy)."""
+    from mtjax.train.state import compute_dtype_for
+    from mtjax.train.step import make_optimizer
+
+    cfg = gpt_config(preset)
+    model = GPT(cfg)
+    optimizer, _ = make_optimizer(3e-4, total_steps=10, warmup_steps=1)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (8, 2048),
+                             compute_dtype=compute_dtype_for(cfg.dtype, cfg.param_dtype))
+    step = make_train_step(model, optimizer, expert_bias_update_rate=cfg.expert_bias_update_rate)
+    tokens = jax.random.randint(jax.random.key(0), (8, 2049), 0, cfg.vocab_size)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    metrics = jax.device_get(metrics)
+    assert np.isfinite(metrics["loss"]) and metrics["moe_expert_load"].shape == (cfg.num_experts,)
