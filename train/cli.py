@@ -13,40 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from typing import Any
 
+from mtjax.cli_args import non_negative_int, positive_float, positive_int
 from mtjax.train.presets import PRESETS, TrainPreset, peak_tflops
 
 # Model vocabularies are padded to a multiple of this, so the vocab axis splits over tp.
 VOCAB_MULTIPLE = 128
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    return 0 if text == "0" else _positive_int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,14 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="model and run defaults (default: tiny, for the CPU)")
     run = parser.add_argument_group("run")
-    run.add_argument("--steps", type=_positive_int, help="optimizer steps")
-    run.add_argument("--batch-size", type=_positive_int, help="global batch size in sequences")
-    run.add_argument("--seq-len", type=_positive_int, help="tokens per sequence")
-    run.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step (default 1)")
-    run.add_argument("--lr", type=_positive_float, help="peak learning rate")
-    run.add_argument("--warmup-steps", type=_non_negative_int, help="linear warmup steps")
+    run.add_argument("--steps", type=positive_int, help="optimizer steps")
+    run.add_argument("--batch-size", type=positive_int, help="global batch size in sequences")
+    run.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    run.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    run.add_argument("--lr", type=positive_float, help="peak learning rate")
+    run.add_argument("--warmup-steps", type=non_negative_int, help="linear warmup steps")
     run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
-    run.add_argument("--clip-norm", type=_positive_float, default=1.0, help="gradient global-norm clip (default 1)")
+    run.add_argument("--clip-norm", type=positive_float, default=1.0, help="gradient global-norm clip (default 1)")
     run.add_argument("--seed", type=int, default=0, help="initialisation, dropout and data order (default 0)")
     run.add_argument("--fp8", action="store_true", help="FP8 GEMMs with delayed scaling (mtjax.fp8)")
     run.add_argument("--remat", choices=sorted(REMAT_POLICIES), help="rematerialisation policy of the layers")
@@ -71,28 +47,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data", nargs="+", metavar="PATH",
                       help="text files or folders (default: the Python standard library's source)")
     data.add_argument("--tokenizer", default="byte", help="'byte' (default) or 'sentencepiece:MODEL_FILE'")
-    data.add_argument("--eval-batches", type=_non_negative_int, default=4,
+    data.add_argument("--eval-batches", type=non_negative_int, default=4,
                       help="held-out batches per evaluation (0: no evaluation; default 4)")
     mesh = parser.add_argument_group("parallelism (the product must equal the number of devices)")
-    mesh.add_argument("--dp", type=_positive_int, help="data-parallel ways (default: the devices left over)")
-    mesh.add_argument("--fsdp", type=_positive_int, default=1, help="fully-sharded data-parallel ways")
-    mesh.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ways")
-    mesh.add_argument("--ep", type=_positive_int, default=1,
+    mesh.add_argument("--dp", type=positive_int, help="data-parallel ways (default: the devices left over)")
+    mesh.add_argument("--fsdp", type=positive_int, default=1, help="fully-sharded data-parallel ways")
+    mesh.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ways")
+    mesh.add_argument("--ep", type=positive_int, default=1,
                       help="expert-parallel ways (mixture-of-experts presets; splits the batch too)")
     mesh.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis")
     hosts = parser.add_argument_group("multi-host (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
-    hosts.add_argument("--num-processes", type=_positive_int)
+    hosts.add_argument("--num-processes", type=positive_int)
     hosts.add_argument("--process-id", type=int)
     out = parser.add_argument_group("output")
     out.add_argument("--workdir", help="checkpoints, metrics.jsonl and loss.png (default: runs/<preset>)")
     out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
-    out.add_argument("--save-every", type=_non_negative_int,
+    out.add_argument("--save-every", type=non_negative_int,
                      help="checkpoint interval in steps; 0: none, not even at the end (SIGTERM still saves)")
-    out.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
-    out.add_argument("--eval-every", type=_positive_int, help="evaluation interval in steps")
-    out.add_argument("--log-every", type=_positive_int, help="metrics interval in steps")
-    out.add_argument("--peak-tflops", type=_positive_float,
+    out.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept (default 3)")
+    out.add_argument("--eval-every", type=positive_int, help="evaluation interval in steps")
+    out.add_argument("--log-every", type=positive_int, help="metrics interval in steps")
+    out.add_argument("--peak-tflops", type=positive_float,
                      help="one device's peak TFLOP/s for MFU (default: known GPUs' dense bf16 peak)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -129,7 +105,7 @@ def _resolve(args: argparse.Namespace, tokenizer) -> tuple[RunConfig, TrainPrese
     from mtjax.models import gpt_config
 
     preset = PRESETS[args.preset]
-    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
+    pick = lambda flag, default: default if flag is None else flag
     seq_len = pick(args.seq_len, preset.seq_len)
     base = gpt_config(preset.model)
     overrides: dict[str, Any] = {}
@@ -294,7 +270,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     from mtjax.train.state import abstract_train_state, batch_sharding, compute_dtype_for, init_train_state
     from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, throughput
 
-    run_config, preset, mesh, rules, checkpointer = setup.config, setup.preset, setup.mesh, setup.rules, setup.checkpointer
+    run_config, preset, mesh, rules = setup.config, setup.preset, setup.mesh, setup.rules
+    checkpointer = setup.checkpointer
     config = run_config.model_config()
     model = GPT(config)
     optimizer, schedule = make_optimizer(run_config.learning_rate, total_steps=run_config.steps,
@@ -316,7 +293,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     train_step = make_train_step(model, optimizer, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                  grad_accum_steps=run_config.grad_accum, learning_rate=schedule,
                                  compiler_options=options,
-                                 expert_bias_update_rate=config.expert_bias_update_rate if config.use_expert_bias else 0.0)
+                                 expert_bias_update_rate=(config.expert_bias_update_rate if config.use_expert_bias
+                                                          else 0.0))
     eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding, compiler_options=options)
     tokens_sharding = batch_sharding(mesh, rules)
     rows = process_rows(tokens_sharding, run_config.batch_size)  # this process loads only these rows

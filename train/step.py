@@ -9,8 +9,8 @@ stays the task loss, the gradient is that of ``loss + moe_aux_loss``). Wall-cloc
 between steps, which the jitted step cannot see.
 
 FP8: the step traces whatever `mtjax.fp8.fp8_autocast` is in force when it is first called. The
-next FP8 meta rides on the gradient (see `mtjax.fp8`): `split_gradients` separates it from the
-parameter gradients, and micro-batches are combined with `accumulate_gradients`, which sums
+next FP8 meta rides on the gradient (see `mtjax.fp8`): `mtjax.fp8.Optimizer` applies the parameter
+gradients and replaces the meta, and micro-batches are combined with `accumulate_gradients`, which sums
 parameter gradients but combines amaxes by max (summing them would be wrong). Forward amaxes then
 equal those of one un-split batch; gradient amaxes are ``grad_accum_steps`` times larger, because
 each micro-batch's loss is a mean over its own rows: they are the amaxes of the gradients that the
@@ -29,7 +29,7 @@ import optax
 from flax import traverse_util
 from jax.sharding import Mesh
 
-from mtjax import fp8, ops
+from mtjax import axes, fp8, ops
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, moe_aux_loss, moe_metrics
 from mtjax.sharding import LogicalRules, jit_sharded
 from mtjax.train.state import TrainState, batch_sharding, cast_like
@@ -53,7 +53,7 @@ def _micro_batches(batch: Batch, count: int) -> Batch:
         if x.shape[0] % count:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by grad_accum_steps={count}")
         x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
-        return nn.with_logical_constraint(x, (None, "activation_batch") + (None,) * (x.ndim - 2))
+        return nn.with_logical_constraint(x, (None, axes.ACTIVATION_BATCH) + (None,) * (x.ndim - 2))
 
     return jax.tree.map(split, dict(batch))
 
@@ -105,6 +105,8 @@ def make_train_step(
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
     _check_sharding_args("make_train_step", mesh, rules, state_sharding)
+    # The optimizer updates the parameters; the FP8 meta on the gradients replaces the old meta.
+    fp8_optimizer = fp8.Optimizer(optimizer, collection="params")
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[Any, Any]:
@@ -141,17 +143,17 @@ def make_train_step(
             # Means over the micro-batches (the max / min loads become means of the per-micro-batch ones).
             loss, aux, loads = jax.tree.map(lambda x: x / grad_accum_steps, out_sum)
             grads = fp8.finalize_accumulated(acc, grad_accum_steps)
-        grads, new_fp8_meta = fp8.split_gradients(grads)
-        param_grads = grads["params"]
-        updates, opt_state = optimizer.update(param_grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        master = {"params": state.params, **({fp8.FP8_COLLECTION: state.fp8_meta} if state.fp8_meta else {})}
+        updated, opt_state = fp8_optimizer.apply_gradients(master, grads, state.opt_state)
+        params = updated["params"]
+        param_grads = fp8.split_gradients(grads)[0]["params"]
         if expert_bias_update_rate:
             params = _update_expert_biases(params, loads, expert_bias_update_rate)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
             compute_params=None if state.compute_params is None else cast_like(params, state.compute_params),
-            fp8_meta=new_fp8_meta if state.fp8_meta else state.fp8_meta,
+            fp8_meta=updated.get(fp8.FP8_COLLECTION, state.fp8_meta),
             opt_state=opt_state,
             rng=rng,
         )

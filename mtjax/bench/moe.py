@@ -310,7 +310,8 @@ class FlaxMoELayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
         head_dim = self.hidden_size // heads
         h = norm(name="ln_attention")(x)
-        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h).reshape(batch, seq, heads + 2 * kv_heads, head_dim)
+        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h)
+        qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
         q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                 implementation=peers._attention_implementation(q.dtype))
@@ -475,7 +476,8 @@ def tiles_from_args(args: argparse.Namespace) -> GemmTiles | None:
 def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """The moe suite's flags: the grouped GEMM kernel's forward tiles, the parts and the train presets."""
     for flag in ("block-m", "block-n", "block-k", "num-warps", "num-stages", "group-m"):
-        parser.add_argument(f"--{flag}", type=int, help=f"moe suite: grouped GEMM forward tile {flag.replace('-', '_')}")
+        parser.add_argument(f"--{flag}", type=int,
+                            help=f"moe suite: grouped GEMM forward tile {flag.replace('-', '_')}")
     parser.add_argument("--moe-parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="moe suite: which parts to run (default: all)")
     parser.add_argument("--moe-presets", nargs="+", metavar="NAME",

@@ -1,7 +1,7 @@
 """Flax linen modules with TransformerEngine-JAX names, built on `mtjax.ops` and `mtjax.fp8.DotGeneral`.
 
 Every parameter carries logical axis names and every ``[batch, length, ...]`` activation a logical
-constraint (names in the README's "Flax modules" section); without a mesh and rules they are no-ops.
+constraint (the names of `mtjax.axes`); without a mesh and rules they are no-ops.
 """
 
 from mtjax.flax.attention import (

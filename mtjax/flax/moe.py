@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 from jax.sharding import PartitionSpec
 
-from mtjax import fp8, ops
-from mtjax.flax._params import AxisNames, Dtype, Initializer, param_with_axes
+from mtjax import axes, fp8, ops
 from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import input_norm
+from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.flax.transformer import TransformerLayer
 from mtjax.sharding import expert as expert_parallel
 
@@ -26,8 +26,7 @@ from mtjax.sharding import expert as expert_parallel
 MOE_LOSSES = "moe_losses"
 MOE_METRICS = "moe_metrics"
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-TOKEN_AXES: AxisNames = ("activation_batch", "activation_length", "activation_embed")
+TOKEN_AXES: AxisNames = axes.BATCH_LENGTH_EMBED
 
 
 def expert_kernel_init(init: Initializer) -> Initializer:
@@ -201,14 +200,14 @@ class MoEBlock(nn.Module):
     epsilon: float = 1e-6
     zero_centered_gamma: bool = False
     scale_init: Initializer | None = None
-    scale_axes: AxisNames = ("embed",)
+    scale_axes: AxisNames = (axes.EMBED,)
     ln_bias_init: Initializer = nn.initializers.zeros
-    ln_bias_axes: AxisNames = ("embed",)
+    ln_bias_axes: AxisNames = (axes.EMBED,)
     kernel_init: Initializer = nn.initializers.lecun_normal()
     router_kernel_init: Initializer | None = None
-    router_kernel_axes: AxisNames = ("embed", None)
-    wi_kernel_axes: AxisNames = ("expert", "embed", None, "mlp")
-    wo_kernel_axes: AxisNames = ("expert", "mlp", "embed")
+    router_kernel_axes: AxisNames = (axes.EMBED, None)
+    wi_kernel_axes: AxisNames = (axes.EXPERT, axes.EMBED, None, axes.MLP)
+    wo_kernel_axes: AxisNames = (axes.EXPERT, axes.MLP, axes.EMBED)
     return_layernorm_output: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -227,12 +226,12 @@ class MoEBlock(nn.Module):
         if self.shared_expert_dim is not None and (not isinstance(self.shared_expert_dim, int)
                                                    or self.shared_expert_dim < 1):
             raise ValueError(f"{owner}: shared_expert_dim={self.shared_expert_dim!r}; expected None or a positive int")
-        if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"{owner}: score_function={self.score_function!r}; accepted: {', '.join(SCORE_FUNCTIONS)}")
+        if self.score_function not in ops.SCORE_FUNCTIONS:
+            raise ValueError(f"{owner}: score_function={self.score_function!r}; accepted: {', '.join(ops.SCORE_FUNCTIONS)}")
         if (self.num_expert_groups is None) != (self.expert_group_top_k is None):
             raise ValueError(f"{owner}: set num_expert_groups and expert_group_top_k together (or neither)")
-        if self.num_expert_groups is not None and (
-                self.num_experts % self.num_expert_groups or not 1 <= self.expert_group_top_k <= self.num_expert_groups):
+        groups, group_top_k = self.num_expert_groups, self.expert_group_top_k
+        if groups is not None and (self.num_experts % groups or not 1 <= group_top_k <= groups):
             raise ValueError(f"{owner}: num_expert_groups={self.num_expert_groups} must divide num_experts="
                              f"{self.num_experts} and 1 <= expert_group_top_k={self.expert_group_top_k} <= it")
         for name in ("load_balancing_loss_weight", "router_z_loss_weight"):
@@ -241,7 +240,8 @@ class MoEBlock(nn.Module):
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"{owner}: capacity_factor={self.capacity_factor!r}; expected None or a number > 0")
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
-            raise ValueError(f"{owner}: intermediate_dropout_rate={self.intermediate_dropout_rate}; expected 0 <= rate < 1")
+            raise ValueError(f"{owner}: intermediate_dropout_rate={self.intermediate_dropout_rate}; "
+                             "expected 0 <= rate < 1")
         return ops.canonical_activation(self.activations)
 
     @nn.compact
@@ -317,7 +317,7 @@ class MoEBlock(nn.Module):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
             return self._local(x, experts, weights, wi, wo, activation, ep_axis=None, mlp_axes=())
-        batch_axes = _mesh_axes_of("activation_batch")
+        batch_axes = _mesh_axes_of(axes.ACTIVATION_BATCH)
         ep_axes = _mesh_axes_of(self.wi_kernel_axes[0])
         mlp_axes = _mesh_axes_of(self.wi_kernel_axes[3])
         if len(ep_axes) > 1:

@@ -11,13 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from mtjax import ops
+from mtjax import axes, ops
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoETransformerLayer, TransformerLayer
 from mtjax.flax.attention import CACHE_COLLECTION
 from mtjax.fp8 import FP8_COLLECTION
 
 # The logical axis name of a scanned stack's leading layer axis (its parameters' first dimension).
-LAYERS_AXIS = "layers"
 
 # name -> jax.checkpoint policy (what the backward pass may keep instead of recomputing); "none": no remat.
 REMAT_POLICIES: dict[str, Any] = {
@@ -57,7 +56,7 @@ class _StackedLayer(TransformerLayer):
     The carry is the stream, or with ``defer_residual_add`` the pair ``(branch, stream)`` whose sum
     the stream is (``stream`` ``None`` before an unrolled stack's first layer)."""
 
-    def __call__(self, carry, segment_ids, positions, deterministic, decode):  # noqa: D102
+    def __call__(self, carry, segment_ids, positions, deterministic, decode):
         x, residual = carry if self.defer_residual_add else (carry, None)
         y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
                              decode=decode, residual=residual)
@@ -105,7 +104,7 @@ def apply_layers(x: Any, *, layer: Mapping[str, Any], num_layers: int, scan_laye
             split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
-            metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )
         continued = defer and isinstance(x, tuple)
         carry = x if continued or not defer else (x, jnp.zeros_like(x))

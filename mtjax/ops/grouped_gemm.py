@@ -33,10 +33,11 @@ from jax.typing import DTypeLike
 
 from mtjax import backend
 from mtjax.kernels import grouped_gemm as gg_kernels
-from mtjax.kernels._common import interpret as kernel_interpret
-from mtjax.kernels._common import saturate_cast
+from mtjax.kernels.common import interpret as kernel_interpret
+from mtjax.kernels.common import saturate_cast
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
-from mtjax.ops._checks import check_choice, check_float, check_rank
+from mtjax.ops.checks import check_choice, check_float, check_rank
+
 
 def _check_group_sizes(op: str, group_sizes: Any, num_groups: int) -> None:
     if jnp.shape(group_sizes) != (num_groups,):
@@ -142,13 +143,13 @@ def _kernel_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtype,
 _KERNEL = {"requires": (backend.PALLAS_TRITON,), "priority": 10, "single_device": True}
 
 
-@backend.register("grouped_gemm", "pallas_triton", supports=_kernel_unsupported_gmm, **_KERNEL)
+@backend.register("grouped_gemm", "pallas_triton", unsupported=_kernel_unsupported_gmm, **_KERNEL)
 def _grouped_gemm_pallas(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
     return gg_kernels.gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                           tiles=tiles, interpret=kernel_interpret())
 
 
-@backend.register("grouped_gemm_wgrad", "pallas_triton", supports=_kernel_unsupported_wgrad, **_KERNEL)
+@backend.register("grouped_gemm_wgrad", "pallas_triton", unsupported=_kernel_unsupported_wgrad, **_KERNEL)
 def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles):
     return gg_kernels.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles, interpret=kernel_interpret())
 

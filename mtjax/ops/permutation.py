@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtjax.ops._checks import check_float, check_rank
+from mtjax.ops.checks import check_float, check_rank
 
 
 class PermuteState(NamedTuple):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax.ops._checks import check_choice, check_float, check_rank, check_shape
+from mtjax.ops.checks import check_choice, check_float, check_rank, check_shape
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
