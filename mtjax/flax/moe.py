@@ -227,7 +227,8 @@ class MoEBlock(nn.Module):
                                                    or self.shared_expert_dim < 1):
             raise ValueError(f"{owner}: shared_expert_dim={self.shared_expert_dim!r}; expected None or a positive int")
         if self.score_function not in ops.SCORE_FUNCTIONS:
-            raise ValueError(f"{owner}: score_function={self.score_function!r}; accepted: {', '.join(ops.SCORE_FUNCTIONS)}")
+            raise ValueError(f"{owner}: score_function={self.score_function!r}; accepted: "
+                             f"{', '.join(ops.SCORE_FUNCTIONS)}")
         if (self.num_expert_groups is None) != (self.expert_group_top_k is None):
             raise ValueError(f"{owner}: set num_expert_groups and expert_group_top_k together (or neither)")
         groups, group_top_k = self.num_expert_groups, self.expert_group_top_k
