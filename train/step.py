@@ -178,12 +178,15 @@ def _expert_loads(sown: Any) -> dict[tuple[str, ...], jax.Array]:
 
 
 def _update_expert_biases(params: Any, loads: Mapping[tuple[str, ...], jax.Array], rate: float) -> Any:
-    """Each ``expert_bias`` moved by ``rate * sign(even share - its block's expert load)``."""
+    """Each ``expert_bias`` moved by `mtjax.ops.update_expert_bias` from its block's expert loads
+    (a scanned stack's ``[layers, experts]`` biases layer by layer)."""
     flat = traverse_util.flatten_dict(params)
     for path, bias in flat.items():
         if path[-1] == "expert_bias" and path[:-1] in loads:
-            load = loads[path[:-1]].reshape(bias.shape)
-            flat[path] = bias + rate * jnp.sign(1.0 / bias.shape[-1] - load).astype(bias.dtype)
+            experts = bias.shape[-1]
+            load = loads[path[:-1]].reshape(-1, experts)
+            new = jax.vmap(lambda b, c: ops.update_expert_bias(b, c, rate))(bias.reshape(-1, experts), load)
+            flat[path] = new.reshape(bias.shape).astype(bias.dtype)
     return traverse_util.unflatten_dict(flat)
 
 
