@@ -15,6 +15,7 @@ HEAD_DIM = "head_dim"
 VOCAB = "vocab"
 RELPOS_BUCKETS = "relpos_buckets"  # relative-position buckets of T5-style attention biases
 LAYERS = "layers"  # the leading axis of a scanned stack's parameters
+EXPERT = "expert"  # the experts of a mixture-of-experts layer (its kernels' leading axis)
 
 # Activation axes.
 ACTIVATION_BATCH = "activation_batch"

@@ -12,7 +12,7 @@ from mtjax.sharding.context import (
     load_balanced_chunks,
     reorder_causal_load_balancing,
 )
-from mtjax.sharding.mesh import AXES, BATCH_AXES, CP, DP, FSDP, PP, TP, MeshConfig, use_mesh
+from mtjax.sharding.mesh import AXES, BATCH_AXES, CP, DP, EP, FSDP, PP, TP, MeshConfig, use_mesh
 from mtjax.sharding.partition import (
     init_sharded,
     jit_sharded,
@@ -36,7 +36,7 @@ from mtjax.sharding.pipeline import (
 from mtjax.sharding.rules import LogicalRules, logical_axis_rules
 
 __all__ = [
-    "AXES", "BATCH_AXES", "CP", "DP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
+    "AXES", "BATCH_AXES", "CP", "DP", "EP", "FSDP", "PP", "TP", "MeshConfig", "use_mesh",
     "context_parallel_size", "inverse_reorder_causal_load_balancing", "load_balanced_chunks",
     "reorder_causal_load_balancing",
     "LogicalRules", "logical_axis_rules",

@@ -8,6 +8,10 @@ Mesh axes (names shared by the whole library, see `AXES`), from the outermost to
   all-gathered layer by layer and their gradients reduce-scattered.
 - ``cp``: context parallelism; the sequence of every activation is split, attention passes the
   keys and values between the shards (`mtjax.ops.ring_attention` / `all_gather_attention`).
+- ``ep``: expert parallelism; each device holds ``num_experts / ep`` of a mixture-of-experts
+  layer's experts and the tokens travel to their experts' devices and back (all-to-all,
+  `mtjax.sharding.expert`); the batch is split over ``ep`` as well, so outside the expert MLPs it
+  acts as one more data-parallel axis.
 - ``tp``: tensor parallelism (Megatron layout); with ``sp`` the sequence of the activations
   between the attention and MLP blocks is split over the same devices.
 
@@ -35,23 +39,24 @@ import flax.linen as nn
 import jax
 from jax.sharding import AxisType, Mesh
 
-# Mesh axis names, outermost first. Expert ("ep") parallelism will be added here and as a field of
-# MeshConfig; the rules in `mtjax.sharding.rules` name axes only through these.
-PP, DP, FSDP, CP, TP = "pp", "dp", "fsdp", "cp", "tp"
-AXES = (PP, DP, FSDP, CP, TP)
+# Mesh axis names, outermost first; the rules in `mtjax.sharding.rules` name axes only through these.
+PP, DP, FSDP, EP, CP, TP = "pp", "dp", "fsdp", "ep", "cp", "tp"
+AXES = (PP, DP, FSDP, EP, CP, TP)
 # The mesh axes that split the batch.
-BATCH_AXES = (DP, FSDP)
+BATCH_AXES = (DP, FSDP, EP)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """How the devices are split between the kinds of parallelism.
 
-    The product ``pp * dp * fsdp * cp * tp`` must equal the number of devices the mesh is built over.
+    The product ``pp * dp * fsdp * ep * cp * tp`` must equal the number of devices the mesh is built over.
 
     Attributes:
       dp: data-parallel ways (batch split, weights replicated).
       fsdp: fully-sharded data-parallel ways (batch split, weights split and gathered per layer).
+      ep: expert-parallel ways (mixture-of-experts layers: experts split, tokens exchanged
+        all-to-all; the batch is split too). Must divide the models' ``num_experts``.
       tp: tensor-parallel ways (Megatron: heads and MLP columns split).
       sp: sequence parallelism on the ``tp`` axis: norms, dropout and residuals keep the sequence
         split over ``tp`` (all-gather before the column-parallel GEMM, reduce-scatter after the
@@ -64,6 +69,7 @@ class MeshConfig:
     dp: int = 1
     fsdp: int = 1
     tp: int = 1
+    ep: int = 1
     sp: bool = False
     pp: int = 1
     cp: int = 1
@@ -86,7 +92,7 @@ class MeshConfig:
         return math.prod(self.shape.values())
 
     def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
-        """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "cp", "tp")`` over ``devices``.
+        """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "ep", "cp", "tp")`` over ``devices``.
 
         Args:
           devices: the devices to use; default ``jax.devices()``, i.e. every device of every host.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mtjax import axes
-from mtjax.sharding.mesh import AXES, CP, DP, FSDP, PP, TP, MeshConfig
+from mtjax.sharding.mesh import AXES, CP, DP, EP, FSDP, PP, TP, MeshConfig
 
 MeshAxes = str | tuple[str, ...] | None
 LogicalRules = tuple[tuple[str, MeshAxes], ...]
@@ -30,6 +30,7 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     logical name              mesh axes            why
     ========================  ===================  ==========================================
     activation_batch          (dp, fsdp)           both data-parallel axes split the batch
+                              (+ ep if ep > 1)     (and the expert-parallel one, when used)
     activation_heads,         tp                   Megatron: QKV / fc1 column-parallel,
     activation_kv_heads,                           out-projection / fc2 row-parallel,
     activation_mlp,                                logits split over the vocabulary
@@ -42,12 +43,14 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     embed                     fsdp                 FSDP splits every weight on its model dim
     mlp, heads, kv_heads,     tp                   the tensor-parallel weight dims
     vocab
+    expert                    ep                   a mixture-of-experts layer's experts
     layers                    pp                   scanned layers split into pipeline stages
     head_dim, relpos_buckets  None
     ========================  ===================  ==========================================
 
     Args:
-      config: the mesh the rules are for (``sp`` decides ``activation_length``).
+      config: the mesh the rules are for (``sp`` decides ``activation_length``, ``ep > 1`` adds
+        ``ep`` to ``activation_batch``).
       overrides: ``{logical name: mesh axes}`` replacing the default rule of a name (at its place
         in the order) or adding a rule for a new name (at the end); e.g. ``{"embed": None}`` for
         pure data parallelism on the ``fsdp`` axis.
@@ -55,7 +58,7 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     if not isinstance(config, MeshConfig):
         raise TypeError(f"logical_axis_rules(config=...): expected a MeshConfig, got {type(config).__name__}")
     rules: dict[str, MeshAxes] = {
-        axes.ACTIVATION_BATCH: (DP, FSDP),
+        axes.ACTIVATION_BATCH: (DP, FSDP, EP) if config.ep > 1 else (DP, FSDP),
         axes.ACTIVATION_HEADS: TP,
         axes.ACTIVATION_KV_HEADS: TP,
         axes.ACTIVATION_MLP: TP,
@@ -69,6 +72,7 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
         axes.HEADS: TP,
         axes.KV_HEADS: TP,
         axes.VOCAB: TP,
+        axes.EXPERT: EP,
         axes.LAYERS: PP,
         axes.HEAD_DIM: None,
         axes.RELPOS_BUCKETS: None,

@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mesh.add_argument("--dp", type=positive_int, help="data-parallel ways (default: the devices left over)")
     mesh.add_argument("--fsdp", type=positive_int, default=1, help="fully-sharded data-parallel ways")
     mesh.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ways")
+    mesh.add_argument("--ep", type=positive_int, default=1,
+                      help="expert-parallel ways (mixture-of-experts presets; splits the batch too)")
     mesh.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis")
     hosts = parser.add_argument_group("multi-host (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
@@ -202,13 +204,18 @@ def _setup(args: argparse.Namespace) -> _Setup:
 
     tokenizer = load_tokenizer(args.tokenizer)
     config, preset = _resolve(args, tokenizer)
-    other = args.fsdp * args.tp
+    other = args.fsdp * args.tp * args.ep
     dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
-    mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp)
+    mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep)
     mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
-    if config.batch_size % (dp * args.fsdp * config.grad_accum):
-        raise ValueError(f"--batch-size {config.batch_size} must be divisible by dp * fsdp * grad-accum "
-                         f"= {dp * args.fsdp * config.grad_accum}")
+    num_experts = config.model_config().num_experts
+    if args.ep > 1 and (not num_experts or num_experts % args.ep):
+        raise ValueError(f"--ep {args.ep} needs a mixture-of-experts preset whose num_experts "
+                         f"({num_experts}) it divides")
+    batch_ways = dp * args.fsdp * args.ep
+    if config.batch_size % (batch_ways * config.grad_accum):
+        raise ValueError(f"--batch-size {config.batch_size} must be divisible by dp * fsdp * ep * grad-accum "
+                         f"= {batch_ways * config.grad_accum}")
     dataset = PackedDataset.from_paths(args.data or default_corpus(), tokenizer, config.seq_len, seed=config.seed)
     eval_sequences = args.eval_batches * config.batch_size
     train_data, eval_data = dataset, None
@@ -292,7 +299,9 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     options = fp8.compiler_options() if run_config.fp8 else None
     train_step = make_train_step(model, optimizer, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                  grad_accum_steps=run_config.grad_accum, learning_rate=schedule,
-                                 compiler_options=options)
+                                 compiler_options=options,
+                                 expert_bias_update_rate=(config.expert_bias_update_rate if config.use_expert_bias
+                                                          else 0.0))
     eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding, compiler_options=options)
     tokens_sharding = batch_sharding(mesh, rules)
     rows = process_rows(tokens_sharding, run_config.batch_size)  # this process loads only these rows
@@ -317,7 +326,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     tokens_per_step = run_config.batch_size * run_config.seq_len
     step = int(jax.device_get(state.step))
     if is_main:
-        print(f"mtjax train: {run_config.preset} ({config.num_params() / 1e6:.1f}M parameters"
+        active = (f", {config.num_active_params() / 1e6:.1f}M active" if config.num_experts else "")
+        print(f"mtjax train: {run_config.preset} ({config.num_params() / 1e6:.1f}M parameters{active}"
               f"{', FP8' if run_config.fp8 else ''}) on {jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"mesh {dict(mesh.shape)}; {setup.train_data.num_sequences} training sequences of "
               f"{run_config.seq_len} tokens; steps {step}..{run_config.steps}; writing to {setup.workdir}", flush=True)
@@ -334,7 +344,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
                 jax.block_until_ready(metrics)
                 timer_start, timer_step = time.perf_counter(), step
             if step % log_every == 0 or step == run_config.steps:
-                record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+                # Scalars as numbers, per-expert vectors (moe_expert_load) as lists.
+                record = {"step": step, **{k: v.tolist() for k, v in jax.device_get(metrics).items()}}
                 now = time.perf_counter()
                 if step > timer_step:
                     record.update(throughput((step - timer_step) * tokens_per_step, now - timer_start,

@@ -46,6 +46,13 @@ PRESETS: dict[str, TrainPreset] = {
                             warmup_steps=100, save_every=250, eval_every=250, log_every=10),
     "llama-1b": TrainPreset("llama-1b", batch_size=8, seq_len=2048, steps=1000, learning_rate=3e-4,
                             warmup_steps=100, save_every=250, eval_every=250, log_every=10),
+    # Mixtures of experts (the metrics add the auxiliary losses and expert loads).
+    "moe-tiny": TrainPreset("moe-tiny", batch_size=32, seq_len=128, steps=200, learning_rate=3e-3, warmup_steps=20,
+                            save_every=100, eval_every=100, log_every=10),
+    "moe-mixtral-1b": TrainPreset("moe-mixtral-1b", batch_size=8, seq_len=2048, steps=1000, learning_rate=3e-4,
+                                  warmup_steps=100, save_every=250, eval_every=250, log_every=10),
+    "moe-deepseek-1b": TrainPreset("moe-deepseek-1b", batch_size=8, seq_len=2048, steps=1000, learning_rate=3e-4,
+                                   warmup_steps=100, save_every=250, eval_every=250, log_every=10),
 }
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of jax's ``device_kind``: the MFU denominator

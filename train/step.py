@@ -2,7 +2,9 @@
 
 ``make_train_step`` returns ``step(state, batch) -> (state, metrics)`` where ``batch`` is
 ``{"inputs": int32[batch, seq], "targets": int32[batch, seq]}`` (global arrays when sharded) and
-``metrics`` holds device scalars ``loss``, ``grad_norm`` and ``learning_rate``. Wall-clock figures
+``metrics`` holds device scalars ``loss``, ``grad_norm`` and ``learning_rate`` (and for a
+mixture-of-experts model the auxiliary losses and expert loads of `mtjax.flax.moe_metrics`; ``loss``
+stays the task loss, the gradient is that of ``loss + moe_aux_loss``). Wall-clock figures
 (tokens/s, model TFLOP/s, MFU) are computed on the host by `throughput`, since they need the time
 between steps, which the jitted step cannot see.
 
@@ -24,9 +26,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 from jax.sharding import Mesh
 
 from mtjax import axes, fp8, ops
+from mtjax.flax import MOE_LOSSES, MOE_METRICS, moe_aux_loss, moe_metrics
 from mtjax.sharding import LogicalRules, jit_sharded
 from mtjax.train.state import TrainState, batch_sharding, cast_like
 
@@ -72,6 +76,7 @@ def make_train_step(
     learning_rate: optax.ScalarOrSchedule | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
+    expert_bias_update_rate: float = 0.0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """A jitted ``step(state, batch) -> (state, metrics)``.
 
@@ -87,7 +92,16 @@ def make_train_step(
       donate: donate the input state's buffers (the caller must not reuse the old state).
       compiler_options: XLA options for the step's compilation, e.g. `mtjax.fp8.compiler_options()`
         for a step traced under `fp8_autocast`.
+      expert_bias_update_rate: after each step, every `mtjax.flax.MoEBlock`'s ``expert_bias`` moves
+        by this much towards balance: ``+rate`` for experts with less than an even share of the
+        step's routed tokens, ``-rate`` for those with more (DeepSeek-V3's auxiliary-loss-free
+        balancing); 0: left alone.
+
+    The model's auxiliary losses (the ``MOE_LOSSES`` collection a `mtjax.flax.MoEBlock` sows,
+    already weighted) are added to ``loss_fn``'s loss before differentiating.
     """
+    if not expert_bias_update_rate >= 0:
+        raise ValueError(f"make_train_step(expert_bias_update_rate={expert_bias_update_rate!r}): expected >= 0")
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
     _check_sharding_args("make_train_step", mesh, rules, state_sharding)
@@ -95,40 +109,46 @@ def make_train_step(
     fp8_optimizer = fp8.Optimizer(optimizer, collection="params")
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[jax.Array, Any]:
-            def loss_of(variables: dict[str, Any]) -> jax.Array:
-                logits = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng})
-                return loss_fn(logits, batch)
+        def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[Any, Any]:
+            def loss_of(variables: dict[str, Any]) -> tuple[jax.Array, Any]:
+                logits, sown = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng},
+                                           mutable=[MOE_LOSSES, MOE_METRICS])
+                loss = loss_fn(logits, batch)
+                losses, metrics = sown.get(MOE_LOSSES, {}), sown.get(MOE_METRICS, {})
+                return loss + moe_aux_loss(losses), (loss, moe_metrics(metrics, losses), metrics)
 
-            loss, grads = jax.value_and_grad(loss_of)(variables)
+            (_, (loss, aux, sown)), grads = jax.value_and_grad(loss_of, has_aux=True)(variables)
             # Gradients of a compute_params copy come in its dtype: the master weights' dtype is what
             # micro-batches accumulate in and what the optimizer reads (the cast fuses into its update).
             grads["params"] = jax.tree.map(lambda g, p: g.astype(p.dtype), grads["params"], state.params)
-            return loss, grads
+            return (loss, aux, _expert_loads(sown)), grads
 
         rng, step_rng = jax.random.split(state.rng)
         variables = state.variables()
         if grad_accum_steps == 1:
-            loss, grads = grads_of(variables, batch, step_rng)
+            (loss, aux, loads), grads = grads_of(variables, batch, step_rng)
         else:
             micro = _micro_batches(batch, grad_accum_steps)
             rngs = jax.random.split(step_rng, grad_accum_steps)
-            first_loss, first_grads = grads_of(variables, jax.tree.map(lambda x: x[0], micro), rngs[0])
+            first_out, first_grads = grads_of(variables, jax.tree.map(lambda x: x[0], micro), rngs[0])
 
             def accumulate(carry, xs):
-                loss_sum, acc = carry
-                loss, grads = grads_of(variables, xs[0], xs[1])
-                return (loss_sum + loss, fp8.accumulate_gradients(acc, grads)), None
+                out_sum, acc = carry
+                out, grads = grads_of(variables, xs[0], xs[1])
+                return (jax.tree.map(jnp.add, out_sum, out), fp8.accumulate_gradients(acc, grads)), None
 
             rest = (jax.tree.map(lambda x: x[1:], micro), rngs[1:])
-            (loss_sum, acc), _ = jax.lax.scan(
-                accumulate, (first_loss, fp8.accumulate_gradients(None, first_grads)), rest)
-            loss = loss_sum / grad_accum_steps
+            (out_sum, acc), _ = jax.lax.scan(
+                accumulate, (first_out, fp8.accumulate_gradients(None, first_grads)), rest)
+            # Means over the micro-batches (the max / min loads become means of the per-micro-batch ones).
+            loss, aux, loads = jax.tree.map(lambda x: x / grad_accum_steps, out_sum)
             grads = fp8.finalize_accumulated(acc, grad_accum_steps)
         master = {"params": state.params, **({fp8.FP8_COLLECTION: state.fp8_meta} if state.fp8_meta else {})}
         updated, opt_state = fp8_optimizer.apply_gradients(master, grads, state.opt_state)
         params = updated["params"]
         param_grads = fp8.split_gradients(grads)[0]["params"]
+        if expert_bias_update_rate:
+            params = _update_expert_biases(params, loads, expert_bias_update_rate)
         new_state = state.replace(
             step=state.step + 1,
             params=params,
@@ -137,7 +157,7 @@ def make_train_step(
             opt_state=opt_state,
             rng=rng,
         )
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(param_grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(param_grads), **aux}
         if learning_rate is not None:
             metrics["learning_rate"] = (learning_rate(state.step) if callable(learning_rate)
                                         else jnp.asarray(learning_rate, jnp.float32))
@@ -149,6 +169,25 @@ def make_train_step(
     return jit_sharded(step, mesh=mesh, rules=rules, **jit_kwargs,
                        in_shardings=(state_sharding, batch_sharding(mesh, rules)),
                        out_shardings=(state_sharding, None))
+
+
+def _expert_loads(sown: Any) -> dict[tuple[str, ...], jax.Array]:
+    """``{module path: expert_load}`` of every MoE block in a ``MOE_METRICS`` collection."""
+    flat = traverse_util.flatten_dict(dict(sown)) if sown else {}
+    return {path[:-1]: sum(value) for path, value in flat.items() if path[-1] == "expert_load"}
+
+
+def _update_expert_biases(params: Any, loads: Mapping[tuple[str, ...], jax.Array], rate: float) -> Any:
+    """Each ``expert_bias`` moved by `mtjax.ops.update_expert_bias` from its block's expert loads
+    (a scanned stack's ``[layers, experts]`` biases layer by layer)."""
+    flat = traverse_util.flatten_dict(params)
+    for path, bias in flat.items():
+        if path[-1] == "expert_bias" and path[:-1] in loads:
+            experts = bias.shape[-1]
+            load = loads[path[:-1]].reshape(-1, experts)
+            new = jax.vmap(lambda b, c: ops.update_expert_bias(b, c, rate))(bias.reshape(-1, experts), load)
+            flat[path] = new.reshape(bias.shape).astype(bias.dtype)
+    return traverse_util.unflatten_dict(flat)
 
 
 def make_eval_step(

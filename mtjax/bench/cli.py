@@ -26,6 +26,7 @@ SUITES = {
     "layer": "mtjax.bench.layer",
     "train": "mtjax.bench.train",
     "decode": "mtjax.bench.decode",
+    "moe": "mtjax.bench.moe",
 }
 
 
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "options (xla_...=VALUE); repeatable, one extra pair of rows each")
     parser.add_argument("--profile", metavar="DIR",
                         help="train suite: write a per-op GPU-time profile of each train step into DIR")
+    from mtjax.bench import moe
+
+    moe.add_arguments(parser.add_argument_group("moe suite"))
 
 
 def _available(name: str) -> bool:
@@ -62,6 +66,9 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
         return module.run(args.quick, settings=settings)
     if name == "decode":
         return module.run(args.quick, models=args.presets)
+    if name == "moe":
+        return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
+                          parts=args.moe_parts)
     return module.run(args.quick)
 
 

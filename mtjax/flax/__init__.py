@@ -17,12 +17,13 @@ from mtjax.flax.attention import (
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from mtjax.flax.embedding import Embed
 from mtjax.flax.mlp import LayerNormMLP
+from mtjax.flax.moe import MOE_LOSSES, MOE_METRICS, MoEBlock, MoETransformerLayer, moe_aux_loss, moe_metrics
 from mtjax.flax.normalization import LAYERNORM_TYPES, LayerNorm
 from mtjax.flax.transformer import TransformerLayer, TransformerLayerType
 
 __all__ = [
     "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "PAGED_KV_COLLECTION", "ROTARY_GROUP_METHODS", "DenseGeneral",
-    "DotProductAttention", "Embed",
-    "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MultiHeadAttention", "PagedKV", "RelativePositionBiases",
-    "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb",
+    "DotProductAttention", "Embed", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MOE_LOSSES", "MOE_METRICS",
+    "MoEBlock", "MoETransformerLayer", "MultiHeadAttention", "PagedKV", "RelativePositionBiases",
+    "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb", "moe_aux_loss", "moe_metrics",
 ]

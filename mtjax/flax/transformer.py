@@ -172,6 +172,25 @@ class TransformerLayer(nn.Module):
                 raise ValueError(f"{owner}: {name}={rate}; expected 0 <= rate < 1")
         return head_dim
 
+    def make_mlp(self) -> nn.Module:
+        """The MLP sub-block (named ``"mlp"``): a `LayerNormMLP` built from this layer's attributes.
+
+        Called from the compact ``__call__``; a subclass returns another module with `LayerNormMLP`'s
+        call signature and results (e.g. `mtjax.flax.MoETransformerLayer`'s `MoEBlock`)."""
+        return LayerNormMLP(**self.mlp_norm_kwargs(), intermediate_dim=self.mlp_hidden_size,
+                            activations=self.mlp_activations, intermediate_dropout_rate=self.intermediate_dropout,
+                            intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
+                            intermediate_dropout_rng_name=self.dropout_rng_name, use_bias=self.use_bias,
+                            bias_init=self.bias_init, collective_matmul=self.collective_matmul, name="mlp")
+
+    def mlp_norm_kwargs(self) -> dict:
+        """The attributes every MLP sub-block takes from the layer: its input norm, kernel init,
+        ``return_layernorm_output`` and dtypes."""
+        return dict(layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                    zero_centered_gamma=self.zero_centered_gamma, kernel_init=self.mlp_kernel_init,
+                    return_layernorm_output=self.apply_residual_connection_post_layernorm,
+                    dtype=self.dtype, param_dtype=self.param_dtype)
+
     @nn.compact
     def __call__(self, inputs: jax.Array, encoded: jax.Array | None = None, attention_mask: jax.Array | None = None,
                  encoder_decoder_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
@@ -249,16 +268,7 @@ class TransformerLayer(nn.Module):
         fuse = self.fuse_residual_norm and not self.apply_residual_connection_post_layernorm
         if not fuse:
             x = residual_add(branch, residual, ln_out)
-        mlp = LayerNormMLP(
-            intermediate_dim=self.mlp_hidden_size, activations=self.mlp_activations,
-            intermediate_dropout_rate=self.intermediate_dropout,
-            intermediate_hidden_dropout_dims=tuple(self.intermediate_dropout_dims),
-            intermediate_dropout_rng_name=self.dropout_rng_name, layernorm_type=self.layernorm_type,
-            epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
-            kernel_init=self.mlp_kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
-            return_layernorm_output=self.apply_residual_connection_post_layernorm,
-            collective_matmul=self.collective_matmul, dtype=self.dtype, param_dtype=self.param_dtype, name="mlp",
-        )
+        mlp = self.make_mlp()
         if fuse:  # the add happens in the MLP's norm kernel, which returns the new stream
             z, ln_out, x = mlp(hidden_dropout(branch, deterministic=deterministic), deterministic=deterministic,
                                residual=residual)

@@ -9,9 +9,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import FrozenDict
 
 from mtjax import axes, ops
-from mtjax.flax import TransformerLayer
+from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoETransformerLayer, TransformerLayer
 from mtjax.flax.attention import CACHE_COLLECTION, PAGED_KV_COLLECTION, PagedKV
 from mtjax.fp8 import FP8_COLLECTION
 
@@ -62,12 +63,27 @@ class _StackedLayer(TransformerLayer):
         return y, None
 
 
-def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, scan_layers: bool, remat_policy: str,
+class _StackedMoELayer(MoETransformerLayer):
+    """`MoETransformerLayer` called as `_StackedLayer`."""
+
+    def __call__(self, carry, segment_ids, positions, deterministic, decode, paged_kv):  # noqa: D102
+        x, residual = carry if self.defer_residual_add else (carry, None)
+        y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
+                             decode=decode, residual=residual, paged_kv=paged_kv)
+        return y, None
+
+
+def apply_layers(x: Any, *, layer: Mapping[str, Any], num_layers: int, scan_layers: bool, remat_policy: str,
                  segment_ids: jax.Array | None, positions: jax.Array | None, deterministic: bool,
-                 decode: bool, paged_kv: PagedKV | None = None) -> jax.Array:
+                 decode: bool, paged_kv: PagedKV | None = None, moe: Mapping[str, Any] | None = None,
+                 name: str = "layers", first_index: int = 0) -> Any:
     """Runs ``num_layers`` ``TransformerLayer(**layer)`` on ``x``; call from a compact method.
 
-    Parameters are ``layers/...`` with a leading layer axis when scanned, ``layers_{i}/...`` otherwise.
+    Parameters are ``{name}/...`` with a leading layer axis when scanned, ``layers_{i}/...`` otherwise
+    (``i`` counted from ``first_index``, so consecutive stacks number their layers on). With ``moe``
+    (`mtjax.flax.MoEBlock` keyword arguments) the layers are `mtjax.flax.MoETransformerLayer`s; their
+    sown auxiliary losses and metrics get a leading layer axis when scanned. ``x`` may be the
+    ``(branch, stream)`` pair a previous stack returned under ``defer_residual_add``.
     With ``layer["defer_residual_add"]`` each layer adds the previous one's output branch to the
     stream in its attention's norm kernel, and the result is the pair ``(branch, stream)`` whose sum
     is the stack's output (a scanned stack starts from ``(x, zeros)``, so its first norm adds zeros).
@@ -77,24 +93,28 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
     defer = layer.get("defer_residual_add", False)
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={remat_policy!r} is not supported; accepted: {', '.join(REMAT_POLICIES)}")
-    block = _StackedLayer
+    block, layer = _StackedLayer, dict(layer)
+    if moe is not None:
+        block, layer["moe"] = _StackedMoELayer, FrozenDict(moe)
     if remat_policy != "none":
         # static_argnums count `self`: deterministic and decode are Python bools.
         block = nn.remat(block, policy=REMAT_POLICIES[remat_policy], prevent_cse=not scan_layers, static_argnums=(4, 5))
     if scan_layers:
         stack = nn.scan(
             block,
-            variable_axes={"params": 0, FP8_COLLECTION: 0, CACHE_COLLECTION: 0, PAGED_KV_COLLECTION: 0},
+            variable_axes={"params": 0, FP8_COLLECTION: 0, CACHE_COLLECTION: 0, PAGED_KV_COLLECTION: 0, MOE_LOSSES: 0,
+                           MOE_METRICS: 0},
             split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )
-        carry = (x, jnp.zeros_like(x)) if defer else x
-        carry, _ = stack(name="layers", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
+        continued = defer and isinstance(x, tuple)
+        carry = x if continued or not defer else (x, jnp.zeros_like(x))
+        carry, _ = stack(name=name, **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
         return carry
-    carry = (x, None) if defer else x
-    for i in range(num_layers):
+    carry = x if not defer or isinstance(x, tuple) else (x, None)
+    for i in range(first_index, first_index + num_layers):
         carry, _ = block(name=f"layers_{i}", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
     return carry
 

@@ -15,13 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import axes, ops
-from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
-from mtjax.flax.attention import (
-    CACHE_COLLECTION,
-    ROTARY_GROUP_METHODS,
-    PagedKV,
-    check_heads,
-)
+from mtjax.flax import DenseGeneral, Embed, LayerNorm, MoEBlock, TransformerLayerType
+from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, PagedKV, check_heads
 from mtjax.flax.normalization import LAYERNORM_TYPES
 from mtjax.models._stack import apply_layers, check_stack_config
 from mtjax.ops import CONTEXT_PARALLEL_STRATEGIES
@@ -83,6 +78,29 @@ class GPTConfig:
       remat_policy: one of `mtjax.models.REMAT_POLICIES` (``"none"``, ``"full"``, ``"dots"``, ...).
       dtype: compute dtype.
       param_dtype: parameter dtype.
+
+    Mixture of experts (``num_experts > 0``): the layers after the first ``first_k_dense`` use a
+    `mtjax.flax.MoEBlock` MLP instead of the dense one (a scanned stack scans the dense and the MoE
+    layers as two stacks, ``layers`` and ``moe_layers``).
+
+    Attributes:
+      num_experts: routed experts per MoE layer (0: a dense model).
+      experts_per_token: experts each token goes to (top-k).
+      moe_mlp_dim: hidden width of one routed expert (None: ``mlp_dim``).
+      num_shared_experts: shared experts every token passes through (DeepSeek).
+      shared_expert_dim: width of one shared expert (None: ``moe_mlp_dim``).
+      first_k_dense: leading layers that keep the dense MLP (``mlp_dim`` wide).
+      router_score_function: ``"softmax"`` or ``"sigmoid"``.
+      num_expert_groups, expert_group_top_k: group-limited routing (None: plain top-k).
+      normalize_router_weights: renormalize each token's top-k weights to sum to 1.
+      routed_scaling_factor: multiplies the top-k weights.
+      use_expert_bias: auxiliary-loss-free balancing with a per-expert routing bias, moved after
+        each step by ``expert_bias_update_rate`` towards equal loads (`mtjax.train.make_train_step`).
+      expert_bias_update_rate: that step size (DeepSeek-V3's gamma).
+      load_balancing_loss_weight: coefficient of the load-balancing loss added to the training loss.
+      router_z_loss_weight: coefficient of the router z-loss.
+      capacity_factor: None: dropless; else each expert takes at most ``capacity_factor`` times its
+        even share of a device's tokens (`mtjax.flax.MoEBlock.capacity_factor`).
     """
 
     vocab_size: int = 256
@@ -116,10 +134,38 @@ class GPTConfig:
     remat_policy: str = "none"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_dim: int | None = None
+    num_shared_experts: int = 0
+    shared_expert_dim: int | None = None
+    first_k_dense: int = 0
+    router_score_function: str = "softmax"
+    num_expert_groups: int | None = None
+    expert_group_top_k: int | None = None
+    normalize_router_weights: bool = True
+    routed_scaling_factor: float = 1.0
+    use_expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    load_balancing_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.0
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         owner = type(self).__name__
         check_stack_config(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_seq_len"))
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"{owner}: num_experts={self.num_experts!r}; expected an int >= 0 (0: dense)")
+        if not isinstance(self.first_k_dense, int) or not 0 <= self.first_k_dense <= self.num_layers:
+            raise ValueError(f"{owner}: first_k_dense={self.first_k_dense!r}; expected 0 <= it <= "
+                             f"num_layers={self.num_layers}")
+        if self.num_experts:
+            if self.first_k_dense == self.num_layers:
+                raise ValueError(f"{owner}: first_k_dense={self.first_k_dense} leaves no MoE layer of "
+                                 f"num_layers={self.num_layers}")
+            if not self.expert_bias_update_rate >= 0:
+                raise ValueError(f"{owner}: expert_bias_update_rate={self.expert_bias_update_rate!r}; expected >= 0")
+            MoEBlock(**self.moe_block_kwargs())._validate()  # the MoE fields, with MoEBlock's messages
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(f"{owner}: hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} "
                              f"(or set head_dim)")
@@ -141,29 +187,63 @@ class GPTConfig:
     def resolved_num_kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense if self.num_experts else 0
+
+    def moe_block_kwargs(self) -> dict[str, Any]:
+        """The `mtjax.flax.MoEBlock` fields these settings give (its norm and dtypes come from the layer)."""
+        expert_dim = self.moe_mlp_dim or self.mlp_dim
+        return dict(num_experts=self.num_experts, experts_per_token=self.experts_per_token, expert_dim=expert_dim,
+                    num_shared_experts=self.num_shared_experts, shared_expert_dim=self.shared_expert_dim,
+                    score_function=self.router_score_function, num_expert_groups=self.num_expert_groups,
+                    expert_group_top_k=self.expert_group_top_k, normalize_weights=self.normalize_router_weights,
+                    routed_scaling_factor=self.routed_scaling_factor, use_expert_bias=self.use_expert_bias,
+                    load_balancing_loss_weight=self.load_balancing_loss_weight,
+                    router_z_loss_weight=self.router_z_loss_weight, capacity_factor=self.capacity_factor)
+
+    def _moe_mlp_params(self, experts: int) -> int:
+        """Parameters of one MoE layer's MLP counting ``experts`` routed experts (router and shared included)."""
+        h, gates = self.hidden_size, 2 if ops.is_gated(self.activations) else 1
+        expert_dim = self.moe_mlp_dim or self.mlp_dim
+        shared_dim = self.num_shared_experts * (self.shared_expert_dim or expert_dim)
+        bias = self.num_experts if self.use_expert_bias else 0
+        return (h * self.num_experts + bias + experts * (h * gates * expert_dim + expert_dim * h)
+                + h * gates * shared_dim + shared_dim * h)
+
     def num_params(self) -> int:
         """Number of parameters (what `GPT.init` creates)."""
+        return self._count_params(self.num_experts)
+
+    def num_active_params(self) -> int:
+        """Parameters one token passes through: `num_params` with ``experts_per_token`` of the routed
+        experts of each MoE layer (equal to `num_params` for a dense model)."""
+        return self._count_params(self.experts_per_token if self.num_experts else 0)
+
+    def _count_params(self, routed_experts: int) -> int:
         h, d = self.hidden_size, self.resolved_head_dim
         q, kv = self.num_heads * d, self.resolved_num_kv_heads * d
         norm = h if self.layernorm_type == "rmsnorm" else 2 * h
         gates = 2 if ops.is_gated(self.activations) else 1
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv + h if self.use_bias else 0)
         mlp = h * gates * self.mlp_dim + self.mlp_dim * h + (gates * self.mlp_dim + h if self.use_bias else 0)
-        layer = attention + mlp + 2 * norm
+        layers = (self.num_layers - self.num_moe_layers) * (attention + mlp + 2 * norm)
+        layers += self.num_moe_layers * (attention + self._moe_mlp_params(routed_experts) + 2 * norm)
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_seq_len * h if self.position_embedding == "learned" else 0
-        return self.num_layers * layer + embeddings + positions + norm
+        return layers + embeddings + positions + norm
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): ``6 * N`` for the weight GEMMs plus causal
         attention ``6 * layers * seq_len * heads * head_dim`` (half of the full ``12 * ...``).
 
-        ``N`` counts the parameters that take part in a GEMM: all but the lookup-only tables (the
-        position table, and the input embedding when it is not tied to the output layer)."""
+        ``N`` counts the parameters that take part in a token's GEMMs: the active ones
+        (`num_active_params`: ``experts_per_token`` routed experts per MoE layer) but the lookup-only
+        tables (the position table, and the input embedding when it is not tied to the output layer)."""
         lookup_only = (self.max_seq_len * self.hidden_size if self.position_embedding == "learned" else 0) + (
             0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
         attention = 6 * self.num_layers * seq_len * self.num_heads * self.resolved_head_dim
-        return 6.0 * (self.num_params() - lookup_only) + attention
+        return 6.0 * (self.num_active_params() - lookup_only) + attention
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -183,12 +263,34 @@ _PRESETS: dict[str, dict[str, Any]] = {
     "llama-1b": dict(vocab_size=32768, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, mlp_dim=8192,
                      max_seq_len=8192, activations=("silu", "linear"), layernorm_type="rmsnorm",
                      rope_max_timescale=500000.0, dtype=jnp.bfloat16, scan_layers=False),
+    # Mixture of experts. For CPU tests and `mtjax train --preset moe-tiny`: 8 routed experts (top-2),
+    # one shared expert, the first layer dense.
+    "moe-tiny": dict(vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, mlp_dim=128,
+                     max_seq_len=128, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     num_experts=8, experts_per_token=2, moe_mlp_dim=64, num_shared_experts=1, first_k_dense=1),
+    # Mixtral-style: every layer 8 SwiGLU experts, top-2, softmax router with the load-balancing loss;
+    # 3.4B parameters, 1.0B active per token.
+    "moe-mixtral-1b": dict(vocab_size=32768, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4,
+                           mlp_dim=4096, max_seq_len=4096, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                           rope_max_timescale=1000000.0, dtype=jnp.bfloat16, num_experts=8, experts_per_token=2,
+                           router_z_loss_weight=1e-3),
+    # DeepSeek-V3-style (DeepSeek-V2-Lite's MoE shape, standard attention): 64 fine-grained experts
+    # (1408 wide), top-6, 2 shared experts, the first layer dense; sigmoid scores, group-limited routing
+    # (8 groups, best 4) and auxiliary-loss-free balancing (expert bias) with a small balancing loss.
+    # 4.2B parameters, 0.8B active; 8 layers, so one H200 holds the f32 Adam state.
+    "moe-deepseek-1b": dict(vocab_size=32768, hidden_size=2048, num_layers=8, num_heads=16, mlp_dim=10944,
+                            max_seq_len=4096, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                            dtype=jnp.bfloat16, num_experts=64, experts_per_token=6, moe_mlp_dim=1408,
+                            num_shared_experts=2, first_k_dense=1, router_score_function="sigmoid",
+                            num_expert_groups=8, expert_group_top_k=4, use_expert_bias=True,
+                            load_balancing_loss_weight=1e-4),
 }
 PRESETS = tuple(_PRESETS)
 
 
 def gpt_config(name: str, **overrides: Any) -> GPTConfig:
-    """A preset (`PRESETS`: ``"tiny"``, ``"gpt-125m"``, ``"gpt-1.3b"``, ``"llama-1b"``) with fields overridden."""
+    """A preset (`PRESETS`: ``"tiny"``, ``"gpt-125m"``, ``"gpt-1.3b"``, ``"llama-1b"``, and the mixtures of
+    experts ``"moe-tiny"``, ``"moe-mixtral-1b"``, ``"moe-deepseek-1b"``) with fields overridden."""
     if name not in _PRESETS:
         raise ValueError(f"gpt_config: name={name!r} is not a preset; accepted: {', '.join(PRESETS)}")
     return GPTConfig(**{**_PRESETS[name], **overrides})
@@ -264,9 +366,14 @@ class GPT(nn.Module):
             window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, context_parallel=cfg.context_parallel,
             collective_matmul=cfg.collective_matmul, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         )
-        x = apply_layers(x, layer=layer, num_layers=cfg.num_layers, scan_layers=cfg.scan_layers,
-                         remat_policy=cfg.remat_policy, segment_ids=segment_ids, positions=positions,
-                         deterministic=deterministic, decode=decode, paged_kv=paged_kv)
+        stack = dict(scan_layers=cfg.scan_layers, remat_policy=cfg.remat_policy, segment_ids=segment_ids,
+                     positions=positions, deterministic=deterministic, decode=decode, paged_kv=paged_kv)
+        num_dense = cfg.num_layers - cfg.num_moe_layers
+        if num_dense:
+            x = apply_layers(x, layer=layer, num_layers=num_dense, **stack)
+        if cfg.num_moe_layers:
+            x = apply_layers(x, layer=layer, num_layers=cfg.num_moe_layers, moe=cfg.moe_block_kwargs(),
+                             name="moe_layers", first_index=num_dense, **stack)
         if logits_index is not None:  # one position per row: the final norm and output layer skip the rest
             x = jax.tree.map(lambda t: jnp.take_along_axis(t, logits_index[:, None, None].astype(jnp.int32), axis=1), x)
         final_norm = LayerNorm(epsilon=cfg.layernorm_epsilon, layernorm_type=cfg.layernorm_type,

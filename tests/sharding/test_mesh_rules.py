@@ -21,8 +21,8 @@ from mtjax.sharding import (
 
 def test_mesh_axes_order_and_mode():
     mesh = MeshConfig(dp=2, fsdp=2, tp=2).make_mesh()
-    assert mesh.axis_names == AXES == ("pp", "dp", "fsdp", "cp", "tp")
-    assert dict(mesh.shape) == {"pp": 1, "dp": 2, "fsdp": 2, "cp": 1, "tp": 2}
+    assert mesh.axis_names == AXES == ("pp", "dp", "fsdp", "ep", "cp", "tp")
+    assert dict(mesh.shape) == {"pp": 1, "dp": 2, "fsdp": 2, "ep": 1, "cp": 1, "tp": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     # tp is innermost: a tp group is a pair of consecutive devices.
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1, 2)
@@ -30,7 +30,7 @@ def test_mesh_axes_order_and_mode():
 
 
 def test_mesh_product_must_match_devices():
-    with pytest.raises(ValueError, match=r"pp=1 \* dp=2 \* fsdp=1 \* cp=1 \* tp=2 = 4 devices, but 8"):
+    with pytest.raises(ValueError, match=r"pp=1 \* dp=2 \* fsdp=1 \* ep=1 \* cp=1 \* tp=2 = 4 devices, but 8"):
         MeshConfig(dp=2, tp=2).make_mesh()
     assert MeshConfig(dp=2, tp=2).make_mesh(jax.devices()[:4]).size == 4
 

@@ -1,0 +1,333 @@
+"""Grouped GEMM: one GEMM per group of rows (a mixture of experts' expert MLPs), in one op.
+
+``lhs [M, K]`` holds the rows of all groups, sorted by group: group ``g`` owns rows
+``offsets[g] .. offsets[g + 1]`` with ``offsets = cumsum([0] + group_sizes)``; ``rhs [G, K, N]``
+holds one ``[K, N]`` matrix per group (``[G, N, K]`` with ``transpose_rhs=True``). Row ``m`` of
+group ``g`` gives ``out[m] = lhs[m] @ rhs[g]``. ``sum(group_sizes) <= M``: rows past the sum belong to
+no group and give zeros (a dropless MoE sizes ``M`` statically and fills it partly). Group sizes
+need not be multiples of any tile; empty groups are fine. Sizes must be non-negative and sum to at
+most ``M``; larger sums are clipped at ``M`` by the kernels (the result is then unspecified).
+
+`grouped_gemm` is differentiable (one `jax.custom_vjp`): ``d lhs`` is a grouped GEMM of the output
+gradient with ``rhs`` transposed, ``d rhs`` the per-group ``lhs^T dy`` into ``[G, K, N]``
+(`grouped_gemm_wgrad`). Each of the three GEMMs dispatches on its own through `mtjax.backend`:
+``"xla"`` is `jax.lax.ragged_dot` (and `jax.lax.ragged_dot_general` for the weight gradient),
+``"pallas_triton"`` the kernels of `mtjax.kernels.grouped_gemm`.
+
+`grouped_gemm_fp8` is the FP8 variant (E4M3 operands, E5M2 output gradient by default) with current
+scaling: a per-tensor scale for ``lhs`` and the output gradient, a per-group scale for ``rhs``,
+computed from each tensor's amax in the same step. Accumulation is float32; the dequantization scales
+multiply the float32 accumulator in the kernels' epilogue (one ``[G]`` scale per group), so no float32
+product is ever written out.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
+
+from mtjax import backend
+from mtjax.kernels import grouped_gemm as gg_kernels
+from mtjax.kernels.common import interpret as kernel_interpret
+from mtjax.kernels.common import saturate_cast
+from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
+from mtjax.ops.checks import check_choice, check_float, check_rank
+
+
+def _check_group_sizes(op: str, group_sizes: Any, num_groups: int) -> None:
+    if jnp.shape(group_sizes) != (num_groups,):
+        raise ValueError(f"{op}: group_sizes has shape {jnp.shape(group_sizes)}; expected ({num_groups},)")
+    if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
+        raise TypeError(f"{op}: group_sizes has dtype {jnp.result_type(group_sizes)}; expected an integer dtype")
+
+
+def _check_operands(op: str, lhs: Any, rhs: Any, group_sizes: Any, transpose_rhs: bool) -> tuple[int, int, int, int]:
+    check_float(op, "lhs", lhs)
+    check_float(op, "rhs", rhs)
+    check_rank(op, "lhs", lhs, 2)
+    check_rank(op, "rhs", rhs, 3)
+    if jnp.result_type(lhs) != jnp.result_type(rhs):
+        raise TypeError(f"{op}: lhs ({jnp.result_type(lhs)}) and rhs ({jnp.result_type(rhs)}) must share a dtype")
+    if not isinstance(transpose_rhs, bool):
+        raise TypeError(f"{op}: transpose_rhs={transpose_rhs!r}; expected True or False")
+    m, k = lhs.shape
+    g, rk, n = rhs.shape
+    if transpose_rhs:
+        rk, n = n, rk
+    if rk != k:
+        layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
+        raise ValueError(f"{op}: lhs {lhs.shape} [M, K] and rhs {rhs.shape} {layout} disagree on K")
+    _check_group_sizes(op, group_sizes, g)
+    return m, k, n, g
+
+
+def _out_dtype(op: str, preferred_element_type: DTypeLike | None, default: Any) -> jnp.dtype:
+    dtype = jnp.dtype(default if preferred_element_type is None else preferred_element_type)
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize < 2:
+        raise TypeError(f"{op}: preferred_element_type={dtype}; expected float32, bfloat16 or float16")
+    return dtype
+
+
+def _row_group_scale(group_scale: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
+    """``[M]``: each row's group's value of ``group_scale [G]`` (1 for rows past the groups)."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
+    return jnp.concatenate([group_scale, jnp.ones((1,), group_scale.dtype)])[row_group]
+
+
+def _check_block_sizes(op: str, block_sizes: Any, kind: type) -> None:
+    if block_sizes is not None and not isinstance(block_sizes, kind):
+        raise TypeError(f"{op}: block_sizes={block_sizes!r}; expected None or a mtjax.kernels.grouped_gemm.{kind.__name__}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The three GEMMs, each dispatched on its own
+# --------------------------------------------------------------------------------------------------
+
+
+def _exact_for_xla(*operands: jax.Array) -> tuple[jax.Array, ...]:
+    """FP8 operands as bfloat16 (which holds every E4M3 and E5M2 value exactly): XLA's ragged dots
+    take no FP8 (or mixed-FP8) operands on every platform."""
+    if any(jnp.dtype(x.dtype) in [jnp.dtype(d) for d in gg_kernels.FP8_DTYPES] for x in operands):
+        return tuple(x.astype(jnp.bfloat16) for x in operands)
+    return operands
+
+
+@backend.register("grouped_gemm", backend.REFERENCE)
+def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None,
+                           *, transpose_rhs: bool, out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
+    """The ``"xla"`` grouped GEMM: `jax.lax.ragged_dot`, float32 accumulation, then each row times its
+    group's ``group_scale`` (``[G]`` float32 or ``None``; FP8 dequantization); ``tiles`` unused."""
+    del tiles
+    lhs, rhs = _exact_for_xla(lhs, rhs)
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    out = lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    if group_scale is not None:
+        out = out * _row_group_scale(group_scale, group_sizes, lhs.shape[0])[:, None]
+    return out.astype(out_dtype)
+
+
+@backend.register("grouped_gemm_wgrad", backend.REFERENCE)
+def grouped_gemm_wgrad_reference(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
+                                 group_scale: jax.Array | None, *, out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
+    """The ``"xla"`` per-group ``lhs^T grad`` (times ``group_scale[g]``): `jax.lax.ragged_dot_general`
+    with a ragged contraction."""
+    del tiles
+    lhs, grad = _exact_for_xla(lhs, grad)
+    numbers = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    out = lax.ragged_dot_general(lhs, grad, group_sizes.astype(jnp.int32), numbers,
+                                 preferred_element_type=jnp.float32)
+    if group_scale is not None:
+        out = out * group_scale[:, None, None]
+    return out.astype(out_dtype)
+
+
+def _kernel_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles) -> str | None:
+    return gg_kernels.unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs))
+
+
+def _kernel_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles) -> str | None:
+    # Checked as a gmm of lhs [M, K] against the output [G, K, N]: every array the kernel indexes (lhs, grad
+    # [M, N] and the output) then stays within the int32 bound.
+    out_shape = (jnp.shape(group_sizes)[0], jnp.shape(lhs)[1], jnp.shape(grad)[1])
+    return gg_kernels.unsupported(jnp.shape(lhs), out_shape, jnp.result_type(lhs), jnp.result_type(grad))
+
+
+_KERNEL = {"requires": (backend.PALLAS_TRITON,), "priority": 10, "single_device": True}
+
+
+@backend.register("grouped_gemm", "pallas_triton", unsupported=_kernel_unsupported_gmm, **_KERNEL)
+def _grouped_gemm_pallas(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
+    return gg_kernels.gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                          tiles=tiles, interpret=kernel_interpret())
+
+
+@backend.register("grouped_gemm_wgrad", "pallas_triton", unsupported=_kernel_unsupported_wgrad, **_KERNEL)
+def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles):
+    return gg_kernels.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles, interpret=kernel_interpret())
+
+
+def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, implementation, group_scale=None):
+    return backend.dispatch("grouped_gemm", lhs, rhs, group_sizes, group_scale, implementation=implementation,
+                            transpose_rhs=transpose_rhs, out_dtype=jnp.dtype(out_dtype), tiles=tiles)
+
+
+def _tgmm(lhs, grad, group_sizes, out_dtype, tiles, implementation, group_scale=None):
+    return backend.dispatch("grouped_gemm_wgrad", lhs, grad, group_sizes, group_scale, implementation=implementation,
+                            out_dtype=jnp.dtype(out_dtype), tiles=tiles)
+
+
+# --------------------------------------------------------------------------------------------------
+# bf16 / f32: the differentiable op
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _grouped_gemm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, blocks, implementation):
+    return _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, blocks.forward, implementation)
+
+
+def _grouped_gemm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, blocks, implementation):
+    out = _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, blocks.forward, implementation)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _grouped_gemm_bwd(transpose_rhs, out_dtype, blocks, implementation, residuals, grad):
+    lhs, rhs, group_sizes = residuals
+    grad = grad.astype(lhs.dtype)
+    d_lhs = _gmm(grad, rhs, group_sizes, not transpose_rhs, lhs.dtype, blocks.dlhs, implementation)
+    # [G, N, K] = grad^T lhs when rhs is stored transposed, else [G, K, N] = lhs^T grad.
+    d_rhs = (_tgmm(grad, lhs, group_sizes, rhs.dtype, blocks.wgrad, implementation) if transpose_rhs
+             else _tgmm(lhs, grad, group_sizes, rhs.dtype, blocks.wgrad, implementation))
+    return d_lhs, d_rhs, None
+
+
+_grouped_gemm.defvjp(_grouped_gemm_fwd, _grouped_gemm_bwd)
+
+
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
+                 preferred_element_type: DTypeLike | None = None, block_sizes: BlockSizes | None = None,
+                 implementation: str | None = None) -> jax.Array:
+    """Per-group ``lhs @ rhs[g]`` over rows sorted by group (module docstring); differentiable.
+
+    Args:
+      lhs: ``[M, K]`` float, rows sorted by group.
+      rhs: ``[G, K, N]`` (``[G, N, K]`` with ``transpose_rhs``), the dtype of ``lhs``.
+      group_sizes: ``[G]`` integer rows per group, ``sum <= M``.
+      transpose_rhs: ``rhs`` is stored ``[G, N, K]`` (each group's matrix transposed).
+      preferred_element_type: output dtype (default ``lhs.dtype``); accumulation is float32 always.
+      block_sizes: tiles of the three kernels (forward, ``d lhs``, weight gradient); default
+        `BlockSizes.default` for the shapes. The ``"xla"`` implementation ignores them.
+      implementation: ``"xla"`` or ``"pallas_triton"`` for all three GEMMs; default per platform.
+    Returns:
+      ``[M, N]``; rows past ``sum(group_sizes)`` are zeros.
+    """
+    op = "grouped_gemm"
+    m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, transpose_rhs)
+    _check_block_sizes(op, block_sizes, BlockSizes)
+    out_dtype = _out_dtype(op, preferred_element_type, lhs.dtype)
+    blocks = block_sizes or BlockSizes.default(m, k, n, g, lhs.dtype)
+    return _grouped_gemm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, blocks, implementation)
+
+
+def grouped_gemm_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *,
+                       preferred_element_type: DTypeLike | None = None, block_sizes: GemmTiles | None = None,
+                       implementation: str | None = None) -> jax.Array:
+    """``out[g] = lhs[rows of g]^T @ grad[rows of g]``: the weight gradient of `grouped_gemm`.
+
+    Args:
+      lhs: ``[M, K]``; grad: ``[M, N]``, same dtype; group_sizes: ``[G]``, ``sum <= M``.
+      preferred_element_type: output dtype (default ``lhs.dtype``).
+      block_sizes: the kernel's tiles (default `BlockSizes.default`'s ``wgrad``).
+    Returns:
+      ``[G, K, N]``; empty groups give zeros. Not differentiable itself (no second derivatives).
+    """
+    op = "grouped_gemm_wgrad"
+    for name, x in (("lhs", lhs), ("grad", grad)):
+        check_float(op, name, x)
+        check_rank(op, name, x, 2)
+    if jnp.result_type(lhs) != jnp.result_type(grad):
+        raise TypeError(f"{op}: lhs ({jnp.result_type(lhs)}) and grad ({jnp.result_type(grad)}) must share a dtype")
+    if lhs.shape[0] != grad.shape[0]:
+        raise ValueError(f"{op}: lhs {lhs.shape} and grad {grad.shape} must share M (the first axis)")
+    if jnp.ndim(group_sizes) != 1:
+        raise ValueError(f"{op}: group_sizes has shape {jnp.shape(group_sizes)}; expected [G]")
+    _check_group_sizes(op, group_sizes, jnp.shape(group_sizes)[0])
+    _check_block_sizes(op, block_sizes, GemmTiles)
+    out_dtype = _out_dtype(op, preferred_element_type, lhs.dtype)
+    (m, k), n, g = lhs.shape, grad.shape[1], group_sizes.shape[0]
+    tiles = block_sizes or BlockSizes.default(m, k, n, g, lhs.dtype).wgrad
+    return _tgmm(lhs, grad, group_sizes, out_dtype, tiles, implementation)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 with current scaling
+# --------------------------------------------------------------------------------------------------
+
+
+def _fp8_scale(amax: jax.Array, dtype: Any) -> jax.Array:
+    """``fp8_max / amax`` (1 where amax is 0 or not finite): mtjax.fp8's scale convention, margin 0."""
+    amax = amax.astype(jnp.float32)
+    usable = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(usable, jnp.float32(jnp.finfo(dtype).max) / jnp.where(usable, amax, 1.0), 1.0)
+
+
+def _quantize_tensor(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``(saturate_cast(x * scale), 1 / scale)`` with one scale for the whole tensor."""
+    scale = _fp8_scale(jnp.max(jnp.abs(x)), dtype)
+    return saturate_cast(x.astype(jnp.float32) * scale, dtype), 1.0 / scale
+
+
+def _quantize_groups(rhs: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Per-group scales of ``rhs [G, ...]``: ``(q [G, ...], scale_inv [G])``."""
+    scale = _fp8_scale(jnp.max(jnp.abs(rhs), axis=(1, 2)), dtype)
+    return saturate_cast(rhs.astype(jnp.float32) * scale[:, None, None], dtype), 1.0 / scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
+    return _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks,
+                                 implementation)[0]
+
+
+def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
+    lhs_q, lhs_scale_inv = _quantize_tensor(lhs, forward_dtype)
+    rhs_q, rhs_scale_inv = _quantize_groups(rhs, forward_dtype)
+    out = _gmm(lhs_q, rhs_q, group_sizes, False, out_dtype, blocks.forward, implementation,
+               group_scale=rhs_scale_inv * lhs_scale_inv)
+    return out, (lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
+
+
+def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, implementation, residuals, grad):
+    lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes = residuals
+    grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
+    # d lhs = grad @ rhs[g]^T: rows of group g carry rhs[g]'s scale.
+    d_lhs = _gmm(grad_q, rhs_q, group_sizes, True, out_dtype, blocks.dlhs, implementation,
+                 group_scale=rhs_scale_inv * grad_scale_inv)
+    # d rhs[g] = lhs[g]^T grad[g]: both scales per tensor.
+    d_rhs = _tgmm(lhs_q, grad_q, group_sizes, out_dtype, blocks.wgrad, implementation,
+                  group_scale=jnp.broadcast_to(lhs_scale_inv * grad_scale_inv, rhs_scale_inv.shape))
+    return d_lhs, d_rhs, None
+
+
+_grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
+
+
+def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                     forward_dtype: DTypeLike = jnp.float8_e4m3fn, gradient_dtype: DTypeLike = jnp.float8_e5m2,
+                     block_sizes: BlockSizes | None = None, implementation: str | None = None) -> jax.Array:
+    """`grouped_gemm` with FP8 operands and current scaling; differentiable.
+
+    ``lhs`` is quantized with one scale (``fp8_max / amax(lhs)``), ``rhs`` with one scale per group
+    (``fp8_max / amax(rhs[g])``), the output gradient with one scale, all from the tensors of this
+    step (no state: TransformerEngine's current scaling). The three GEMMs take the FP8 operands,
+    accumulate in float32 and apply the dequantization scales to the accumulator: per row (the row's
+    group's ``rhs`` scale) for the forward and ``d lhs``, per tensor for the weight gradient.
+    Under `mtjax.fp8.fp8_autocast` a caller picks this op and takes the dtypes from the recipe's
+    ``fp8_format.dtypes()``; a `DelayedScaling` recipe is served with current scaling too here.
+
+    Args:
+      lhs: ``[M, K]`` float, rows sorted by group; rhs: ``[G, K, N]`` of the same dtype.
+      group_sizes: ``[G]`` integer, ``sum <= M``.
+      forward_dtype: FP8 dtype of ``lhs`` and ``rhs``; gradient_dtype: of the output gradient.
+      block_sizes, implementation: as in `grouped_gemm`.
+    Returns:
+      ``[M, N]`` in ``lhs.dtype``; gradients in ``lhs.dtype`` too.
+    """
+    op = "grouped_gemm_fp8"
+    m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, False)
+    _check_block_sizes(op, block_sizes, BlockSizes)
+    fp8 = [jnp.dtype(d) for d in gg_kernels.FP8_DTYPES]
+    forward_dtype, gradient_dtype = jnp.dtype(forward_dtype), jnp.dtype(gradient_dtype)
+    check_choice(op, "forward_dtype", forward_dtype, fp8)
+    check_choice(op, "gradient_dtype", gradient_dtype, fp8)
+    blocks = block_sizes or BlockSizes.default(m, k, n, g, forward_dtype)
+    return _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, jnp.dtype(lhs.dtype), blocks,
+                             implementation)

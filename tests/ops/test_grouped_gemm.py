@@ -1,0 +1,209 @@
+"""mtjax.ops.grouped_gemm / grouped_gemm_wgrad / grouped_gemm_fp8 (the "xla" references) against
+float64 numpy loops over the groups, forward and gradients; argument errors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtjax import ops
+from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
+
+RTOL = 1e-5
+
+
+def np_gmm(lhs, rhs, group_sizes, transpose_rhs=False):
+    """float64 ``out[m] = lhs[m] @ rhs[g(m)]``, zeros past the groups."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    if transpose_rhs:
+        rhs = rhs.transpose(0, 2, 1)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        out[start:start + size] = lhs[start:start + size] @ rhs[g]
+        start += size
+    return out
+
+
+def np_tgmm(lhs, dy, group_sizes):
+    """float64 ``out[g] = lhs[rows of g]^T @ dy[rows of g]``."""
+    lhs, dy = np.asarray(lhs, np.float64), np.asarray(dy, np.float64)
+    out, start = [], 0
+    for size in np.asarray(group_sizes):
+        out.append(lhs[start:start + size].T @ dy[start:start + size])
+        start += size
+    return np.stack(out)
+
+
+def random_case(seed, m, k, n, group_sizes, dtype=np.float32, transpose_rhs=False):
+    rng = np.random.default_rng(seed)
+    g = len(group_sizes)
+    lhs = rng.normal(size=(m, k)).astype(dtype)
+    rhs = rng.normal(size=(g, n, k) if transpose_rhs else (g, k, n)).astype(dtype)
+    dy = rng.normal(size=(m, n)).astype(dtype)
+    return lhs, rhs, np.asarray(group_sizes, np.int32), dy
+
+
+def np_grads(lhs, rhs, group_sizes, dy, transpose_rhs=False):
+    """float64 ``(d lhs, d rhs)`` of ``sum(grouped_gemm(lhs, rhs) * dy)``."""
+    rhs_kn = np.asarray(rhs, np.float64).transpose(0, 2, 1) if transpose_rhs else np.asarray(rhs, np.float64)
+    d_lhs = np_gmm(dy, rhs_kn, group_sizes, transpose_rhs=True)
+    d_rhs = np_tgmm(lhs, dy, group_sizes)
+    return d_lhs, d_rhs.transpose(0, 2, 1) if transpose_rhs else d_rhs
+
+
+def value_and_grads(fn, lhs, rhs, dy):
+    out, vjp = jax.vjp(fn, jnp.asarray(lhs), jnp.asarray(rhs))
+    return (out, *vjp(jnp.asarray(dy, out.dtype)))
+
+
+def assert_close(actual, expected, rtol=RTOL):
+    """Elementwise, relative to the largest magnitude of ``expected`` (sums of K products cancel)."""
+    actual = np.asarray(actual, np.float64)
+    scale = max(float(np.max(np.abs(expected))), 1.0)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
+
+
+SIZES = [
+    [7, 0, 20, 3],   # an empty group, sizes off any tile
+    [30, 0, 0, 0],   # everything in one group
+    [0, 0, 0, 0],    # no rows at all: zeros
+    [1, 2, 3, 4],    # sum < M: the rest are zeros
+]
+
+
+@pytest.mark.parametrize("group_sizes", SIZES)
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_reference_matches_numpy(group_sizes, transpose_rhs):
+    lhs, rhs, gs, dy = random_case(0, 30, 12, 9, group_sizes, transpose_rhs=transpose_rhs)
+    out, d_lhs, d_rhs = value_and_grads(
+        lambda a, b: ops.grouped_gemm(a, b, gs, transpose_rhs=transpose_rhs), lhs, rhs, dy)
+    assert_close(out, np_gmm(lhs, rhs, gs, transpose_rhs))
+    exp_lhs, exp_rhs = np_grads(lhs, rhs, gs, dy, transpose_rhs)
+    assert_close(d_lhs, exp_lhs)
+    assert_close(d_rhs, exp_rhs)
+    assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
+
+
+@jax.jit
+def _reference_value_and_grads(lhs, rhs, group_sizes, dy):
+    return value_and_grads(lambda a, b: ops.grouped_gemm(a, b, group_sizes), lhs, rhs, dy)
+
+
+@given(sizes=st.lists(st.integers(0, 40), min_size=5, max_size=5), seed=st.integers(0, 99))
+def test_reference_hypothesis_group_sizes(sizes, seed):
+    """Skewed and empty groups, sums below M; fixed shapes (M = 64, 5 groups): one compilation."""
+    m = 64
+    while sum(sizes) > m:
+        sizes[int(np.argmax(sizes))] //= 2
+    lhs, rhs, gs, dy = random_case(seed, m, 8, 5, sizes)
+    out, d_lhs, d_rhs = _reference_value_and_grads(lhs, rhs, gs, dy)
+    assert_close(out, np_gmm(lhs, rhs, gs))
+    exp_lhs, exp_rhs = np_grads(lhs, rhs, gs, dy)
+    assert_close(d_lhs, exp_lhs)
+    assert_close(d_rhs, exp_rhs)
+
+
+def test_wgrad_matches_numpy():
+    lhs, _, gs, dy = random_case(1, 40, 6, 10, [10, 0, 25])
+    assert_close(ops.grouped_gemm_wgrad(jnp.asarray(lhs), jnp.asarray(dy), gs), np_tgmm(lhs, dy, gs))
+
+
+def test_bfloat16_and_preferred_element_type():
+    lhs, rhs, gs, _ = random_case(2, 24, 16, 8, [5, 11, 8])
+    lhs16, rhs16 = jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16)
+    expected = np_gmm(np.asarray(lhs16, np.float32), np.asarray(rhs16, np.float32), gs)
+    out = ops.grouped_gemm(lhs16, rhs16, gs)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, expected, rtol=1e-2)
+    out32 = ops.grouped_gemm(lhs16, rhs16, gs, preferred_element_type=jnp.float32)
+    assert out32.dtype == jnp.float32
+    assert_close(out32, expected)  # f32 accumulation of exact bf16 products
+    d_lhs, d_rhs = jax.grad(lambda a, b: jnp.sum(ops.grouped_gemm(a, b, gs).astype(jnp.float32)), (0, 1))(lhs16, rhs16)
+    assert d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+
+
+# -------------------------------------------------------------------------------------------------- FP8
+
+
+def np_quantize(x, axes, dtype):
+    """float64 current scaling: ``(dequantized x, scale_inv)`` with the amax over ``axes``."""
+    x = np.asarray(x, np.float64)
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    scale = np.where(amax > 0, fp8_max / np.where(amax > 0, amax, 1.0), 1.0).astype(np.float32)
+    q = np.clip(x * scale, -fp8_max, fp8_max).astype(np.float32).astype(dtype).astype(np.float64)
+    return q / scale.astype(np.float64)
+
+
+def test_fp8_matches_numpy_quantized_product():
+    """Against numpy on the same quantized operands: only f32 accumulation error remains (~1e-5)."""
+    lhs, rhs, gs, dy = random_case(3, 40, 32, 16, [9, 0, 24, 4])
+    e4m3, e5m2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+    lhs_q, rhs_q, dy_q = np_quantize(lhs, None, e4m3), np_quantize(rhs, (1, 2), e4m3), np_quantize(dy, None, e5m2)
+    out, d_lhs, d_rhs = value_and_grads(lambda a, b: ops.grouped_gemm_fp8(a, b, gs), lhs, rhs, dy)
+    assert_close(out, np_gmm(lhs_q, rhs_q, gs))
+    assert_close(d_lhs, np_gmm(dy_q, rhs_q, gs, transpose_rhs=True))
+    assert_close(d_rhs, np_tgmm(lhs_q, dy_q, gs))
+
+
+def test_fp8_close_to_full_precision():
+    """Against the unquantized product. E4M3 rounds to 3 mantissa bits: a relative error of at most
+    2**-4 per operand, about 2**-4 / sqrt(3) rms for uniform rounding; two operands give ~5 % of the
+    output's rms, so 8 % (10 % for the E5M2 gradient, 2 mantissa bits, in d lhs) bounds it on these
+    random normal inputs, while any mis-scaled group (a factor of 2 or more) fails it."""
+    lhs, rhs, gs, dy = random_case(4, 64, 64, 32, [20, 0, 30, 10])
+    rhs = rhs * np.array([1.0, 3.0, 0.01, 50.0], np.float32)[:, None, None]  # per-group scales differ
+    out, d_lhs, d_rhs = value_and_grads(lambda a, b: ops.grouped_gemm_fp8(a, b, gs), lhs, rhs, dy)
+    exp_out = np_gmm(lhs, rhs, gs)
+    exp_lhs, exp_rhs = np_grads(lhs, rhs, gs, dy)
+    start = 0
+    for g, size in enumerate(gs):
+        rows = slice(start, start + size)
+        start += size
+        if size == 0:
+            continue
+        def rel(a, b):
+            return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+        assert rel(np.asarray(out)[rows], exp_out[rows]) < 0.08
+        assert rel(np.asarray(d_lhs)[rows], exp_lhs[rows]) < 0.10
+        assert rel(np.asarray(d_rhs)[g], exp_rhs[g]) < 0.10
+    assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
+
+
+# -------------------------------------------------------------------------------------------------- errors
+
+
+def test_argument_errors():
+    lhs, rhs, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([3, 5], jnp.int32)
+    with pytest.raises(ValueError, match="disagree on K"):
+        ops.grouped_gemm(lhs, jnp.ones((2, 5, 3)), gs)
+    with pytest.raises(ValueError, match="disagree on K"):
+        ops.grouped_gemm(lhs, rhs, gs, transpose_rhs=True)
+    with pytest.raises(TypeError, match="share a dtype"):
+        ops.grouped_gemm(lhs, rhs.astype(jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match="group_sizes has shape"):
+        ops.grouped_gemm(lhs, rhs, jnp.array([8], jnp.int32))
+    with pytest.raises(TypeError, match="group_sizes has dtype"):
+        ops.grouped_gemm(lhs, rhs, jnp.array([3.0, 5.0]))
+    with pytest.raises(ValueError, match="rank"):
+        ops.grouped_gemm(lhs[None], rhs, gs)
+    with pytest.raises(TypeError, match="lhs has dtype"):
+        ops.grouped_gemm(lhs.astype(jnp.int32), rhs.astype(jnp.int32), gs)
+    with pytest.raises(TypeError, match="preferred_element_type"):
+        ops.grouped_gemm(lhs, rhs, gs, preferred_element_type=jnp.int8)
+    with pytest.raises(TypeError, match="block_sizes"):
+        ops.grouped_gemm(lhs, rhs, gs, block_sizes=GemmTiles())
+    with pytest.raises(TypeError, match="block_sizes"):
+        ops.grouped_gemm_wgrad(lhs, jnp.ones((8, 3)), gs, block_sizes=BlockSizes())
+    with pytest.raises(ValueError, match="share M"):
+        ops.grouped_gemm_wgrad(lhs, jnp.ones((7, 3)), gs)
+    with pytest.raises(ValueError, match="forward_dtype"):
+        ops.grouped_gemm_fp8(lhs, rhs, gs, forward_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        ops.grouped_gemm(lhs, rhs, gs, implementation="cublas")
+    with pytest.raises(ValueError, match="power of two"):
+        GemmTiles(block_m=48)

@@ -1,0 +1,117 @@
+"""Expert parallelism on the 8 CPU devices: the all-to-all dispatch/combine and MoEBlock on ep meshes
+against the single-device block (loss and gradients), with dp/fsdp/tp beside ep."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock, moe_aux_loss
+from mtjax.sharding import MeshConfig, expert, logical_axis_rules, shard_variables, use_mesh
+
+
+def test_rules_split_experts_and_batch_over_ep():
+    rules = dict(logical_axis_rules(MeshConfig(dp=2, ep=4)))
+    assert rules["expert"] == "ep"
+    assert rules["activation_batch"] == ("dp", "fsdp", "ep")
+    assert dict(logical_axis_rules(MeshConfig(dp=8)))["activation_batch"] == ("dp", "fsdp")
+    with pytest.raises(ValueError, match="ep=0"):
+        MeshConfig(ep=0)
+
+
+def _routed_rows(key, ep, rows, hidden, local_experts):
+    """Per device: rows sorted by a random expert choice (some experts empty) and their group sizes."""
+    experts = jax.random.randint(key, (ep, rows), 0, ep * local_experts)
+    experts = jnp.sort(jnp.where(experts % 3 == 1, 0, experts), axis=1)   # skewed: expert 0 gets a third
+    sizes = jax.vmap(lambda e: jnp.bincount(e, length=ep * local_experts))(experts).astype(jnp.int32)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (ep, rows, hidden))
+    return x, experts, sizes
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_dispatch_combine_round_trip(capacity_factor):
+    ep, rows, hidden, local = 8, 24, 4, 2
+    x, experts, sizes = _routed_rows(jax.random.PRNGKey(0), ep, rows, hidden, local)
+    capacity = expert.capacity(rows, ep, capacity_factor)
+    mesh = jax.make_mesh((ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(x, sizes):
+        x_local, local_sizes, state = expert.dispatch(x[0], sizes[0], axis_name="ep", capacity=capacity)
+        # "Experts": scale rows by (global expert id + 1), so a row that came back from the wrong expert shows.
+        first = jax.lax.axis_index("ep") * local
+        ends = jnp.cumsum(local_sizes)
+        row_expert = jnp.searchsorted(ends, jnp.arange(x_local.shape[0]), side="right") + first
+        y_local = x_local * (row_expert + 1)[:, None].astype(x_local.dtype)
+        y = expert.combine(y_local, state, axis_name="ep", rows=rows)
+        return y[None], local_sizes[None], state.dropped[None]
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep")))
+    y, local_sizes, dropped = run(x, sizes)
+    expected = x * (experts + 1)[..., None]
+    if capacity_factor is None:
+        # Each expert's device receives every source's rows of the expert.
+        np.testing.assert_array_equal(local_sizes.reshape(-1), sizes.sum(0))
+        np.testing.assert_allclose(y, expected, rtol=1e-6)
+        assert int(dropped.sum()) == 0
+    else:
+        kept = np.any(np.asarray(y) != 0, axis=-1)
+        np.testing.assert_allclose(np.asarray(y)[kept], np.asarray(expected)[kept], rtol=1e-6)
+        assert int(dropped.sum()) == int((~kept).sum()) > 0
+        assert int(local_sizes.sum()) == ep * rows - int(dropped.sum())
+
+
+def test_capacity_bounds():
+    assert expert.capacity(100, 4) == 100
+    assert expert.capacity(100, 4, 1.0) == 32    # ceil(25) rounded up to 8
+    assert expert.capacity(10, 2, 8.0) == 10     # never more than the rows
+    with pytest.raises(ValueError, match="capacity_factor"):
+        expert.capacity(10, 2, 0.0)
+
+
+BLOCK = MoEBlock(num_experts=8, experts_per_token=2, expert_dim=16, num_shared_experts=1, router_z_loss_weight=1e-3,
+                 activations=("silu", "linear"))
+
+
+def _loss(block, params, x):
+    (y, _), sown = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_LOSSES, MOE_METRICS])
+    return jnp.mean(y ** 2) + moe_aux_loss(sown[MOE_LOSSES]), sown[MOE_METRICS]
+
+
+@functools.cache
+def _single_device():
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 4, 32))
+    variables = jax.jit(lambda x: BLOCK.init(jax.random.PRNGKey(1), x, deterministic=True))(x)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(functools.partial(_loss, BLOCK), has_aux=True))(
+        nn.meta.unbox(variables["params"]), x)
+    return x, {"params": variables["params"]}, loss, metrics, grads
+
+
+@pytest.mark.parametrize("config", [MeshConfig(ep=8), MeshConfig(dp=2, ep=2, tp=2), MeshConfig(fsdp=2, ep=4)],
+                         ids=["ep8", "dp2-ep2-tp2", "fsdp2-ep4"])
+def test_moe_block_on_ep_mesh_equals_single_device(config):
+    x, variables, want_loss, want_metrics, want_grads = _single_device()
+    mesh, rules = config.make_mesh(), logical_axis_rules(config)
+    params = shard_variables(variables, mesh, rules)["params"]
+    step = jax.jit(jax.value_and_grad(functools.partial(_loss, BLOCK), has_aux=True))
+    with use_mesh(mesh, rules):
+        (loss, metrics), grads = step(params, x)
+        hlo = step.lower(params, x).compile().as_text()
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["expert_load"][0], want_metrics["expert_load"][0], rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    # The experts stay on their devices: dispatch and combine are all-to-alls over ep.
+    assert "all-to-all" in hlo
+    assert params["wi_kernel"].sharding.spec[0] == "ep"
+
+
+def test_num_experts_must_divide_ep():
+    config = MeshConfig(ep=8)
+    block = BLOCK.clone(num_experts=4)
+    x = jnp.ones((8, 2, 32))
+    with use_mesh(config.make_mesh(), logical_axis_rules(config)), pytest.raises(ValueError, match="num_experts=4"):
+        jax.eval_shape(lambda x: block.init(jax.random.PRNGKey(0), x, deterministic=True), x)
