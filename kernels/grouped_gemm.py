@@ -136,7 +136,8 @@ def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype) -> str | None:
         if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
             return f"{name} dtype {jnp.dtype(dtype)} (supported: {', '.join(jnp.dtype(d).name for d in DTYPES)})"
     fp8 = [jnp.dtype(d) for d in FP8_DTYPES]
-    if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype) and not (jnp.dtype(lhs_dtype) in fp8 and jnp.dtype(rhs_dtype) in fp8):
+    both_fp8 = jnp.dtype(lhs_dtype) in fp8 and jnp.dtype(rhs_dtype) in fp8
+    if jnp.dtype(lhs_dtype) != jnp.dtype(rhs_dtype) and not both_fp8:
         return f"mixed dtypes {jnp.dtype(lhs_dtype)} and {jnp.dtype(rhs_dtype)}"
     if min(lhs_shape) == 0 or min(rhs_shape) == 0:
         return "an empty array"

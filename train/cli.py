@@ -248,8 +248,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
 def run(args: argparse.Namespace) -> int:
     """Train; returns the exit status (0, or 2 with a message for an unusable configuration)."""
     from mtjax.fp8 import fp8_autocast
-    from mtjax.xla_flags import apply_xla_flags
     from mtjax.train import distributed
+    from mtjax.xla_flags import apply_xla_flags
 
     if args.xla_preset:
         apply_xla_flags(args.xla_preset)  # before jax creates its backends

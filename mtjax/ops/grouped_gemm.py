@@ -82,7 +82,8 @@ def _row_group_scale(group_scale: jax.Array, group_sizes: jax.Array, m: int) -> 
 
 def _check_block_sizes(op: str, block_sizes: Any, kind: type) -> None:
     if block_sizes is not None and not isinstance(block_sizes, kind):
-        raise TypeError(f"{op}: block_sizes={block_sizes!r}; expected None or a mtjax.kernels.grouped_gemm.{kind.__name__}")
+        raise TypeError(f"{op}: block_sizes={block_sizes!r}; "
+                        f"expected None or a mtjax.kernels.grouped_gemm.{kind.__name__}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,7 +116,8 @@ def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
 
 @backend.register("grouped_gemm_wgrad", backend.REFERENCE)
 def grouped_gemm_wgrad_reference(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array,
-                                 group_scale: jax.Array | None, *, out_dtype: Any, tiles: GemmTiles | None) -> jax.Array:
+                                 group_scale: jax.Array | None, *, out_dtype: Any,
+                                 tiles: GemmTiles | None) -> jax.Array:
     """The ``"xla"`` per-group ``lhs^T grad`` (times ``group_scale[g]``): `jax.lax.ragged_dot_general`
     with a ragged contraction."""
     del tiles
@@ -151,7 +153,8 @@ def _grouped_gemm_pallas(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, o
 
 @backend.register("grouped_gemm_wgrad", "pallas_triton", unsupported=_kernel_unsupported_wgrad, **_KERNEL)
 def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles):
-    return gg_kernels.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles, interpret=kernel_interpret())
+    return gg_kernels.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles,
+                           interpret=kernel_interpret())
 
 
 def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, implementation, group_scale=None):

@@ -49,7 +49,8 @@ class RouterOutput(NamedTuple):
 
 
 def _check_int(op: str, name: str, value, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+    not_int = isinstance(value, bool) or not isinstance(value, int)
+    if not_int or value < minimum or (maximum is not None and value > maximum):
         bound = f"an int in {minimum}..{maximum}" if maximum is not None else f"an int >= {minimum}"
         raise ValueError(f"{op}: {name}={value!r}; expected {bound}")
 
@@ -175,7 +176,8 @@ def load_balancing_loss(probs: jax.Array, experts: jax.Array, num_experts: int) 
     check_shape(op, "probs", probs, (None, num_experts))
     check_rank(op, "experts", experts, 2)
     if experts.shape[0] != probs.shape[0] or not jnp.issubdtype(experts.dtype, jnp.integer):
-        raise ValueError(f"{op}: experts must be integer [tokens={probs.shape[0]}, top_k]; got {experts.dtype} {experts.shape}")
+        raise ValueError(f"{op}: experts must be integer [tokens={probs.shape[0]}, top_k]; "
+                         f"got {experts.dtype} {experts.shape}")
     fraction = expert_counts(experts, num_experts).astype(jnp.float32) / experts.size
     mean_prob = jnp.mean(probs.astype(jnp.float32), axis=0)
     return num_experts * jnp.sum(fraction * mean_prob)

@@ -291,7 +291,8 @@ def test_gpu_real_sizes(sizes, fp8, persistent):
 
     def run(implementation):
         return jax.jit(lambda a, b, c: value_and_grads(
-            lambda a, b: gemm(a, b, jnp.asarray(gs), block_sizes=blocks, implementation=implementation), a, b, c))(*args)
+            lambda a, b: gemm(a, b, jnp.asarray(gs), block_sizes=blocks, implementation=implementation),
+            a, b, c))(*args)
 
     for got, want in zip(run("pallas_triton"), run("xla")):
         assert_close(np.asarray(got, np.float32), np.asarray(want, np.float64), rtol=2e-2)

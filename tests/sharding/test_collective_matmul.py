@@ -91,8 +91,8 @@ def test_errors(arrays):
 def test_layernorm_mlp_with_collective_matmul_equals_single_device(activations):
     import flax.linen as nn
 
-    from mtjax.flax import LayerNormMLP
     from mtjax.axes import BATCH_LENGTH_EMBED
+    from mtjax.flax import LayerNormMLP
     from mtjax.sharding import jit_sharded, logical_axis_rules, logical_shardings, named_sharding, shard_variables
 
     x = jax.random.normal(jax.random.key(0), (4, 8, 16))

@@ -4,9 +4,9 @@ and the XLA flag presets."""
 
 import pytest
 
-from mtjax.xla_flags import XLA_PRESETS, apply_xla_flags, xla_flags
 from mtjax.train import distributed
 from mtjax.train.distributed import ProcessSpec, detect_launcher, resolve
+from mtjax.xla_flags import XLA_PRESETS, apply_xla_flags, xla_flags
 
 LAUNCHER_VARIABLES = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_PORT",
