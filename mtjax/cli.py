@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mtjax.train.cli", "train a model (default: the tiny preset on the CPU)"),
     "generate": ("mtjax.generate", "continue prompts from a checkpoint (the inference engine)"),
     "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
-    "serve": ("mtjax.inference.server", "serve a checkpoint over HTTP (OpenAI-compatible /v1/completions)"),
+    "serve": ("mtjax.serve", "serve a checkpoint over HTTP (OpenAI-compatible /v1/completions)"),
 }
 
 

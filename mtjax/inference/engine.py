@@ -52,11 +52,12 @@ class RequestOutput:
     finish_reason: str | None
 
 
-def _powers_of_two(low: int, high: int) -> list[int]:
+def _geometric(low: int, high: int, factor: int) -> list[int]:
+    """``low, low * factor, ...`` below ``high``, then ``high``."""
     sizes, size = [], low
     while size < high:
         sizes.append(size)
-        size *= 2
+        size *= factor
     return sizes + [high]
 
 
@@ -83,7 +84,8 @@ class Engine:
       tp_axis: that axis' name.
       decode_steps: tokens decoded per dispatch (the host reads results once per dispatch).
       prefill_chunk: most prompt tokens per prefill call; longer prompts prefill in chunks.
-      prefill_buckets: padded prompt lengths (default: powers of two from 16 up to ``prefill_chunk``).
+      prefill_buckets: padded prompt lengths (default: powers of two from 32 up to ``prefill_chunk``);
+        prefill batches pad to 1, 4, 16, ... rows (at most ``max_prefill_tokens`` tokens).
       max_prefill_tokens: prompt tokens prefilled per step at most (default ``max(2048, prefill_chunk)``).
       max_stop_tokens: most stop tokens of one request.
     """
@@ -109,7 +111,7 @@ class Engine:
         prefill_chunk = min(512, max_seq_len) if prefill_chunk is None else prefill_chunk
         if not isinstance(prefill_chunk, int) or not 1 <= prefill_chunk <= max_seq_len:
             raise ValueError(f"Engine: prefill_chunk={prefill_chunk!r}; expected 1 .. max_seq_len={max_seq_len}")
-        buckets = _powers_of_two(min(16, prefill_chunk), prefill_chunk) if prefill_buckets is None else sorted(
+        buckets = _geometric(min(32, prefill_chunk), prefill_chunk, 2) if prefill_buckets is None else sorted(
             set(prefill_buckets) | {prefill_chunk})
         if buckets[0] < 1 or buckets[-1] > prefill_chunk:
             raise ValueError(f"Engine: prefill_buckets={prefill_buckets!r}; expected lengths 1 .. "
@@ -140,7 +142,8 @@ class Engine:
         max_prefill_tokens = max(2048, prefill_chunk) if max_prefill_tokens is None else max_prefill_tokens
         self.scheduler = Scheduler(self.cache, prefill_chunk=prefill_chunk, max_prefill_tokens=max_prefill_tokens)
         self.prefill_batch_sizes = {
-            length: _powers_of_two(1, max(1, min(max_slots, self.scheduler.max_prefill_tokens // length)))
+            # Batch sizes grow by 4 (fewer compilations; a batch pads to at most 4x its rows).
+            length: _geometric(1, max(1, min(max_slots, self.scheduler.max_prefill_tokens // length)), 4)
             for length in self.prefill_buckets}
         self._page_shardings = jax.tree.map(lambda x: x.sharding, self.cache.pages)
         self.compilations: collections.Counter[str] = collections.Counter()

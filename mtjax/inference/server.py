@@ -1,4 +1,4 @@
-"""``mtjax serve``: an OpenAI-compatible completions server over the continuous-batching `Engine`.
+"""An OpenAI-compatible completions server over the continuous-batching `Engine` (``mtjax serve``).
 
     mtjax serve --checkpoint runs/tiny --port 8000
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -21,13 +21,10 @@ Needs the ``serve`` extra (aiohttp).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import random
-import sys
 import threading
 import time
 import uuid
@@ -503,51 +500,13 @@ class CompletionServer:
 # --------------------------------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="the --workdir of a `mtjax train` run (or its checkpoints/)")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    parser.add_argument("--model-name", help="the 'model' of responses (default: the checkpoint folder's name)")
-    engine = parser.add_argument_group("engine (mtjax.inference.Engine)")
-    engine.add_argument("--max-slots", type=int, default=16, help="requests decoded together (default 16)")
-    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
-    engine.add_argument("--num-pages", type=int, help="KV-cache pages (default: max-slots full-length sequences)")
-    engine.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
-    engine.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32", "fp8"), help="KV-cache dtype")
-    engine.add_argument("--weights", choices=("fp8",), help="store the GEMM weights in FP8")
-    engine.add_argument("--decode-steps", type=int, default=4, help="tokens decoded per dispatch (default 4)")
-    engine.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before serving")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        from aiohttp import web
-    except ImportError:
-        print("mtjax serve: error: needs aiohttp (pip install 'mtjax[serve]')", file=sys.stderr)
-        return 2
-    from mtjax.inference.cli import load_checkpoint
-    from mtjax.inference.engine import Engine
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        model, params, tokenizer = load_checkpoint(args.checkpoint, args.step)
-        engine = Engine(model, params, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
-                        max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, weights=args.weights,
-                        decode_steps=args.decode_steps)
-    except (FileNotFoundError, ValueError, TypeError) as err:
-        print(f"mtjax serve: error: {err}", file=sys.stderr)
-        return 2
-    if not args.no_warmup:
-        logger.info("compiling (warm-up)")
-        engine.warmup()
-    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    server = CompletionServer(engine, tokenizer, model_name=name)
+def serve(engine: Engine, tokenizer: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
+          model_name: str = "mtjax") -> None:
+    """Serve ``engine`` over HTTP until interrupted (SIGINT/SIGTERM)."""
+    from aiohttp import web
 
     def ready(*_):
-        print(f"mtjax serve: listening on http://{args.host}:{args.port}", flush=True)
+        print(f"mtjax serve: listening on http://{host}:{port}", flush=True)
 
-    web.run_app(server.app(), host=args.host, port=args.port, print=ready, handle_signals=True)
-    return 0
+    web.run_app(CompletionServer(engine, tokenizer, model_name=model_name).app(), host=host, port=port, print=ready,
+                handle_signals=True)

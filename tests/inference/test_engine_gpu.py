@@ -28,7 +28,8 @@ def test_engine_on_gpu_matches_full_recompute(kv_dtype):
     model = GPT(gpt_config("tiny", hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64, max_seq_len=512,
                            init_std=0.1))
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    engine = Engine(model, params, max_slots=8, page_size=16, decode_steps=8, prefill_chunk=128, kv_dtype=kv_dtype)
+    engine = Engine(model, params, max_slots=8, page_size=16, decode_steps=8, prefill_chunk=128, prefill_buckets=(64,),
+                    max_prefill_tokens=256, kv_dtype=kv_dtype)
     engine.warmup()
     compiled = dict(engine.stats()["compilations"])
     rng = np.random.RandomState(0)

@@ -17,8 +17,8 @@ import jax
 import optax
 import pytest
 
+from mtjax.generate import load_checkpoint
 from mtjax.inference import Engine, SamplingParams
-from mtjax.inference.cli import load_checkpoint
 from mtjax.inference.server import Completion
 from mtjax.train.checkpoint import Checkpointer
 from mtjax.train.cli import RunConfig
