@@ -24,26 +24,9 @@ from mtjax import backend
 from mtjax.dtypes import fp8_max
 from mtjax.fp8.autocast import current_autocast
 from mtjax.fp8.block_scaling import block_fp8_matmul
-from mtjax.fp8.recipes import (
-    RECIPE_TYPES,
-    BlockScaling,
-    CurrentScaling,
-    DelayedScaling,
-    Recipe,
-)
-from mtjax.fp8.scaling import (
-    FP8_COLLECTION,
-    META_KEYS,
-    ROLES,
-    _bound_axes,
-    _reduce_max,
-    _varying_axes,
-    amax,
-    compute_scale,
-    history_amax,
-    init_meta,
-    roll_amax_history,
-)
+from mtjax.fp8.recipes import RECIPE_TYPES, BlockScaling, CurrentScaling, DelayedScaling, Recipe
+from mtjax.fp8.scaling import (FP8_COLLECTION, META_KEYS, ROLES, _bound_axes, _reduce_max, _varying_axes, amax,
+                               compute_scale, history_amax, init_meta, roll_amax_history)
 from mtjax.ops import Activation, Norm, cast_transpose, fp8_gemm, is_gated
 
 # What can run in front of an FP8 GEMM, fused with the quantization of its input.
