@@ -10,7 +10,8 @@ repeated over the block's rows (`mtjax.ops.block_fp8_gemm` expands them).
 
 Each program computes one ``[block_m, block_n]`` output tile over all of K in one loop that Triton
 software-pipelines (``num_stages``). ``block_k`` is the scales' block, 128. The launcher pads m, n
-to the tile and k to 128 (zeros contribute nothing).
+to the tile and k to 128 (zeros contribute nothing). Operands of two FP8 dtypes (E4M3 x E5M2, the
+HYBRID format's gradient GEMMs) run as bfloat16 dots: exact, at the bf16 tensor-core rate.
 """
 
 from __future__ import annotations
@@ -85,9 +86,15 @@ def unsupported(a_shape, a_dtype, b_shape, b_dtype) -> str | None:
 
 
 def _kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref, *, num_k_blocks):
+    # Triton's FP8 dot takes one FP8 dtype for both operands; mixed E4M3 x E5M2 blocks (HYBRID's
+    # gradients) are widened to bfloat16, which holds every value of both exactly.
+    mixed = a_ref.dtype != b_ref.dtype
+
     def body(kb, acc):
         a = a_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
         b = b_ref[:, pl.ds(kb * BLOCK_K, BLOCK_K)]
+        if mixed:
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
         partial = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc + partial * (sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :])
 
