@@ -33,22 +33,23 @@ def _row_scales(b_scale_inv: jax.Array, n: int) -> jax.Array:
 def block_fp8_gemm_reference(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     """The ``"xla"`` implementation of `block_fp8_gemm`: one FP8 ``dot_general`` per K block (contracting
     the last axis of both operands), accumulated in float32 with its scales."""
-    (m, k), n = a.shape, b.shape[0]
+    k, n = a.shape[1], b.shape[0]
     kb = a_scale_inv.shape[1]
     pad = kb * BLOCK_K - k
     if pad:
         a, b = jnp.pad(a, ((0, 0), (0, pad))), jnp.pad(b, ((0, 0), (0, pad)))
     sa, sb = a_scale_inv.astype(jnp.float32), _row_scales(b_scale_inv, n).astype(jnp.float32)
 
-    def body(i, acc):
+    def block(i):
         a_blk = lax.dynamic_slice_in_dim(a, i * BLOCK_K, BLOCK_K, axis=1)
         b_blk = lax.dynamic_slice_in_dim(b, i * BLOCK_K, BLOCK_K, axis=1)
         partial = lax.dot_general(a_blk, b_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         sa_i = lax.dynamic_index_in_dim(sa, i, axis=1, keepdims=False)
         sb_i = lax.dynamic_index_in_dim(sb, i, axis=1, keepdims=False)
-        return acc + partial * (sa_i[:, None] * sb_i[None, :])
+        return partial * (sa_i[:, None] * sb_i[None, :])
 
-    return lax.fori_loop(0, kb, body, jnp.zeros((m, n), jnp.float32)).astype(out_dtype)
+    # The first block starts the sum (not zeros), so inside shard_map the carry varies as the operands do.
+    return lax.fori_loop(1, kb, lambda i, acc: acc + block(i), block(0)).astype(out_dtype)
 
 
 @backend.register("block_fp8_gemm", "pallas_triton", requires=(backend.PALLAS_TRITON,), priority=10,
