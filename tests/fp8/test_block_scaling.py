@@ -230,7 +230,7 @@ def test_scan_and_shard_map():
     assert abs(float(loss) / float(loss_want) - 1) < 0.05
     assert _rel(full["params"]["Dense_0"]["kernel"], want["params"]["Dense_0"]["kernel"]) < 0.1
     # Data parallel: each device quantizes its own rows; no collective is needed for the scales.
-    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = jax.shard_map(lambda v, x: jax.tree.map(lambda g: g[None], grads(v, x)), mesh=mesh,
                             in_specs=(P(), P("dp")), out_specs=P("dp"))
     losses, per_shard = jax.jit(sharded)(variables, jax.device_put(x, jax.NamedSharding(mesh, P("dp"))))
