@@ -17,8 +17,8 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from mtjax import fp8, ops
 from mtjax import flax as mtflax
+from mtjax import fp8, ops
 from mtjax.fp8 import block_scaling
 from tests.fp8.mlp import MLP, Dense
 
