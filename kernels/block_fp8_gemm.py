@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from mtjax.kernels.common import (
     MAX_ELEMENTS,
     interpret,

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from mtjax.kernels.common import (
     interpret,
     saturate_cast,

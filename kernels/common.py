@@ -84,11 +84,10 @@ def unsupported_fp8_dtype(out_dtype) -> str | None:
     return None
 
 
-def check_fp8_dtype(op: str, out_dtype) -> None:
+def check_kernel_fp8_dtype(op: str, out_dtype) -> None:
     """Raise ``ValueError`` naming ``op`` unless ``out_dtype`` is one of `KERNEL_FP8_DTYPES`."""
-    reason = unsupported_fp8_dtype(out_dtype)
-    if reason is not None:
-        raise ValueError(f"{op}: {reason}")
+    if unsupported_fp8_dtype(out_dtype) is not None:
+        raise ValueError(f"{op}: out_dtype={out_dtype}; accepted: {', '.join(d.name for d in KERNEL_FP8_DTYPES)}")
 
 
 def saturate_cast(x: jax.Array, dtype) -> jax.Array:

@@ -59,7 +59,7 @@ class MaskSpec:
 
     @classmethod
     def build(cls, q_len: int, kv_len: int, *, causal: bool, window_size: tuple[int, int] | None,
-              segments: bool) -> "MaskSpec":
+              segments: bool) -> MaskSpec:
         lo = hi = None
         if window_size is not None:
             left, right = window_size
@@ -171,7 +171,7 @@ class BlockSizes:
     dq_num_stages: int = 3
 
     @classmethod
-    def default(cls, head_dim: int) -> "BlockSizes":
+    def default(cls, head_dim: int) -> BlockSizes:
         """The fastest tiles for ``head_dim`` on Hopper GPUs (`mtjax bench attention --sweep` and A/B
         runs; docs/kernels.md has the design notes, docs/performance.md the numbers).
 
@@ -189,7 +189,7 @@ class BlockSizes:
                    dkdv_block_q=32, dkdv_block_k=64, dkdv_num_warps=8, dkdv_num_stages=1,
                    dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=1)
 
-    def clamp(self, q_len: int, kv_len: int) -> "BlockSizes":
+    def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrink tiles that exceed the (power-of-two rounded) sequence lengths."""
         def fit(block, length):
             return max(_MIN_BLOCK, min(block, pl.next_power_of_2(length)))

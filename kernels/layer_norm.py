@@ -32,7 +32,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
-    check_fp8_dtype, check_size, dropout_keep, interpret, next_power_of_2, reduce_tile_maxima, saturate_cast,
+    check_kernel_fp8_dtype,
+    check_size,
+    dropout_keep,
+    interpret,
+    next_power_of_2,
+    reduce_tile_maxima,
+    saturate_cast,
 )
 
 # Programs of both kernels: two per SM of an H100/H200 (132 SMs), so each SM interleaves two
@@ -421,7 +427,7 @@ def norm_fp8(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, scale: jax.
     Returns ``(y_fp8 [..., hidden], amax)`` with ``amax = max |y|`` of the normalized output
     before scaling (float32 scalar). Forward only.
     """
-    check_fp8_dtype("norm_fp8", out_dtype)
+    check_kernel_fp8_dtype("norm_fp8", out_dtype)
     y, amax = forward(x.reshape(-1, x.shape[-1]), gamma, beta, scale=scale, rms=rms, epsilon=epsilon,
                       zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
     return y.reshape(x.shape), amax

@@ -153,7 +153,8 @@ def register_platform(
     caps = frozenset(capabilities)
     unknown = caps - set(ALL_CAPABILITIES)
     if unknown:
-        raise ValueError(f"register_platform(capabilities=...): unknown {sorted(unknown)}; accepted: {ALL_CAPABILITIES}")
+        raise ValueError(f"register_platform(capabilities=...): unknown {sorted(unknown)}; accepted: "
+                         f"{ALL_CAPABILITIES}")
     kernels = dict(kernels or {})
     for op, impl_name in kernels.items():
         if op in _registry and impl_name not in _registry[op]:
@@ -405,7 +406,8 @@ def get_implementation(op: str, name: str) -> Implementation:
     return registered[name]
 
 
-def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[str, Any]) -> tuple[Implementation, str]:
+def _best_for(op: str, platform_name: str, args: Sequence[Any],
+              static: Mapping[str, Any]) -> tuple[Implementation, str]:
     """The implementation automatic selection uses for ``op`` on ``platform_name``, and why."""
     registered = _implementations_of(op)
     preferred = _registered_platforms.get(platform_name)
@@ -504,7 +506,7 @@ def _traced_or_reference(impl: Implementation, reference: Implementation,
     def branch(*args):
         try:
             return impl.fn(*args, **static)
-        except Exception as err:  # noqa: BLE001 - any trace-time failure of a foreign platform's kernel
+        except Exception as err:
             _log_once((impl.op, "trace", impl.name, type(err).__name__), logging.WARNING,
                       "%s: %r cannot be traced on this machine (%s: %s); its platforms get the %r "
                       "reference in this computation", impl.op, impl.name, type(err).__name__, err, REFERENCE)

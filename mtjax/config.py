@@ -55,7 +55,7 @@ class Config:
     cuda_compute_capability: str = "9.0"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         environ = os.environ if environ is None else environ
         return cls(
             implementations=_env_implementations(environ),

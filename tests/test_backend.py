@@ -231,8 +231,9 @@ def test_mtjax_info_runs(capsys):
 
 def test_ops_use_the_reference_on_cpu():
     x = jnp.ones((2, 4))
-    assert backend.select("layernorm", args=[x, jnp.ones(4), None],
-                          static={"epsilon": 1e-6, "zero_centered_gamma": False})[0].name in backend.implementations("layernorm")
+    chosen = backend.select("layernorm", args=[x, jnp.ones(4), None],
+                            static={"epsilon": 1e-6, "zero_centered_gamma": False})[0]
+    assert chosen.name in backend.implementations("layernorm")
     np.testing.assert_allclose(ops.layernorm(x, jnp.ones(4)), 0.0, atol=1e-6)
 
 
@@ -257,7 +258,8 @@ def test_a_foreign_platform_kernel_that_cannot_trace_here_gets_the_reference(cap
 
 
 def test_single_device_kernels_are_skipped_in_partitioned_traces_only():
-    from jax.sharding import AxisType, PartitionSpec as P
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
 
     @backend.register("_test_single_device", "pallas_triton", requires=[backend.PALLAS_TRITON], priority=10,
                       single_device=True)

@@ -108,7 +108,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -103,7 +103,7 @@ def _resolve(args: argparse.Namespace, tokenizer) -> tuple[RunConfig, TrainPrese
     from mtjax.models import gpt_config
 
     preset = PRESETS[args.preset]
-    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
+    pick = lambda flag, default: default if flag is None else flag
     seq_len = pick(args.seq_len, preset.seq_len)
     base = gpt_config(preset.model)
     overrides: dict[str, Any] = {}
@@ -263,7 +263,8 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     from mtjax.train.state import abstract_train_state, batch_sharding, compute_dtype_for, init_train_state
     from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, throughput
 
-    run_config, preset, mesh, rules, checkpointer = setup.config, setup.preset, setup.mesh, setup.rules, setup.checkpointer
+    run_config, preset, mesh, rules = setup.config, setup.preset, setup.mesh, setup.rules
+    checkpointer = setup.checkpointer
     config = run_config.model_config()
     model = GPT(config)
     optimizer, schedule = make_optimizer(run_config.learning_rate, total_steps=run_config.steps,

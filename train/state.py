@@ -24,7 +24,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from mtjax import axes
+from mtjax import axes, fp8
 from mtjax.fp8 import FP8_COLLECTION
 from mtjax.sharding import LogicalRules, logical_shardings, named_sharding, tree_shardings, use_mesh
 
@@ -113,7 +113,8 @@ def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_sh
                                jnp.zeros(batch_shape, jnp.int32))
         params = variables["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          fp8_meta=variables.get(FP8_COLLECTION, {}), opt_state=optimizer.init(params),
+                          fp8_meta=variables.get(FP8_COLLECTION, {}),
+                          opt_state=fp8.Optimizer(optimizer, collection="params").init(variables),
                           rng=state_rng,
                           compute_params=None if compute_dtype is None else compute_copy(params, compute_dtype))
 

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from mtjax import axes
-from mtjax import fp8, ops
+from mtjax import axes, fp8, ops
 from mtjax.sharding import LogicalRules, jit_sharded
 from mtjax.train.state import TrainState, batch_sharding, cast_like
 

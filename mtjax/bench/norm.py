@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend, ops
-from mtjax.config import override
 from mtjax.bench import ceilings, timing
+from mtjax.config import override
 from mtjax.kernels import layer_norm as norm_kernels
 
 MAIN_SHAPE = (16384, 8192)
@@ -43,7 +43,8 @@ def _inputs(shape, hidden, dtype, *, count_arrays: int, seed: int = 0) -> list[t
     def make(i):
         k = jax.random.split(keys[i], count_arrays + 2)
         acts = tuple(timing.random_array(k[j], shape, dtype) for j in range(count_arrays))
-        return acts + (timing.random_array(k[-2], (hidden,), jnp.float32), timing.random_array(k[-1], (hidden,), jnp.float32))
+        return acts + (timing.random_array(k[-2], (hidden,), jnp.float32),
+                       timing.random_array(k[-1], (hidden,), jnp.float32))
 
     return timing.rotating(make)
 

@@ -34,8 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from mtjax.bench import peers, profile, timing
-from mtjax.bench.variants import (DEFAULT, Setting, bf16_label, label, mtjax_context, mtjax_variants,
-                                  mtjax_xla_options)
+from mtjax.bench.variants import DEFAULT, Setting, bf16_label, label, mtjax_context, mtjax_variants, mtjax_xla_options
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
@@ -148,7 +147,7 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
     # A profiler that cannot attach (no CUPTI in a VM) must not cost the measurements.
     try:
         summary = profile.profile(once, out_dir=out_dir, label=label, hlo_text=hlo_text)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return holder["state"], {"profile_error": repr(err)}
     print(profile.format_summary(label, summary, top=40), file=sys.stderr, flush=True)
     # The optimized HLO beside the trace names what each fusion in the top ops computes.

@@ -5,7 +5,11 @@ constraint (the names of `mtjax.axes`); without a mesh and rules they are no-ops
 """
 
 from mtjax.flax.attention import (
-    ATTN_BIAS_TYPES, ROTARY_GROUP_METHODS, DotProductAttention, MultiHeadAttention, RelativePositionBiases,
+    ATTN_BIAS_TYPES,
+    ROTARY_GROUP_METHODS,
+    DotProductAttention,
+    MultiHeadAttention,
+    RelativePositionBiases,
     apply_rotary_pos_emb,
 )
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral

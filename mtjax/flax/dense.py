@@ -9,10 +9,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import axes
-from mtjax import fp8, ops
-from mtjax.flax.params import AxisNames, Dtype, Initializer, canonical_tuple, contract, flat_kernel_init, param_with_axes
+from mtjax import axes, fp8, ops
 from mtjax.flax.normalization import input_norm
+from mtjax.flax.params import (
+    AxisNames,
+    Dtype,
+    Initializer,
+    canonical_tuple,
+    contract,
+    flat_kernel_init,
+    param_with_axes,
+)
 
 
 def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:

@@ -6,8 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import axes
-from mtjax import fp8
+from mtjax import axes, fp8
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 
 
@@ -36,7 +35,8 @@ class Embed(nn.Module):
 
     def setup(self):
         if self.num_embeddings < 1 or self.features < 1:
-            raise ValueError(f"Embed: num_embeddings={self.num_embeddings} and features={self.features} must be positive")
+            raise ValueError(f"Embed: num_embeddings={self.num_embeddings} and features={self.features} must be "
+                             "positive")
         self.embedding = param_with_axes(self, "embedding", self.embedding_init, (self.num_embeddings, self.features),
                                          self.param_dtype, self.embedding_axes)
         self.attend_dot_general = fp8.DotGeneral()

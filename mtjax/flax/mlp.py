@@ -8,10 +8,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import axes
-from mtjax import fp8, ops
-from mtjax.flax.params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
+from mtjax import axes, fp8, ops
 from mtjax.flax.normalization import input_norm
+from mtjax.flax.params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
 
 MLP_HIDDEN_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP)
 # fc1's output [batch, length, num_activations, mlp]: the pair axis of a gated activation stays whole

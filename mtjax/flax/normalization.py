@@ -6,8 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import axes
-from mtjax import ops
+from mtjax import axes, ops
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.ops import LAYERNORM_TYPES
 from mtjax.ops.checks import check_choice

@@ -1,10 +1,10 @@
-"""The FP8 ``dot_general``: `fp8_dot_general`, the fused `fp8_mlp`, and `DotGeneral`, the linen
-module every mtjax GEMM runs in.
+"""The FP8 ``dot_general``: `fp8_dot_general` and `DotGeneral`, the linen module every mtjax GEMM runs in.
 
 Each GEMM operand is cast once with its transpose and amax (`mtjax.ops.cast_transpose`, a Pallas
 kernel on GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`mtjax.ops.fp8_gemm`).
-A norm or an activation in front of a GEMM writes its FP8 input directly (``lhs_prologue``), and an
-MLP's two GEMMs run as one op (`fp8_mlp`) whose activation backward writes fc1's FP8 output gradient.
+A norm or an activation in front of a GEMM writes its FP8 input directly (``lhs_prologue``). The
+pieces of one FP8 GEMM here (its spec, operand casts, forward and backward) also build
+`mtjax.fp8.mlp.fp8_mlp`, an MLP's two GEMMs as one op.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -25,12 +25,23 @@ from mtjax.dtypes import fp8_max
 from mtjax.fp8.autocast import current_autocast
 from mtjax.fp8.block_scaling import block_fp8_matmul
 from mtjax.fp8.recipes import RECIPE_TYPES, BlockScaling, CurrentScaling, DelayedScaling, Recipe
-from mtjax.fp8.scaling import (FP8_COLLECTION, META_KEYS, ROLES, _bound_axes, _reduce_max, _varying_axes, amax,
-                               compute_scale, history_amax, init_meta, roll_amax_history)
-from mtjax.ops import Activation, Norm, cast_transpose, fp8_gemm, is_gated
+from mtjax.fp8.scaling import (
+    FP8_COLLECTION,
+    META_KEYS,
+    ROLES,
+    _bound_axes,
+    _reduce_max,
+    _varying_axes,
+    amax,
+    compute_scale,
+    history_amax,
+    init_meta,
+    roll_amax_history,
+)
+from mtjax.ops import Activation, Norm, cast_transpose, fp8_gemm
 
 # What can run in front of an FP8 GEMM, fused with the quantization of its input.
-Prologue = Union[Norm, Activation]
+Prologue = Norm | Activation
 
 
 def _uses_fnuz() -> bool:
@@ -38,7 +49,6 @@ def _uses_fnuz() -> bool:
     if backend.platform() != "rocm":
         return False
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("gfx94")
-
 
 
 def compiler_options(platform: str | None = None) -> dict[str, Any]:
@@ -51,7 +61,6 @@ def compiler_options(platform: str | None = None) -> dict[str, Any]:
     ``make_train_step`` and ``mtjax train --fp8`` do.
     """
     return {"xla_gpu_enable_triton_gemm": False} if (platform or backend.platform()) == "cuda" else {}
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +78,7 @@ class _GemmSpec:
 
     @classmethod
     def build(cls, recipe: Recipe, reduce_axes: Sequence[str], x_dtype: Any, w_dtype: Any, out_dtype: Any,
-              implementation: str | None) -> "_GemmSpec":
+              implementation: str | None) -> _GemmSpec:
         """The spec of a GEMM under ``recipe``, its FP8 dtypes from the recipe's format."""
         fwd_dtype, bwd_dtype = recipe.fp8_format.dtypes(fnuz=_uses_fnuz())
         return cls(recipe=recipe, fwd_dtype=fwd_dtype, bwd_dtype=bwd_dtype, reduce_axes=tuple(sorted(reduce_axes)),
@@ -199,98 +208,6 @@ def _prologue_bwd(x, prologue, d_out):
 _fp8_prologue_matmul.defvjp(_fp8_prologue_matmul_fwd, _fp8_prologue_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _fp8_mlp(x, norm, w1, activation, w2, meta1, meta2, spec1, spec2):
-    """``activation(norm(x) @ w1) @ w2`` in FP8 under `DelayedScaling` (``x [M, hidden]``, ``w1
-    [hidden, mlp]`` or ``[hidden, 2, mlp]``, ``w2 [mlp, out]``): both GEMMs with their prologues
-    fused into their FP8 inputs, and fc1's output gradient written in FP8 by the activation's
-    backward (`mtjax.ops.activation_grad_fp8`) instead of in bf16 and cast again."""
-    return _fp8_mlp_fwd(x, norm, w1, activation, w2, meta1, meta2, spec1, spec2)[0]
-
-
-def _fp8_mlp_fwd(x, norm, w1, activation, w2, meta1, meta2, spec1, spec2):
-    w1_2d = w1.reshape(w1.shape[0], -1)
-    h, gemm1 = _quantized_input_matmul_fwd(*_quantize_input(x, norm, meta1, spec1), w1_2d, meta1, spec1)
-    h = h.reshape((x.shape[0],) + w1.shape[1:])  # [M, mlp] or, gated, [M, 2, mlp]
-    y, gemm2 = _quantized_input_matmul_fwd(*_quantize_input(h, activation, meta2, spec2), w2, meta2, spec2)
-    return y, (None if norm is None else x, norm, w1.shape, gemm1, h, activation, gemm2)
-
-
-def _fp8_mlp_bwd(spec1, spec2, residuals, g):
-    x, norm, w1_shape, gemm1, h, activation, gemm2 = residuals
-    d_activation_out, dw2, next_meta2 = _fp8_matmul_bwd(spec2, gemm2, g)
-    # fc1's output gradient, quantized with fc1's output_grad scale by the activation's backward.
-    g_q, g_q_t, g_scale, g_state, d_activation = _delayed_cast(
-        "output_grad", gemm1[4], spec1, spec1.bwd_dtype,
-        lambda scale: activation.fp8_grad(h, d_activation_out, scale, spec1.bwd_dtype))
-    d_fc1_input, dw1, next_meta1 = _quantized_grad_matmul_bwd(spec1, gemm1, g_q.reshape(h.shape[0], -1), g_q_t,
-                                                              g_scale, g_state)
-    dx, d_norm = _prologue_bwd(x, norm, d_fc1_input)
-    return dx, d_norm, dw1.reshape(w1_shape), d_activation, dw2, next_meta1, next_meta2
-
-
-_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
-
-
-def fuses_mlp(*arrays: jax.Array) -> bool:
-    """Whether `fp8_mlp` applies to these operands here: inside `fp8_autocast` with
-    `DelayedScaling`, and not per-device arrays of ``shard_map`` (which take `fp8_dot_general`'s
-    path, one GEMM at a time)."""
-    state = current_autocast()
-    return (state is not None and isinstance(state.recipe, DelayedScaling)
-            and not any(_varying_axes(a) for a in arrays))
-
-
-def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.Array],
-            meta2: Mapping[str, jax.Array], *, activation: Activation, norm: Norm | None = None,
-            recipe: DelayedScaling | None = None, mesh_axes: Sequence[str] = (),
-            implementation: str | None = None) -> jax.Array:
-    """``activation(norm(x) @ w1) @ w2`` with both GEMMs in FP8 (a Transformer MLP without dropout).
-
-    The same numbers as `fp8_dot_general` with ``lhs_prologue=norm`` for fc1 and
-    ``lhs_prologue=activation`` for fc2, in one ``custom_vjp`` so that the activation's backward
-    writes fc1's output gradient directly in FP8 with its transpose (`mtjax.ops.activation_grad_fp8`,
-    TransformerEngine's "dact + cast_transpose"): one pass over the MLP's widest tensor fewer.
-
-    Args:
-      x: ``[..., hidden]``.
-      w1: ``[hidden, mlp]``, or ``[hidden, 2, mlp]`` for a gated activation.
-      w2: ``[mlp, out]``.
-      meta1, meta2: the two GEMMs' delayed-scaling states (`init_meta`); differentiating gives the next ones.
-      activation: a `mtjax.ops.Activation` (its bias and type).
-      norm: a `mtjax.ops.Norm` applied to ``x`` first, or ``None``.
-      recipe: a `DelayedScaling` (default: ``DelayedScaling()``).
-      mesh_axes, implementation: as `fp8_dot_general`.
-    Returns:
-      ``[..., out]`` in the result type of the operands.
-    """
-    recipe = DelayedScaling() if recipe is None else recipe
-    if not isinstance(recipe, DelayedScaling):
-        raise TypeError(f"fp8_mlp(recipe={recipe!r}): expected a DelayedScaling (its scales are known before "
-                        "the tensors are seen, which the fused backward needs)")
-    if not isinstance(activation, Activation) or not (norm is None or isinstance(norm, Norm)):
-        raise TypeError(f"fp8_mlp: activation must be a mtjax.ops.Activation and norm a mtjax.ops.Norm or None; "
-                        f"got {type(activation).__name__} and {type(norm).__name__}")
-    _check_meta(meta1, recipe)
-    _check_meta(meta2, recipe)
-    gated = is_gated(activation.activation_type)
-    hidden = x.shape[-1]
-    if w1.ndim != (3 if gated else 2) or w1.shape[0] != hidden or (gated and w1.shape[1] != 2):
-        expected = "[hidden, 2, mlp]" if gated else "[hidden, mlp]"
-        raise ValueError(f"fp8_mlp: w1 of shape {w1.shape} for x [..., {hidden}] and activation "
-                         f"{activation.activation_type!r}; expected {expected}")
-    if w2.ndim != 2 or w2.shape[0] != w1.shape[-1]:
-        raise ValueError(f"fp8_mlp: w2 of shape {w2.shape}; expected [mlp, out] with mlp = {w1.shape[-1]}")
-    if any(_varying_axes(a) for a in (x, w1, w2)):
-        raise ValueError("fp8_mlp: operands vary over shard_map axes; use fp8_dot_general per GEMM there")
-    reduce_axes = _bound_axes(mesh_axes) if recipe.reduce_amax else ()
-    h_dtype = jnp.result_type(x.dtype, w1.dtype)
-    specs = [_GemmSpec.build(recipe, reduce_axes, x_dtype, w.dtype, jnp.result_type(x_dtype, w.dtype), implementation)
-             for x_dtype, w in ((x.dtype, w1), (h_dtype, w2))]
-    out = _fp8_mlp(x.reshape(-1, hidden), norm, w1, activation, w2, meta1, meta2, *specs)
-    return out.reshape(x.shape[:-1] + w2.shape[1:])
-
-
 def _check_meta(meta: Any, recipe: Recipe) -> None:
     if isinstance(recipe, (CurrentScaling, BlockScaling)):
         if meta is not None:
@@ -405,7 +322,6 @@ def _check_lhs_prologue(fn: str, lhs: jax.Array, dimension_numbers: Any,
                          f"alone, with no batch axes; got dimension_numbers={dimension_numbers} for an output of "
                          f"rank {operand.ndim}")
     return operand
-
 
 
 # --------------------------------------------------------------------------------------------------

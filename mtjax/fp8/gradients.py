@@ -9,7 +9,7 @@ from the optimizer (`Optimizer`). `mtjax.train` and `mtjax.sharding.pipeline_los
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -32,6 +32,13 @@ def _with_meta(tree: Any, meta: Any) -> Any:
     return {**tree, FP8_COLLECTION: meta} if meta else tree
 
 
+def map_param_gradients(fn: Callable[[jax.Array], jax.Array], grads: Any) -> Any:
+    """``grads`` with ``fn`` applied to every parameter gradient, the FP8 meta left as it is (it is
+    the next state, not a derivative: scaling a loss scales its gradients, never the meta)."""
+    params, meta = split_gradients(grads)
+    return _with_meta(jax.tree.map(fn, params), meta)
+
+
 def accumulate_gradients(acc: Any | None, grads: Any) -> Any:
     """Add one micro-batch's gradients to ``acc`` (``None`` for the first): parameter gradients are
     summed, FP8 meta combined by elementwise max, which gives the meta one batch of all the
@@ -49,9 +56,7 @@ def finalize_accumulated(acc: Any, num_micro_batches: int) -> Any:
     """Average the parameter gradients of ``num_micro_batches`` accumulated micro-batches (for losses
     that are means over each micro-batch); the meta is already final."""
     _check_int("finalize_accumulated", "num_micro_batches", num_micro_batches, 1)
-    params, meta = split_gradients(acc)
-    averaged = jax.tree.map(lambda g: (g / num_micro_batches).astype(g.dtype), params)
-    return _with_meta(averaged, meta)
+    return map_param_gradients(lambda g: (g / num_micro_batches).astype(g.dtype), acc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Union
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -136,7 +136,7 @@ class BlockScaling:
             raise ValueError(f"BlockScaling(amax_epsilon={epsilon!r}): expected a finite float >= 0")
 
 
-Recipe = Union[DelayedScaling, CurrentScaling, BlockScaling]
+Recipe = DelayedScaling | CurrentScaling | BlockScaling
 
 # Every recipe type `fp8_autocast` and `fp8_dot_general` accept.
 RECIPE_TYPES = (DelayedScaling, CurrentScaling, BlockScaling)

@@ -55,7 +55,7 @@ class _StackedLayer(TransformerLayer):
     The carry is the stream, or with ``defer_residual_add`` the pair ``(branch, stream)`` whose sum
     the stream is (``stream`` ``None`` before an unrolled stack's first layer)."""
 
-    def __call__(self, carry, segment_ids, positions, deterministic, decode):  # noqa: D102
+    def __call__(self, carry, segment_ids, positions, deterministic, decode):
         x, residual = carry if self.defer_residual_add else (carry, None)
         y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
                              decode=decode, residual=residual)

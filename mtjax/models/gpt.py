@@ -14,8 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import axes
-from mtjax import ops
+from mtjax import axes, ops
 from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
 from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, check_heads
 from mtjax.flax.normalization import LAYERNORM_TYPES
@@ -107,7 +106,8 @@ class GPTConfig:
         for name, accepted in (("layernorm_type", LAYERNORM_TYPES), ("position_embedding", POSITION_EMBEDDINGS),
                                ("rope_group_method", ROTARY_GROUP_METHODS)):
             if getattr(self, name) not in accepted:
-                raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: {', '.join(accepted)}")
+                raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: "
+                                 f"{', '.join(accepted)}")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -238,8 +238,9 @@ class GPT(nn.Module):
             # of this (tokens x hidden x vocab) product run in float32 on float32 copies.
             logits = embed.attend(x)
         else:
-            logits = DenseGeneral(cfg.vocab_size, use_bias=False, kernel_init=init, kernel_axes=(axes.EMBED, axes.VOCAB),
-                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="logits_dense")(x)
+            logits = DenseGeneral(cfg.vocab_size, use_bias=False, kernel_init=init,
+                                  kernel_axes=(axes.EMBED, axes.VOCAB), dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                  name="logits_dense")(x)
         return nn.with_logical_constraint(logits.astype(jnp.float32), LOGITS_AXES)
 
     def _decode_offset(self, seq: int) -> jax.Array:

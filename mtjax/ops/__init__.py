@@ -2,8 +2,15 @@
 implementation: the plain jax.numpy reference (``"xla"``) defined beside it, or a kernel.
 Importing this package registers them all."""
 
-from mtjax.ops.activation import (ACTIVATIONS, Activation, activation, activation_fp8, activation_grad_fp8,
-                                  canonical_activation, is_gated)
+from mtjax.ops.activation import (
+                                  ACTIVATIONS,
+                                  Activation,
+                                  activation,
+                                  activation_fp8,
+                                  activation_grad_fp8,
+                                  canonical_activation,
+                                  is_gated,
+)
 from mtjax.ops.attention import MASK_TYPES, attention
 from mtjax.ops.block_gemm import block_fp8_gemm
 from mtjax.ops.block_quantization import block_dequantize, block_quantize, tile_dequantize, tile_quantize

@@ -238,7 +238,7 @@ class Activation:
         return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype)
 
     def fp8_grad(self, x: jax.Array, dy: jax.Array, scale: jax.Array,
-                 out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array, "Activation"]:
+                 out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array, Activation]:
         """The backward of ``self(x)`` for the cotangent ``dy``, written for an FP8 GEMM
         (`activation_grad_fp8`): ``(dx_q, dx_q_t, max |dx|, the cotangent of self)``."""
         dx_q, dx_q_t, amax, dbias = activation_grad_fp8(x, dy, self.activation_type, self.bias, scale=scale,

@@ -140,7 +140,8 @@ def attention(
         check_rank(op, name, x, 4)
     batch, q_len, heads, head_dim = query.shape
     if key.shape != value.shape[:3] + (key.shape[3],) or key.shape[0] != batch:
-        raise ValueError(f"{op}: key {key.shape} and value {value.shape} must share [batch, kv_len, kv_heads] with batch {batch}")
+        raise ValueError(f"{op}: key {key.shape} and value {value.shape} must share [batch, kv_len, kv_heads] with "
+                         f"batch {batch}")
     if key.shape[3] != head_dim:
         raise ValueError(f"{op}: key head_dim {key.shape[3]} differs from query head_dim {head_dim}")
     kv_len, kv_heads = key.shape[1], key.shape[2]
@@ -160,20 +161,22 @@ def attention(
                 f"{op}: q_segment_ids {q_segment_ids.shape} / kv_segment_ids {kv_segment_ids.shape}; "
                 f"expected ({batch}, {q_len}) / ({batch}, {kv_len})"
             )
-        if not jnp.issubdtype(q_segment_ids.dtype, jnp.integer) or not jnp.issubdtype(kv_segment_ids.dtype, jnp.integer):
+        if not all(jnp.issubdtype(ids.dtype, jnp.integer) for ids in (q_segment_ids, kv_segment_ids)):
             raise TypeError(f"{op}: segment ids must be integers")
     if mask_type in ("padding", "padding_causal") and q_segment_ids is None and mask is None:
         raise ValueError(f"{op}: mask_type={mask_type!r} needs q/kv_segment_ids, q/kv_seqlens or mask")
     if mask is not None:
         if jnp.result_type(mask) != jnp.bool_ or jnp.ndim(mask) != 4:
-            raise ValueError(f"{op}: mask must be bool [batch|1, heads|1, q_len, kv_len]; got {jnp.result_type(mask)} {jnp.shape(mask)}")
+            raise ValueError(f"{op}: mask must be bool [batch|1, heads|1, q_len, kv_len]; got {jnp.result_type(mask)} "
+                             f"{jnp.shape(mask)}")
         jnp.broadcast_shapes(mask.shape, (batch, heads, q_len, kv_len))
     if bias is not None:
         check_float(op, "bias", bias)
         try:
             jnp.broadcast_shapes(jnp.shape(bias), (batch, heads, q_len, kv_len))
         except ValueError:
-            raise ValueError(f"{op}: bias of shape {jnp.shape(bias)} does not broadcast to {(batch, heads, q_len, kv_len)}") from None
+            raise ValueError(f"{op}: bias of shape {jnp.shape(bias)} does not broadcast to "
+                             f"{(batch, heads, q_len, kv_len)}") from None
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"{op}: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
     if dropout_rate > 0.0 and dropout_rng is None:

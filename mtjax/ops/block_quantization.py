@@ -125,7 +125,8 @@ def tile_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any = jnp.float32
 
 
 def block_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-    """The inverse of `block_quantize` (up to FP8 rounding) for ``q [k, n]``, ``scale_inv [ceil(k/128), ceil(n/128)]``."""
+    """The inverse of `block_quantize` (up to FP8 rounding) for ``q [k, n]`` and
+    ``scale_inv [ceil(k/128), ceil(n/128)]``."""
     check_fp8_dtype("block_dequantize", q.dtype, "q.dtype")
     expanded = jnp.repeat(jnp.repeat(scale_inv, TILE, axis=0), TILE, axis=1)[:q.shape[0], :q.shape[1]]
     return (q.astype(jnp.float32) * expanded).astype(dtype)

@@ -19,7 +19,8 @@ def check_float(op: str, name: str, x: Any) -> None:
 def check_rank(op: str, name: str, x: Any, ranks: Iterable[int] | int) -> None:
     ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
     if jnp.ndim(x) not in ranks:
-        raise ValueError(f"{op}: {name} has shape {jnp.shape(x)} (rank {jnp.ndim(x)}); expected rank {' or '.join(map(str, ranks))}")
+        raise ValueError(f"{op}: {name} has shape {jnp.shape(x)} (rank {jnp.ndim(x)}); expected rank "
+                         f"{' or '.join(map(str, ranks))}")
 
 
 def check_shape(op: str, name: str, x: Any, shape: Sequence[int | None]) -> None:

@@ -33,7 +33,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.
 
 
 @backend.register("cast_transpose", backend.REFERENCE)
-def cast_transpose_reference(x: jax.Array, scale: jax.Array, *, out_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+def cast_transpose_reference(x: jax.Array, scale: jax.Array, *,
+                             out_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The ``"xla"`` implementation of `cast_transpose` (``scale`` a float32 scalar of shape ``()``)."""
     q = quantize(x, scale, out_dtype)
     return q, jnp.swapaxes(q, -1, -2), jnp.max(jnp.abs(x)).astype(jnp.float32)

@@ -75,7 +75,8 @@ def softmax(
         try:
             jnp.broadcast_shapes(jnp.shape(mask), jnp.shape(logits))
         except ValueError:
-            raise ValueError(f"softmax: mask of shape {jnp.shape(mask)} does not broadcast to logits {jnp.shape(logits)}") from None
+            raise ValueError(f"softmax: mask of shape {jnp.shape(mask)} does not broadcast to logits "
+                             f"{jnp.shape(logits)}") from None
     return backend.dispatch(
         "softmax", logits, mask, implementation=implementation, scale=float(scale), causal=bool(causal)
     )

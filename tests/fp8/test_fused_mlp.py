@@ -4,7 +4,6 @@ FP8 output gradient (`ops.activation_grad_fp8`): the same numbers as the two GEM
 import functools
 import importlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

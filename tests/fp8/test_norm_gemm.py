@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from mtjax import fp8, ops
-from mtjax.fp8 import dot_general
 from mtjax.config import override
 from mtjax.flax import LayerNormDenseGeneral, LayerNormMLP
+from mtjax.fp8 import dot_general
 from mtjax.ops import normalization
 
 activation_ops = importlib.import_module("mtjax.ops.activation")  # the module (mtjax.ops.activation is also a function)
@@ -140,7 +140,7 @@ def test_layernorm_dense_general_feeds_the_gemm_from_the_fused_norm(fused_calls,
                                       return_layernorm_output=return_layernorm_output)
         with fp8.fp8_autocast(recipe=recipe):
             variables = model.init(jax.random.key(0), X)
-            loss = lambda v: jnp.sum(jnp.sin(model.apply(v, X)[0]))  # noqa: E731
+            loss = lambda v: jnp.sum(jnp.sin(model.apply(v, X)[0]))
             for _ in range(2):
                 grads = jax.grad(loss)(variables)
                 variables = {**variables, **({fp8.FP8_COLLECTION: grads[fp8.FP8_COLLECTION]} if fused else {})}

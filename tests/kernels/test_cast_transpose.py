@@ -82,8 +82,8 @@ def test_kernel_lowers_for_cuda():
 
     for shape in ((4096, 2048), (4000, 2050)):  # exact tiles and masked tails
         with backend.abstract_gpu():
-            text = jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16),
-                                     jax.ShapeDtypeStruct((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+            traced = jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.float32))
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 

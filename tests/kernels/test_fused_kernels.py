@@ -285,7 +285,8 @@ def test_softmax_kernel_matches_reference(lead, q_len, kv_len, mask_kind, causal
 def test_softmax_kernel_declines_masks_it_cannot_read_as_rows():
     logits = jax.ShapeDtypeStruct((2, 3, 4, 8), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 3, 1, 8), jnp.bool_)  # varies along heads but not batch
-    impl, why = backend.select("softmax", platform_name="cuda", args=(logits, mask), static={"scale": 1.0, "causal": False})
+    impl, why = backend.select("softmax", platform_name="cuda", args=(logits, mask),
+                               static={"scale": 1.0, "causal": False})
     assert impl.name == "xla" and "mask" in why
 
 
@@ -366,7 +367,8 @@ def test_norm_kernels_on_gpu(shape, dtype):
     residual = _random(3, shape, jnp.float32)
     check_kernel(lambda x, g, b, implementation: ops.layernorm(x, g, b, implementation=implementation),
                  (x, gamma, beta), (0, 1, 2), dtype, interpret=False)
-    check_kernel(lambda x, g, implementation: ops.rmsnorm(x, g, zero_centered_gamma=True, implementation=implementation),
+    check_kernel(lambda x, g, implementation: ops.rmsnorm(x, g, zero_centered_gamma=True,
+                                                          implementation=implementation),
                  (x, gamma), (0, 1), dtype, interpret=False)
     check_kernel(lambda x, r, g, b, implementation: ops.residual_norm(
         x, r, g, b, dropout_rate=0.1, dropout_rng=jax.random.key(5), implementation=implementation),
@@ -397,7 +399,8 @@ def test_activation_kernels_on_gpu(activation):
         got = ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1e3), implementation="pallas_triton")
         want = ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1e3), implementation="xla")
         assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
-        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32).reshape(rows, -1).T)
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32),
+                                      np.asarray(got[0], np.float32).reshape(rows, -1).T)
         np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
         np.testing.assert_allclose(got[3], want[3], rtol=1e-3, atol=1e-3 * float(np.max(np.abs(want[3]))))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,20 +39,22 @@ def test_cuda_picks_the_kernel_where_it_is_faster_and_cpu_the_reference():
 
 @pytest.mark.parametrize("op, args, static", [
     ("layernorm", (S((2048, 2048), BF16), S((2048,), F32), None), NORM_STATIC),  # small: XLA as fast
-    ("rmsnorm", (S((16384, 12288), BF16), S((12288,), F32)), NORM_STATIC),  # XLA's RMSNorm measured faster
+    ("rmsnorm", (S((16384, 12288), BF16), S((12288,), F32)), NORM_STATIC),  # XLA's RMSNorm fusion faster
     ("softmax", (S((4, 8, 128, 128), BF16), None), {"scale": 1.0, "causal": True}),
 ])
-def test_cuda_leaves_shapes_where_xla_measured_as_fast_to_xla(op, args, static, interpret):
+def test_cuda_leaves_shapes_where_xla_is_as_fast_to_xla(op, args, static, interpret):
     impl, why = _choice(op, *args, **static)
-    assert impl.name == "xla" and "measured" in why
+    assert impl.name == "xla" and re.search(r"XLA('s fusion)? is (as fast|faster)", why), why
     # an explicit choice still runs the kernel there
-    assert backend.select(op, "pallas_triton", platform_name="cuda", args=args, static=static)[0].name == "pallas_triton"
+    chosen = backend.select(op, "pallas_triton", platform_name="cuda", args=args, static=static)[0]
+    assert chosen.name == "pallas_triton"
 
 
 def test_explicit_kernel_choice_runs_where_automatic_selection_prefers_xla(interpret):
     x = jax.random.normal(jax.random.key(0), (3, 40))
     g = jnp.full((40,), 1.5)
-    np.testing.assert_allclose(ops.rmsnorm(x, g, implementation="pallas_triton"), ops.rmsnorm(x, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.rmsnorm(x, g, implementation="pallas_triton"), ops.rmsnorm(x, g),
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("op, args, static, reason", [
@@ -111,7 +115,8 @@ def test_residual_norm_and_fp8_ops_run_their_references():
     (lambda x, g: ops.residual_norm(x, x.astype(jnp.int32), g), TypeError, "residual"),
     (lambda x, g: ops.activation_fp8(x, "gelu", scale=jnp.float32(1.0), out_dtype=F32), ValueError, "out_dtype"),
     (lambda x, g: ops.activation_fp8(x, "swish", scale=jnp.float32(1.0)), ValueError, "activation_type"),
-    (lambda x, g: ops.activation_fp8(x[:, None], "swiglu", scale=jnp.float32(1.0)), ValueError, r"x .*\[\.\.\., 2, hidden\]"),
+    (lambda x, g: ops.activation_fp8(x[:, None], "swiglu", scale=jnp.float32(1.0)), ValueError, r"x .*\[\.\.\., 2, "
+                                                                                                r"hidden\]"),
     (lambda x, g: ops.activation_grad_fp8(x, x[:, :4], "gelu", scale=jnp.float32(1.0)), ValueError, "dy"),
     (lambda x, g: ops.activation_grad_fp8(x, x.astype(jnp.int32), "gelu", scale=jnp.float32(1.0)), TypeError, "dy"),
     (lambda x, g: ops.activation_grad_fp8(x, x, "gelu", scale=jnp.float32(1.0), out_dtype=F32), ValueError,

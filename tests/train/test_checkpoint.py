@@ -102,7 +102,7 @@ def test_the_compute_copy_is_not_saved_and_is_rebuilt_on_restore(tmp_path, setup
 def test_resume_is_exact(tmp_path, setup, dataset):
     model, optimizer = setup
     mesh, rules, abstract, step = _sharded(model, optimizer, MeshConfig(dp=2, tp=2))
-    fresh = lambda: init_train_state(model, optimizer, jax.random.PRNGKey(7), (BATCH, SEQ), mesh=mesh, rules=rules)  # noqa: E731
+    fresh = lambda: init_train_state(model, optimizer, jax.random.PRNGKey(7), (BATCH, SEQ), mesh=mesh, rules=rules)
 
     _, straight = _train(fresh(), step, DataIterator(dataset, BATCH), 20)
 
