@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
                         help="layer and train suites: also run mtjax with these kernel choices (OP=IMPL) and XLA "
                              "options (xla_...=VALUE); repeatable, one extra pair of rows each")
+    parser.add_argument("--sweep", action="store_true",
+                        help="gemm suite: also time each candidate tile of the block-scaled FP8 GEMM kernel")
     parser.add_argument("--profile", metavar="DIR",
                         help="train suite: write a per-op GPU-time profile of each train step into DIR")
     from mtjax.bench import moe
@@ -69,6 +71,8 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
     if name == "moe":
         return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
                           parts=args.moe_parts)
+    if name == "gemm":
+        return module.run(args.quick, sweep=args.sweep)
     return module.run(args.quick)
 
 

@@ -1,16 +1,24 @@
-"""`mtjax bench gemm`: an FP8 dense layer's forward+backward against the same layer in bf16.
+"""`mtjax bench gemm`: FP8 dense layers (per-tensor and block-scaled) against the same layer in bf16.
 
-Each case is one Dense GEMM ``y = x @ w`` (x ``[tokens, in]``, w ``[in, out]``, bf16) with its
-backward (dgrad and wgrad), timed as one jitted ``jax.vjp`` call: three GEMMs, ``6 * M * K * N``
-FLOPs. Rows: ``xla bf16`` (the peer: ``lax.dot_general`` in bf16), ``mtjax fp8`` (`mtjax.fp8.
-fp8_dot_general` with delayed scaling, quantization, amaxes and the meta update included). Each
-row's ``extra`` counts the GEMMs of the compiled program (`gemm_calls`: ``fp8_gemms`` should be 3 on
-a GPU, forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM; ``triton_gemms`` counts those XLA
-emitted as Triton fusions instead). The FP8 rows compile with `mtjax.fp8.compiler_options()`, as
-mtjax's FP8 train steps do (on CUDA: no Triton GEMM fusions); the bf16 peer with XLA's defaults.
+Each case is one Dense GEMM ``y = x @ w`` (x ``[tokens, in]``, w ``[in, out]``, bf16), timed as one
+jitted call: its forward alone (``dense fwd``, ``2 * M * K * N`` FLOPs) and with its backward (``dense
+fwd+bwd``, dgrad and wgrad, ``6 * M * K * N`` FLOPs). Rows: ``xla bf16`` (the peer: ``lax.dot_general``
+in bf16), ``mtjax fp8`` (`mtjax.fp8.fp8_dot_general` with delayed scaling, quantization, amaxes and
+the meta update included) and ``mtjax fp8 block`` (`mtjax.fp8.BlockScaling`: 1x128 tiles, 128x128
+weight blocks, every tile cast included). ``block fp8 gemm`` rows time the block-scaled GEMM alone
+(`mtjax.ops.block_fp8_gemm` on operands cast beforehand, ``2 * M * K * N`` FLOPs) against the
+machine's per-tensor FP8 GEMM ceiling; ``--sweep`` adds one such row per candidate tile of the
+kernel (`mtjax.kernels.block_fp8_gemm.SWEEP_CONFIGS`).
+
+Each row's ``extra`` counts the GEMMs of the compiled program (`gemm_calls`: ``fp8_gemms`` should be
+3 per fwd+bwd on a GPU for per-tensor FP8, forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM;
+``triton_gemms`` counts those XLA emitted as Triton fusions instead; ``pallas_kernels`` the Pallas
+Triton kernels, which block scaling's GEMMs and large casts are). The FP8 rows compile with
+`mtjax.fp8.compiler_options()`, as mtjax's FP8 train steps do (on CUDA: no Triton GEMM fusions);
+the bf16 peer with XLA's defaults.
 
 Shapes: 8192^3, and the four GEMMs of a 1.3B GPT layer (hidden 2048, ffn 8192) at 8192 tokens.
-``python -m mtjax.bench.gemm [--quick]`` prints the rows as a table.
+``python -m mtjax.bench.gemm [--quick] [--sweep]`` prints the rows as a table.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax import fp8
+from mtjax import backend, fp8, ops
 from mtjax.bench import timing
+from mtjax.kernels import block_fp8_gemm as block_fp8_gemm_kernel
+from mtjax.kernels.block_fp8_gemm import SWEEP_CONFIGS, GemmConfig
 
 DENSE = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N]
 HISTORY = 1024  # DelayedScaling's default amax_history_len
@@ -40,20 +50,35 @@ SHAPES = (
 QUICK_SHAPES = (("256^3", 256, 256, 256),)
 
 
-def _bf16_fwd_bwd(x, w, dy, meta):
-    y, vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, DENSE), x, w)
+def _bf16_dot(x, w, meta):
+    return lax.dot_general(x, w, DENSE)
+
+
+def _fp8_dot(recipe, x, w, meta):
+    return fp8.fp8_dot_general(x, w, DENSE, meta, recipe=recipe)
+
+
+def _fwd(dot, x, w, dy, meta):
+    return dot(x, w, meta)
+
+
+def _fwd_bwd(dot, x, w, dy, meta):
+    y, vjp = jax.vjp(dot, x, w, meta)
     return (y, *vjp(dy))
 
 
-def _fp8_fwd_bwd(recipe, x, w, dy, meta):
-    y, vjp = jax.vjp(lambda x, w, m: fp8.fp8_dot_general(x, w, DENSE, m, recipe=recipe), x, w, meta)
-    return (y, *vjp(dy))
-
-
-VARIANTS = {  # implementation -> jitted fwd+bwd (x, w, dy, meta) -> (y, dx, dw, next meta)
-    "xla bf16": jax.jit(_bf16_fwd_bwd),
-    "mtjax fp8": jax.jit(functools.partial(_fp8_fwd_bwd, fp8.DelayedScaling())),
+BLOCK_RECIPE = fp8.BlockScaling()
+DOTS = {  # implementation -> dot(x, w, meta) (meta: the delayed-scaling state, else None)
+    "xla bf16": _bf16_dot,
+    "mtjax fp8": functools.partial(_fp8_dot, fp8.DelayedScaling()),
+    "mtjax fp8 block": functools.partial(_fp8_dot, BLOCK_RECIPE),
 }
+DTYPES = {"xla bf16": "bf16", "mtjax fp8": "fp8 (e4m3 fwd, e5m2 grads)",
+          "mtjax fp8 block": "fp8 e4m3, 1x128 tiles / 128x128 weight blocks"}
+MODES = {"fwd+bwd": (_fwd_bwd, 6), "fwd": (_fwd, 2)}  # mode -> (function, FLOPs per M*K*N)
+# mode -> implementation -> jitted fn(x, w, dy, meta)
+VARIANTS = {mode: {impl: jax.jit(functools.partial(fn, dot)) for impl, dot in DOTS.items()}
+            for mode, (fn, _) in MODES.items()}
 
 
 def _inputs(m: int, k: int, n: int, seed: int) -> list[tuple]:
@@ -67,11 +92,11 @@ def _inputs(m: int, k: int, n: int, seed: int) -> list[tuple]:
     return timing.rotating(make)
 
 
-def _calibrated_meta(fn, inputs: tuple) -> dict:
-    """The meta after two steps, so the timed calls quantize with real (not initial) scales."""
+def _calibrated_meta(inputs: tuple) -> dict:
+    """The delayed-scaling meta after two steps, so the timed calls quantize with real (not initial) scales."""
     meta = fp8.init_meta(HISTORY)
     for _ in range(2):
-        meta = fn(*inputs, meta)[3]
+        meta = VARIANTS["fwd+bwd"]["mtjax fp8"](*inputs, meta)[3]
     return meta
 
 
@@ -81,40 +106,89 @@ def gemm_calls(hlo_text: str) -> dict[str, int]:
     targets = re.findall(r'custom_call_target="(__cublas[^"]*)"', hlo_text)
     fp8_calls = sum(t.endswith("$f8") for t in targets)
     return {"fp8_gemms": fp8_calls, "other_gemms": len(targets) - fp8_calls,
-            "triton_gemms": len(re.findall(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"', hlo_text))}
+            "triton_gemms": len(re.findall(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"', hlo_text)),
+            "pallas_kernels": len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo_text))}
 
 
-def run(quick: bool) -> list[dict]:
-    """Rows (`timing.row`, suite ``"gemm"``) for every shape and variant; peer: ``xla bf16``."""
+def _block_operands(inputs: tuple) -> tuple:
+    """The block-scaled GEMM's operands cast from ``(x, w, dy)`` as the forward GEMM takes them."""
+    x, w, _ = inputs
+
+    @jax.jit
+    def cast(x, w):
+        x_q, x_s = ops.tile_quantize(x, jnp.float8_e4m3fn)
+        _, w_q_t, w_s = ops.block_quantize(w, jnp.float8_e4m3fn)
+        return x_q, x_s, w_q_t, w_s.T
+
+    return cast(x, w)
+
+
+def _block_gemm_fn(config: GemmConfig | None):
+    """The GEMM alone: the dispatched op (``None``) or the Pallas kernel with ``config``'s tiles."""
+    if config is None:
+        return jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16))
+    return jax.jit(lambda a, sa, b, sb: block_fp8_gemm_kernel.block_fp8_gemm(
+        a, sa, b, jnp.repeat(sb, 128, axis=0)[:b.shape[0]], jnp.bfloat16, config=config))
+
+
+def _gemm_only_rows(label: str, m: int, k: int, n: int, inputs: list[tuple], configs: list, quick: bool
+                    ) -> list[dict]:
+    rows = []
+    operand_sets = [_block_operands(xs) for xs in inputs[:2]]
+    for config in configs:
+        fn = _block_gemm_fn(config)
+        compiled, _ = timing.compile_lowered(fn.lower(*operand_sets[0]), fp8.compiler_options())
+        t = timing.measure(compiled, operand_sets, runs=3 if quick else 20)
+        implementation = "mtjax block kernel" if config is None else f"mtjax block kernel [{config.label()}]"
+        rows.append(timing.row(
+            "gemm", f"block fp8 gemm {label} ({m}x{k}x{n})", implementation, t, flops=2 * m * k * n,
+            peer=None, ceiling="fp8_gemm_tflops", shape=[m, k, n], dtype=DTYPES["mtjax fp8 block"],
+            **gemm_calls(compiled.as_text())))
+    return rows
+
+
+def run(quick: bool, sweep: bool = False) -> list[dict]:
+    """Rows (`timing.row`, suite ``"gemm"``) for every shape, mode and variant; peer: ``xla bf16``.
+    ``sweep``: also the block-scaled GEMM with each candidate tile of its kernel (where it runs)."""
     rows = []
     for index, (label, m, k, n) in enumerate(QUICK_SHAPES if quick else SHAPES):
         inputs = _inputs(m, k, n, seed=index)
-        name = f"dense fwd+bwd {label} ({m}x{k}x{n})"
-        for implementation, fn in VARIANTS.items():
-            is_fp8 = implementation != "xla bf16"
-            meta = _calibrated_meta(fn, inputs[0]) if is_fp8 else None
-            input_sets = [xs + (meta,) for xs in inputs]
-            # Timed as compiled, so its HLO is what ran; FP8 compiled as mtjax's FP8 steps are.
-            compiled, _ = timing.compile_lowered(fn.lower(*input_sets[0]), fp8.compiler_options() if is_fp8 else None)
-            t = timing.measure(compiled, input_sets, runs=3 if quick else 20)
-            rows.append(timing.row(
-                "gemm", name, implementation, t, flops=6 * m * k * n,
-                peer="xla bf16" if is_fp8 else None,
-                ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
-                shape=[m, k, n], dtype="fp8 (e4m3 fwd, e5m2 grads)" if is_fp8 else "bf16",
-                **gemm_calls(compiled.as_text())))
+        meta = _calibrated_meta(inputs[0])
+        for mode, (_, flops_per_mkn) in MODES.items():
+            name = f"dense {mode} {label} ({m}x{k}x{n})"
+            for implementation, fn in VARIANTS[mode].items():
+                is_fp8 = implementation != "xla bf16"
+                input_sets = [xs + (meta if implementation == "mtjax fp8" else None,) for xs in inputs]
+                # Timed as compiled, so its HLO is what ran; FP8 compiled as mtjax's FP8 steps are.
+                compiled, _ = timing.compile_lowered(fn.lower(*input_sets[0]),
+                                                     fp8.compiler_options() if is_fp8 else None)
+                t = timing.measure(compiled, input_sets, runs=3 if quick else 20)
+                rows.append(timing.row(
+                    "gemm", name, implementation, t, flops=flops_per_mkn * m * k * n,
+                    peer="xla bf16" if is_fp8 else None,
+                    ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
+                    shape=[m, k, n], dtype=DTYPES[implementation], **gemm_calls(compiled.as_text())))
+        # The sweep's kernels need a GPU (Pallas Triton); elsewhere only the dispatched op runs.
+        configs = [None] + (list(SWEEP_CONFIGS) if sweep and index == 0 and _kernel_runs() else [])
+        rows += _gemm_only_rows(label, m, k, n, inputs, configs, quick)
     return rows
+
+
+def _kernel_runs() -> bool:
+    return backend.PALLAS_TRITON in backend.capabilities()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    rows = run(parser.parse_args().quick)
+    parser.add_argument("--sweep", action="store_true", help="also time each candidate tile of the block GEMM kernel")
+    args = parser.parse_args()
+    rows = run(args.quick, sweep=args.sweep)
     times = {(r["name"], r["implementation"]): r["time_ms"] for r in rows}
-    print(f"{'case':<48} {'implementation':<12} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} {'fp8 GEMMs':>9}")
+    print(f"{'case':<48} {'implementation':<40} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} {'fp8 GEMMs':>9}")
     for r in rows:
         ratio = times[(r["name"], r["peer"])] / r["time_ms"] if r["peer"] else 1.0
-        print(f"{r['name']:<48} {r['implementation']:<12} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio:7.2f}x "
+        print(f"{r['name']:<48} {r['implementation']:<40} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio:7.2f}x "
               f"{r['extra']['fp8_gemms']:9d}")
 
 

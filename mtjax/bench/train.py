@@ -7,7 +7,8 @@ variants run side by side in one process:
   f32 parameters;
 - ``mtjax fp8``: the same under ``mtjax.fp8.fp8_autocast`` (delayed scaling);
 - ``mtjax [op=impl,xla_option=value,...]`` (and its fp8): with kernel choices or XLA options changed
-  (``--variant``, `mtjax.bench.variants`);
+  (``--variant``, `mtjax.bench.variants`); ``--variant recipe=block`` adds ``mtjax fp8 [recipe=block]``
+  (`mtjax.fp8.BlockScaling`, opt-in: one more compilation of the step);
 - ``flax``: `mtjax.bench.peers.FlaxGPT`, the same model in stock Flax (cuDNN attention);
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from mtjax.bench import peers, profile, timing
-from mtjax.bench.variants import DEFAULT, Setting, label, mtjax_context, mtjax_variants, mtjax_xla_options
+from mtjax.bench.variants import DEFAULT, Setting, bf16_label, label, mtjax_context, mtjax_variants, mtjax_xla_options
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
@@ -57,6 +58,7 @@ class Variant:
       context: entered around tracing and init (``fp8_autocast`` for mtjax FP8).
       xla_options: XLA compiler options of its compilation.
       profiled: profiled under ``--profile`` (the headline rows; not the ``--variant`` ones).
+      bf16: for an mtjax FP8 row, the implementation of the bf16 row its speed-up is over.
     """
 
     implementation: str
@@ -67,6 +69,7 @@ class Variant:
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     xla_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     profiled: bool = True
+    bf16: str | None = None
 
 
 def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
@@ -99,6 +102,7 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
         context=lambda: mtjax_context(fp8, setting),
         xla_options=mtjax_xla_options(fp8, setting),
         profiled=setting == DEFAULT,
+        bf16=bf16_label(setting) if fp8 else None,
     )
 
 
@@ -181,9 +185,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
                      "params": config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,
                      "temp_memory_gb": step.memory_analysis().temp_size_in_bytes / 1e9,
                      "xla_options": {k: str(v) for k, v in variant.xla_options.items()}}
-            if variant.implementation.startswith("mtjax fp8"):
-                bf16 = variant.implementation.replace("mtjax fp8", "mtjax", 1)
-                extra["speedup_vs_mtjax_bf16"] = times[bf16] / t.median
+            if variant.bf16 in times:
+                extra["speedup_vs_mtjax_bf16"] = times[variant.bf16] / t.median
             print(f"mtjax bench: train {name} {variant.implementation}: {t.median * 1e3:.1f} ms/step, "
                   f"{extra['tokens_per_s']:.0f} tokens/s, loss {extra['loss']:.3f}, compiled in {compile_s:.0f} s",
                   file=sys.stderr, flush=True)

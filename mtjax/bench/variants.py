@@ -6,7 +6,9 @@ adds rows compiled with that XLA option (``Lowered.compile(compiler_options=...)
 compares several); ``--variant scan_layers=false`` (any `mtjax.models.GPTConfig` field) changes
 the trained model and ``--variant compute_params=false`` trains without the compute-dtype copy of
 the weights (`mtjax.train.state.compute_copy`) (both train suite only: the layer suite skips such
-settings). Rows are labelled
+settings); ``--variant recipe=block`` runs the FP8 row under another recipe (`RECIPES`: ``delayed``,
+the default, ``current`` or ``block``, `mtjax.fp8.BlockScaling`), with no bf16 row of its own (its
+speed-up is over the bf16 row of the same settings without the recipe). Rows are labelled
 ``"mtjax [activation=xla,layernorm=xla]"``; the peers always run with defaults, so each such row
 shows what the setting does to a whole layer or train step.
 """
@@ -31,21 +33,34 @@ class Setting:
       xla_options: XLA compiler options (``{"xla_gpu_...": value}``) for this row's compilation.
       model: `mtjax.models.GPTConfig` fields overridden (``{"scan_layers": False}``), train suite only.
       train: train-state options (`TRAIN_OPTIONS`: ``{"compute_params": False}``), train suite only.
+      recipe: the FP8 recipe of the FP8 row, a key of `RECIPES` (``None``: `fp8_autocast`'s default).
     """
 
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     train: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    recipe: str | None = None
 
     def label(self) -> str:
-        items = {**self.kernels, **self.xla_options, **self.model, **self.train}
+        items = {**self.kernels, **self.xla_options, **self.model, **self.train,
+                 **({} if self.recipe is None else {"recipe": self.recipe})}
         return ",".join(f"{k}={_text(v)}" for k, v in sorted(items.items()))
 
 
 DEFAULT = Setting()
 # compute_params: keep the weights' compute-dtype copy in the train state (default true).
 TRAIN_OPTIONS = ("compute_params",)
+
+
+def _recipes() -> dict[str, Any]:
+    from mtjax import fp8
+
+    return {"delayed": fp8.DelayedScaling(), "current": fp8.CurrentScaling(), "block": fp8.BlockScaling()}
+
+
+# ``--variant recipe=NAME``: the FP8 recipes a row can run under.
+RECIPES = ("delayed", "current", "block")
 
 
 def _text(value: Any) -> str:
@@ -71,7 +86,7 @@ def parse(spec: str) -> Setting:
     from mtjax.models import GPTConfig
 
     model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    kernels, options, model, train = {}, {}, {}, {}
+    kernels, options, model, train, recipe = {}, {}, {}, {}, None
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or not value:
@@ -85,17 +100,22 @@ def parse(spec: str) -> Setting:
             kernels[key] = value
         elif key in model_fields:
             model[key] = _value(value)
+        elif key == "recipe":
+            if value not in RECIPES:
+                raise ValueError(f"--variant {spec!r}: recipe={value!r}; accepted: {RECIPES}")
+            recipe = value
         elif key in TRAIN_OPTIONS:
             train[key] = _value(value)
             if not isinstance(train[key], bool):
                 raise ValueError(f"--variant {spec!r}: {key}={value!r}; expected true or false")
         else:
             raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option, "
-                             f"a GPTConfig field {sorted(model_fields)} nor a train option {TRAIN_OPTIONS}")
-    if not (kernels or options or model or train):
+                             f"a GPTConfig field {sorted(model_fields)}, a train option {TRAIN_OPTIONS} nor "
+                             f"recipe={'|'.join(RECIPES)}")
+    if not (kernels or options or model or train or recipe):
         raise ValueError(f"--variant {spec!r}: expected op=implementation, xla_option=value, "
                          "config_field=value or train_option=value, comma-separated")
-    return Setting(kernels, options, model, train)
+    return Setting(kernels, options, model, train, recipe)
 
 
 def label(fp8: bool, setting: Setting) -> str:
@@ -109,7 +129,8 @@ def mtjax_context(fp8: bool, setting: Setting) -> Iterator[None]:
     """Enter around tracing (and init) of an mtjax row: ``fp8_autocast`` and the kernel choices."""
     from mtjax.fp8 import fp8_autocast
 
-    with fp8_autocast(enabled=fp8), override(implementations=dict(setting.kernels)):
+    recipe = None if setting.recipe is None else _recipes()[setting.recipe]
+    with fp8_autocast(enabled=fp8, recipe=recipe), override(implementations=dict(setting.kernels)):
         yield
 
 
@@ -122,5 +143,12 @@ def mtjax_xla_options(fp8: bool, setting: Setting) -> dict[str, Any]:
 
 
 def mtjax_variants(settings: list[Setting]) -> list[tuple[bool, Setting]]:
-    """``(fp8, setting)`` of every mtjax row: the defaults, then each setting, bf16 and FP8."""
-    return [(fp8, setting) for setting in [DEFAULT, *settings] for fp8 in (False, True)]
+    """``(fp8, setting)`` of every mtjax row: the defaults, then each setting, bf16 and FP8 (FP8 only
+    for a setting with a recipe: its bf16 row would be the one without it)."""
+    return [(fp8, setting) for setting in [DEFAULT, *settings] for fp8 in (False, True)
+            if fp8 or setting.recipe is None]
+
+
+def bf16_label(setting: Setting) -> str:
+    """The label of the bf16 row an FP8 row of ``setting`` is compared with (the recipe dropped)."""
+    return label(False, dataclasses.replace(setting, recipe=None))

@@ -36,12 +36,14 @@ Limitation: one `DotGeneral` instance must run once per differentiated function 
 The package: `mtjax.fp8.recipes` (formats and recipes), `mtjax.fp8.scaling` (the state and the scale
 math), `mtjax.fp8.autocast`, `mtjax.fp8.dot_general` (the FP8 GEMM and `DotGeneral`), `mtjax.fp8.mlp` (the
 fused FP8 MLP) and
-`mtjax.fp8.gradients` (the meta on gradients and optimizers). The FP8 dtypes are `mtjax.dtypes`'; the
-quantize, cast_transpose and FP8 GEMM ops are `mtjax.ops`', re-exported here.
+`mtjax.fp8.gradients` (the meta on gradients and optimizers); `mtjax.fp8.block_scaling` holds the
+matmul of `BlockScaling` (1x128 tiles, 128x128 weight blocks, no state; docs/fp8-block-scaling.md).
+The FP8 dtypes are `mtjax.dtypes`'; the quantize, cast_transpose and FP8 GEMM ops are `mtjax.ops`', re-exported here.
 """
 
 from mtjax.dtypes import FP8_DTYPES, fp8_max
 from mtjax.fp8.autocast import Autocast, current_autocast, fp8_autocast
+from mtjax.fp8.block_scaling import block_fp8_matmul
 from mtjax.fp8.dot_general import DotGeneral, Prologue, compiler_options, fp8_dot_general
 from mtjax.fp8.gradients import (
                                  Optimizer,
@@ -51,7 +53,16 @@ from mtjax.fp8.gradients import (
                                  split_gradients,
 )
 from mtjax.fp8.mlp import fp8_mlp, fuses_mlp
-from mtjax.fp8.recipes import AMAX_COMPUTE_ALGOS, RECIPE_TYPES, CurrentScaling, DelayedScaling, Format, Recipe
+from mtjax.fp8.recipes import (
+    AMAX_COMPUTE_ALGOS,
+    BLOCK_SIZE,
+    RECIPE_TYPES,
+    BlockScaling,
+    CurrentScaling,
+    DelayedScaling,
+    Format,
+    Recipe,
+)
 from mtjax.fp8.scaling import (
                                  FP8_COLLECTION,
                                  META_KEYS,
@@ -67,8 +78,9 @@ from mtjax.ops.quantization import cast_transpose, cast_transpose_reference, deq
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS", "FP8_COLLECTION", "FP8_DTYPES", "META_KEYS", "RECIPE_TYPES", "ROLES",
-    "Autocast", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer", "Prologue", "Recipe",
-    "accumulate_gradients", "amax", "cast_transpose", "cast_transpose_reference", "compiler_options",
+    "BLOCK_SIZE", "Autocast", "BlockScaling", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer",
+    "Prologue", "Recipe", "accumulate_gradients", "amax", "block_fp8_matmul", "cast_transpose",
+    "cast_transpose_reference", "compiler_options",
     "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
     "map_param_gradients", "quantize",

@@ -19,7 +19,7 @@ class Autocast:
     """What an active `fp8_autocast` set.
 
     Attributes:
-      recipe: the `DelayedScaling` or `CurrentScaling` recipe every FP8 GEMM uses.
+      recipe: the `DelayedScaling`, `CurrentScaling` or `BlockScaling` recipe every FP8 GEMM uses.
       mesh_axes: mesh axis names amaxes are max-reduced over (where bound, e.g. inside shard_map).
     """
 
@@ -51,7 +51,7 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None,
 
     Args:
       enabled: ``False`` turns FP8 off inside (also inside an enclosing ``fp8_autocast``).
-      recipe: `DelayedScaling` or `CurrentScaling`.
+      recipe: `DelayedScaling`, `CurrentScaling` or `BlockScaling`.
       mesh_axes: mesh axes (e.g. ``("dp", "fsdp")``) over which amaxes are max-reduced with
         ``lax.pmax`` where those axes are bound (inside ``shard_map``). Under plain ``jit`` with
         sharded arrays ``jnp.max`` already is the global max, so nothing needs naming there.
@@ -60,7 +60,8 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None,
         raise TypeError(f"fp8_autocast(enabled={enabled!r}): expected True or False")
     recipe = DelayedScaling() if recipe is None else recipe
     if not isinstance(recipe, RECIPE_TYPES):
-        raise TypeError(f"fp8_autocast(recipe={recipe!r}): expected a DelayedScaling or CurrentScaling")
+        raise TypeError(f"fp8_autocast(recipe={recipe!r}): expected a DelayedScaling, CurrentScaling or "
+                        "BlockScaling")
     state = Autocast(recipe, _check_mesh_axes(mesh_axes)) if enabled else None
     token = _autocast.set(state)
     try:

@@ -23,7 +23,8 @@ from jax import lax
 from mtjax import backend
 from mtjax.dtypes import fp8_max
 from mtjax.fp8.autocast import current_autocast
-from mtjax.fp8.recipes import RECIPE_TYPES, CurrentScaling, DelayedScaling, Recipe
+from mtjax.fp8.block_scaling import block_fp8_matmul
+from mtjax.fp8.recipes import RECIPE_TYPES, BlockScaling, CurrentScaling, DelayedScaling, Recipe
 from mtjax.fp8.scaling import (
     FP8_COLLECTION,
     META_KEYS,
@@ -208,9 +209,9 @@ _fp8_prologue_matmul.defvjp(_fp8_prologue_matmul_fwd, _fp8_prologue_matmul_bwd)
 
 
 def _check_meta(meta: Any, recipe: Recipe) -> None:
-    if isinstance(recipe, CurrentScaling):
+    if isinstance(recipe, (CurrentScaling, BlockScaling)):
         if meta is not None:
-            raise ValueError("fp8_dot_general(meta=...): CurrentScaling keeps no state; pass meta=None")
+            raise ValueError(f"fp8_dot_general(meta=...): {type(recipe).__name__} keeps no state; pass meta=None")
         return
     expected = set(META_KEYS)
     if not isinstance(meta, Mapping) or set(meta) != expected:
@@ -236,9 +237,11 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
 
     Args:
       lhs, rhs, dimension_numbers, preferred_element_type: as ``lax.dot_general`` (floating inputs).
-      meta: the GEMM's state (`init_meta`) under `DelayedScaling`; ``None`` under `CurrentScaling`.
+      meta: the GEMM's state (`init_meta`) under `DelayedScaling`; ``None`` under `CurrentScaling`
+        and `BlockScaling`.
         Differentiating with respect to it gives the next state, not a gradient.
-      recipe: `DelayedScaling` (default) or `CurrentScaling`.
+      recipe: `DelayedScaling` (default), `CurrentScaling` or `BlockScaling` (1x128 tiles and
+        128x128 weight blocks, `mtjax.fp8.block_scaling`).
       mesh_axes: mesh axes amaxes are max-reduced over where bound (see `fp8_autocast`).
       implementation: the ``fp8_gemm`` implementation (default: chosen by `mtjax.backend`).
       lhs_prologue: an op applied to ``lhs`` first, whose output is the GEMM's left operand:
@@ -253,7 +256,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     """
     recipe = DelayedScaling() if recipe is None else recipe
     if not isinstance(recipe, RECIPE_TYPES):
-        raise TypeError(f"fp8_dot_general(recipe={recipe!r}): expected a DelayedScaling or CurrentScaling")
+        raise TypeError(f"fp8_dot_general(recipe={recipe!r}): expected a DelayedScaling, CurrentScaling or "
+                        "BlockScaling")
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"fp8_dot_general: {name} has dtype {x.dtype}; expected a floating dtype")
@@ -292,7 +296,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         x = lhs.reshape((m,) + lhs.shape[len(lhs_free):])
     w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(batch + (k, n))
     spec = _GemmSpec.build(recipe, reduce_axes, operand.dtype, rhs.dtype, result.dtype, implementation)
-    if lhs_prologue is None:
+    if isinstance(recipe, BlockScaling):  # per-tile scales from the prologue's output: two passes
+        out = block_fp8_matmul(x if lhs_prologue is None else lhs_prologue(x), w, spec)
+    elif lhs_prologue is None:
         out = _fp8_matmul(x, w, meta, spec)
     elif isinstance(recipe, CurrentScaling):  # its scale needs the prologue's amax first: two passes anyway
         out = _fp8_matmul(lhs_prologue(x), w, meta, spec)

@@ -1,15 +1,17 @@
 """FP8 recipes: which dtypes and which scales the FP8 GEMMs use.
 
 `DelayedScaling` (scales from past steps' amaxes, TransformerEngine's default) and `CurrentScaling`
-(each tensor's own amax) are per-tensor recipes. A recipe is a frozen dataclass checked on
-construction; `RECIPE_TYPES` lists them, so a new recipe (e.g. block scaling, with one scale per
-block of a tensor) is added here and where `mtjax.fp8.dot_general` dispatches on the recipe type.
+(each tensor's own amax) are per-tensor recipes; `BlockScaling` gives each 1x128 tile of an
+activation or gradient and each 128x128 block of a weight its own scale. A recipe is a frozen
+dataclass checked on construction; `RECIPE_TYPES` lists them, so a new recipe is added here and
+where `mtjax.fp8.dot_general` dispatches on the recipe type.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -89,7 +91,52 @@ class CurrentScaling:
         _check_format("CurrentScaling", self.fp8_format)
 
 
-Recipe = DelayedScaling | CurrentScaling
+# The side of the square weight blocks and the width of the activation/gradient tiles of `BlockScaling`.
+BLOCK_SIZE = 128
+# The formats block scaling accepts: every GEMM has an E4M3 operand (E5M2 x E5M2 has no tensor-core GEMM).
+BLOCK_FORMATS = (Format.E4M3, Format.HYBRID)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """Fine-grained scales from each tensor's own values (DeepSeek-V3's FP8 recipe; no state).
+
+    Activations and output gradients get one scale per ``1 x 128`` tile of a row (128 consecutive
+    values along the contracted axis), weights one per ``128 x 128`` block; the GEMMs apply the
+    scales per 128-wide block of the contraction in float32 (`mtjax.ops.block_fp8_gemm`). An
+    outlier then costs precision only to the 127 values that share its tile, not to the tensor.
+    Scales are computed from the current tensor in the step, so the recipe keeps no amax state.
+
+    Attributes:
+      fp8_format: ``Format.E4M3`` (everything in E4M3, as DeepSeek-V3) or ``Format.HYBRID`` (E5M2
+        output gradients).
+      power_of_two_scales: round each scale down to a power of two, so scaling and unscaling are
+        exact (a tile then uses between half and all of the FP8 range).
+      amax_epsilon: a floor on each tile's amax (``scale = fp8_max / max(amax, amax_epsilon)``), so
+        near-zero tiles do not get huge scales; ``0.0`` disables it.
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_of_two_scales: bool = False
+    amax_epsilon: float = 0.0
+
+    block_size = BLOCK_SIZE  # not a field: the GEMM kernels' K blocks are built for it
+
+    def __post_init__(self) -> None:
+        _check_format("BlockScaling", self.fp8_format)
+        if self.fp8_format not in BLOCK_FORMATS:
+            raise ValueError(f"BlockScaling(fp8_format={self.fp8_format!r}): accepted: "
+                             f"{[f'Format.{f.name}' for f in BLOCK_FORMATS]}")
+        if not isinstance(self.power_of_two_scales, bool):
+            raise TypeError(f"BlockScaling(power_of_two_scales={self.power_of_two_scales!r}): expected True or False")
+        epsilon = self.amax_epsilon
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+            raise TypeError(f"BlockScaling(amax_epsilon={epsilon!r}): expected a finite float >= 0")
+        if not (math.isfinite(epsilon) and epsilon >= 0):
+            raise ValueError(f"BlockScaling(amax_epsilon={epsilon!r}): expected a finite float >= 0")
+
+
+Recipe = DelayedScaling | CurrentScaling | BlockScaling
 
 # Every recipe type `fp8_autocast` and `fp8_dot_general` accept.
-RECIPE_TYPES = (DelayedScaling, CurrentScaling)
+RECIPE_TYPES = (DelayedScaling, CurrentScaling, BlockScaling)

@@ -12,6 +12,8 @@ from mtjax.ops.activation import (
                                   is_gated,
 )
 from mtjax.ops.attention import MASK_TYPES, attention
+from mtjax.ops.block_gemm import block_fp8_gemm
+from mtjax.ops.block_quantization import block_dequantize, block_quantize, tile_dequantize, tile_quantize
 from mtjax.ops.collective_matmul import (
                                   COLLECTIVE_MATMUL_KINDS,
                                   all_gather_matmul,
@@ -47,6 +49,7 @@ from mtjax.ops.softmax import softmax
 
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "Activation", "activation", "activation_fp8", "activation_grad_fp8", "attention",
+    "block_dequantize", "block_fp8_gemm", "block_quantize", "tile_dequantize", "tile_quantize",
     "canonical_activation", "cast_transpose", "dequantize", "fp8_gemm", "is_gated",
     "COLLECTIVE_MATMUL_KINDS", "all_gather_matmul", "matmul_reduce_scatter", "sequence_parallel_matmul",
     "CONTEXT_PARALLEL_STRATEGIES", "all_gather_attention", "attention_with_lse", "attention_with_lse_backward",

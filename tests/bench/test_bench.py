@@ -196,3 +196,16 @@ def test_measure_steps_threads_the_state_through_back_to_back_steps():
     assert calls == [10, 20, 10, 20, 10, 20, 10, 20]  # 2 warm-ups, then 3 samples of 2 steps
     with pytest.raises(ValueError, match="steps_per_sample=0"):
         timing.measure_steps(step, 0, [1], steps_per_sample=0)
+
+
+def test_recipe_variant_runs_fp8_only_under_that_recipe():
+    block = variants.parse("recipe=block")
+    assert block.recipe == "block" and variants.label(True, block) == "mtjax fp8 [recipe=block]"
+    assert variants.mtjax_variants([block])[2:] == [(True, block)]  # its bf16 row is the default one
+    assert variants.bf16_label(block) == "mtjax"
+    with variants.mtjax_context(True, block):
+        from mtjax import fp8
+
+        assert isinstance(fp8.current_autocast().recipe, fp8.BlockScaling)
+    with pytest.raises(ValueError, match=r"recipe='blocks'; accepted: \('delayed', 'current', 'block'\)"):
+        variants.parse("recipe=blocks")

@@ -1,0 +1,146 @@
+"""Block-scaled FP8 quantization as Pallas Triton kernels: 1x128 row tiles and 128x128 blocks.
+
+Block scaling (DeepSeek-V3's FP8 recipe) gives every ``1 x 128`` tile of an activation or gradient
+row and every ``128 x 128`` block of a weight its own float32 scale, from the tile's own amax.
+
+- `tile_quantize` casts ``x [m, k]`` in row tiles along ``k`` (scales ``[m, ceil(k/128)]``); with
+  ``transpose=True`` it also writes ``x.T [k, m]`` cast in row tiles along ``m`` (scales
+  ``[k, ceil(m/128)]``): the weight-gradient GEMM contracts over the tokens, so its operands need
+  tiles re-cut along that axis, from the original values (not from the first cast). Each program
+  reads one ``128 x 128`` tile of ``x`` once and writes both.
+- `block_quantize` casts ``w [k, n]`` in ``128 x 128`` blocks (scales ``[ceil(k/128), ceil(n/128)]``)
+  and writes its transpose too: a block's scale is the same for ``w`` and ``w.T``.
+
+The scale math (`tile_scales`) is shared with the jax.numpy references in `mtjax.ops`, so on the
+CPU (interpret mode) kernel and reference agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from mtjax.kernels.common import (
+    interpret,
+    saturate_cast,
+    unsupported_array,
+    unsupported_fp8_dtype,
+)
+
+TILE = 128  # the width of a row tile and the side of a weight block
+NUM_WARPS = 8
+# Rows per program when no transposed copy is written (each program then handles [ROWS, TILE]).
+ROWS = 64
+
+_EXPONENT_MASK = np.uint32(0xFF800000)  # sign and exponent bits of a float32
+
+
+def tile_scales(amax: jax.Array, fp8_max: float, power_of_two: bool, amax_epsilon: float
+                ) -> tuple[jax.Array, jax.Array]:
+    """``(scale, scale_inv)`` of tiles with these amaxes: ``scale = fp8_max / max(amax, amax_epsilon)``,
+    rounded down to a power of two if asked (by clearing the mantissa, exact everywhere); ``1`` for a
+    tile whose amax is 0, NaN or Inf (or whose scale would not be finite): an all-zero tile needs none,
+    and a non-finite one cannot be scaled (its NaN stays NaN, its Inf saturates)."""
+    amax = jnp.maximum(amax.astype(jnp.float32), jnp.float32(amax_epsilon))
+    scale = jnp.float32(fp8_max) / amax
+    usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale)
+    scale = jnp.where(usable, scale, jnp.float32(1.0))
+    if power_of_two:
+        scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint32) & _EXPONENT_MASK, jnp.float32)
+    return scale, jnp.float32(1.0) / scale
+
+
+def unsupported(shape, dtype, out_dtype) -> str | None:
+    """``None`` if the kernels take ``x`` of this shape and dtype, else why not."""
+    if len(shape) != 2:
+        return f"x of rank {len(shape)} (2-D only)"
+    reason = unsupported_fp8_dtype(out_dtype)
+    if reason is not None:
+        return reason
+    return unsupported_array(shape, dtype, max_row=None)
+
+
+def _load(x_ref, rows, cols, m, k, exact):
+    mask = None if exact else (rows < m)[:, None] & (cols < k)[None, :]
+    tile = x_ref.at[rows[:, None], cols[None, :]]
+    x = plgpu.load(tile) if mask is None else plgpu.load(tile, mask=mask, other=0.0)
+    return x.astype(jnp.float32), mask
+
+
+def _tile_kernel(x_ref, q_ref, s_ref, *rest, m, k, rows_per_program, transpose, fp8_max, power_of_two,
+                 amax_epsilon):
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = i * rows_per_program + jnp.arange(rows_per_program)
+    cols = j * TILE + jnp.arange(TILE)
+    exact = m % rows_per_program == 0 and k % TILE == 0
+    x, mask = _load(x_ref, rows, cols, m, k, exact)
+    # Masked elements load as 0, which never raises a max of absolute values.
+    scale, scale_inv = tile_scales(jnp.max(jnp.abs(x), axis=1), fp8_max, power_of_two, amax_epsilon)
+    plgpu.store(q_ref.at[rows[:, None], cols[None, :]], saturate_cast(x * scale[:, None], q_ref.dtype), mask=mask)
+    plgpu.store(s_ref.at[rows, j], scale_inv, mask=None if exact else rows < m)
+    if transpose:  # the same 128 x 128 tile, cut into row tiles of x.T (columns of x)
+        qt_ref, st_ref = rest
+        scale_t, scale_inv_t = tile_scales(jnp.max(jnp.abs(x), axis=0), fp8_max, power_of_two, amax_epsilon)
+        q_t = saturate_cast(x * scale_t[None, :], qt_ref.dtype)
+        plgpu.store(qt_ref.at[cols[:, None], rows[None, :]], q_t.T, mask=None if mask is None else mask.T)
+        plgpu.store(st_ref.at[cols, i], scale_inv_t, mask=None if exact else cols < k)
+
+
+def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: float, power_of_two: bool = False,
+                  amax_epsilon: float = 0.0, num_warps: int = NUM_WARPS) -> tuple[jax.Array, ...]:
+    """``(q [m, k], scale_inv [m, ceil(k/128)])``, plus ``(q_t [k, m], scale_inv_t [k, ceil(m/128)])``
+    with ``transpose=True``: ``x [m, k]`` cast in 1x128 row tiles (see the module docstring)."""
+    why = unsupported(x.shape, x.dtype, out_dtype)
+    if why is not None:
+        raise ValueError(f"tile_quantize: unsupported input: {why}")
+    m, k = x.shape
+    rows = TILE if transpose else ROWS
+    grid = (pl.cdiv(m, rows), pl.cdiv(k, TILE))
+    out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
+    if transpose:
+        out_shape += [jax.ShapeDtypeStruct((k, m), out_dtype), jax.ShapeDtypeStruct((k, grid[0]), jnp.float32)]
+    kernel = functools.partial(_tile_kernel, m=m, k=k, rows_per_program=rows, transpose=transpose, fp8_max=fp8_max,
+                               power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+    return tuple(pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret(), name="mtjax_tile_quantize",
+    )(x))
+
+
+def _block_kernel(w_ref, q_ref, qt_ref, s_ref, *, k, n, fp8_max, power_of_two, amax_epsilon):
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = i * TILE + jnp.arange(TILE)
+    cols = j * TILE + jnp.arange(TILE)
+    w, mask = _load(w_ref, rows, cols, k, n, k % TILE == 0 and n % TILE == 0)
+    scale, scale_inv = tile_scales(jnp.max(jnp.abs(w)), fp8_max, power_of_two, amax_epsilon)
+    q = saturate_cast(w * scale, q_ref.dtype)
+    plgpu.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=mask)
+    plgpu.store(qt_ref.at[cols[:, None], rows[None, :]], q.T, mask=None if mask is None else mask.T)
+    s_ref[i, j] = scale_inv
+
+
+def block_quantize(w: jax.Array, out_dtype, *, fp8_max: float, power_of_two: bool = False, amax_epsilon: float = 0.0,
+                   num_warps: int = NUM_WARPS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(q [k, n], q.T, scale_inv [ceil(k/128), ceil(n/128)])``: ``w [k, n]`` cast in 128x128 blocks."""
+    why = unsupported(w.shape, w.dtype, out_dtype)
+    if why is not None:
+        raise ValueError(f"block_quantize: unsupported input: {why}")
+    k, n = w.shape
+    grid = (pl.cdiv(k, TILE), pl.cdiv(n, TILE))
+    kernel = functools.partial(_block_kernel, k=k, n=n, fp8_max=fp8_max, power_of_two=power_of_two,
+                               amax_epsilon=amax_epsilon)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((n, k), out_dtype),
+                   jax.ShapeDtypeStruct(grid, jnp.float32)),
+        grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret(), name="mtjax_block_quantize",
+    )(w)

@@ -1,0 +1,173 @@
+"""The block-scaled FP8 kernels (kernels/block_quantize.py, kernels/block_fp8_gemm.py) against their
+jax.numpy references in `mtjax.ops`: bit-exact casts and scales in interpret mode (both share the
+scale math and round once from float32), masked tails at odd shapes, the GEMM with padded tiles and
+both kinds of scales; their Triton lowering for an H200; and on the GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax import backend, fp8, ops
+from mtjax.kernels import block_fp8_gemm as gemm_kernel
+from mtjax.kernels import block_quantize as quantize_kernels
+
+SMALL = gemm_kernel.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
+
+
+def _x(seed, shape, dtype=jnp.float32, scale=3.0):
+    """Random values whose rows span several decades, so tiles get different scales."""
+    key_x, key_r = jax.random.split(jax.random.key(seed))
+    rows = 10.0 ** jax.random.uniform(key_r, shape[:1] + (1,), minval=-3, maxval=2)
+    return (jax.random.normal(key_x, shape, jnp.float32) * scale * rows).astype(dtype)
+
+
+def _assert_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, g.shape, w.dtype, w.shape)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+# Few shapes (each compiles the interpreter anew): exact tiles, and masked tails in both axes.
+@pytest.mark.parametrize("m, k, transpose, dtype, out_dtype, power_of_two", [
+    (200, 300, True, jnp.bfloat16, jnp.float8_e4m3fn, False),
+    (5, 130, False, jnp.float32, jnp.float8_e5m2, True),
+    (128, 128, True, jnp.float32, jnp.float8_e4m3fn, True),
+])
+def test_tile_quantize_kernel_matches_reference(interpret, m, k, transpose, dtype, out_dtype, power_of_two):
+    x = _x(m + k, (m, k), dtype)
+    kwargs = dict(transpose=transpose, power_of_two=power_of_two)
+    _assert_equal(ops.tile_quantize(x, out_dtype, implementation="pallas_triton", **kwargs),
+                  ops.tile_quantize(x, out_dtype, implementation="xla", **kwargs))
+
+
+@pytest.mark.parametrize("k, n, out_dtype, power_of_two, amax_epsilon", [
+    (300, 260, jnp.float8_e4m3fn, False, 1e-2), (128, 3, jnp.float8_e5m2, True, 0.0)])
+def test_block_quantize_kernel_matches_reference(interpret, k, n, out_dtype, power_of_two, amax_epsilon):
+    w = _x(k + n, (k, n), jnp.bfloat16, 0.05)
+    kwargs = dict(power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+    _assert_equal(ops.block_quantize(w, out_dtype, implementation="pallas_triton", **kwargs),
+                  ops.block_quantize(w, out_dtype, implementation="xla", **kwargs))
+
+
+def _operands(seed, m, k, n, b_blocks, b_dtype=jnp.float8_e4m3fn):
+    a, a_s = ops.tile_quantize(_x(seed, (m, k)), jnp.float8_e4m3fn)
+    if b_blocks:
+        b, _, b_s = ops.block_quantize(_x(seed + 1, (n, k), scale=0.1), b_dtype)
+    else:
+        b, b_s = ops.tile_quantize(_x(seed + 1, (n, k), scale=0.1), b_dtype)
+    return a, a_s, b, b_s
+
+
+@pytest.mark.parametrize("m, k, n, b_blocks, b_dtype", [
+    (64, 256, 128, True, jnp.float8_e4m3fn), (37, 300, 70, False, jnp.float8_e5m2)], ids=["blocks", "rows-mixed"])
+def test_gemm_kernel_matches_reference(interpret, m, k, n, b_blocks, b_dtype):
+    a, a_s, b, b_s = _operands(0, m, k, n, b_blocks, b_dtype)
+    want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
+    got = gemm_kernel.block_fp8_gemm(a, a_s, b, jnp.repeat(b_s, 128, axis=0)[:n] if b_blocks else b_s, jnp.float32,
+                                     config=SMALL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+    # The dispatched op (default tiles) gives the same; bf16 output rounds once from float32.
+    got = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.bfloat16, implementation="pallas_triton")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
+
+
+def test_gemm_reference_is_the_dequantized_product():
+    """Promotion per K block is the f32 product of the dequantized operands up to f32 rounding."""
+    a, a_s, b, b_s = _operands(1, 48, 384, 160, True, jnp.float8_e5m2)
+    got, want = jax.jit(lambda a, a_s, b, b_s: (
+        ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla"),
+        ops.tile_dequantize(a, a_s) @ ops.block_dequantize(b, b_s).T))(a, a_s, b, b_s)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_errors_name_the_argument():
+    a, a_s = jnp.ones((8, 256), jnp.float8_e4m3fn), jnp.ones((8, 2))
+    b, b_s = jnp.ones((16, 256), jnp.float8_e4m3fn), jnp.ones((1, 2))
+    with pytest.raises(TypeError, match="block_fp8_gemm: a has dtype"):
+        ops.block_fp8_gemm(a.astype(jnp.bfloat16), a_s, b, b_s, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"must be \[m, k\] and \[n, k\]"):
+        ops.block_fp8_gemm(a, a_s, b[:, :128], b_s, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="a_scale_inv has shape"):
+        ops.block_fp8_gemm(a, a_s[:, :1], b, b_s, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="b_scale_inv has shape"):
+        ops.block_fp8_gemm(a, a_s, b, jnp.ones((3, 2)), out_dtype=jnp.float32)
+    with pytest.raises(TypeError, match="tile_quantize"):
+        ops.tile_quantize(jnp.ones((4, 4)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="rank"):
+        ops.tile_quantize(jnp.ones((2, 4, 4)), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        ops.block_quantize(jnp.ones((4, 4)), jnp.float8_e4m3fn, amax_epsilon=-1.0)
+    with pytest.raises(ValueError, match="block_m"):
+        gemm_kernel.GemmConfig(block_m=48)
+    assert "rank 3" in quantize_kernels.unsupported((2, 3, 4), jnp.bfloat16, jnp.float8_e4m3fn)
+    assert "float8_e4m3fnuz" in gemm_kernel.unsupported((4, 4), jnp.float8_e4m3fnuz, (4, 4), jnp.float8_e4m3fn)
+
+
+def _triton_calls(fn, *shapes):
+    with backend.abstract_gpu():
+        text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("m, k, n", [(4096, 4096, 2048), (1000, 2050, 700)])
+def test_gemm_kernel_lowers_for_cuda(m, k, n):
+    kb = -(-k // 128)
+    shapes = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
+              jax.ShapeDtypeStruct((n, k), jnp.float8_e5m2), jax.ShapeDtypeStruct((-(-n // 128), kb), jnp.float32)]
+    assert _triton_calls(lambda *args: ops.block_fp8_gemm(*args, out_dtype=jnp.bfloat16), *shapes) == 1
+    for config in gemm_kernel.SWEEP_CONFIGS:  # every tile the benchmark sweeps lowers
+        fn = lambda a, sa, b, sb: gemm_kernel.block_fp8_gemm(a, sa, b, jnp.repeat(sb, 128, 0)[:n], jnp.bfloat16,  # noqa: E731
+                                                             config=config)
+        assert _triton_calls(fn, *shapes) == 1
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048), (4000, 2050)])
+def test_quantize_kernels_lower_for_cuda(shape):
+    def fn(x):
+        return (ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True), ops.tile_quantize(x, jnp.float8_e5m2),
+                ops.block_quantize(x, jnp.float8_e4m3fn, power_of_two=True))
+
+    assert _triton_calls(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16)) == 3
+
+
+def test_block_scaled_dense_lowers_to_kernels_for_cuda():
+    """Forward and both backward GEMMs of a block-scaled dense layer, and the large casts, are kernels."""
+    dims = (((1,), (0,)), ((), ()))
+
+    def fwd_bwd(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, dims, recipe=fp8.BlockScaling()), x, w)
+        return (y, *vjp(dy))
+
+    x, w, dy = ((4096, 2048), (2048, 4096), (4096, 4096))
+    # 3 GEMMs + the casts of x (with x^T) and dy (with dy^T) + w's blocks (8M elements each, above too_small)
+    assert _triton_calls(fwd_bwd, *(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (x, w, dy))) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 2048), (999, 4097)])
+def test_quantize_kernels_on_gpu(shape):
+    x = _x(0, shape, jnp.bfloat16)
+    for out_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        got = ops.tile_quantize(x, out_dtype, transpose=True, power_of_two=True, implementation="pallas_triton")
+        _assert_equal(got, ops.tile_quantize(x, out_dtype, transpose=True, power_of_two=True, implementation="xla"))
+        # Without power-of-two scales Triton's float32 division may differ from XLA's in the last bit.
+        got = ops.tile_quantize(x, out_dtype, transpose=True, implementation="pallas_triton")
+        want = ops.tile_quantize(x, out_dtype, transpose=True, implementation="xla")
+        for g, w in zip(got[1::2], want[1::2]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+        got = ops.block_quantize(x, out_dtype, power_of_two=True, implementation="pallas_triton")
+        _assert_equal(got, ops.block_quantize(x, out_dtype, power_of_two=True, implementation="xla"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n", [(1024, 2048, 1024), (1000, 2050, 700)])
+@pytest.mark.parametrize("config", [gemm_kernel.DEFAULT_CONFIG, *gemm_kernel.SWEEP_CONFIGS], ids=lambda c: c.label())
+def test_gemm_kernel_on_gpu(m, k, n, config):
+    a, a_s, b, b_s = _operands(0, m, k, n, True)
+    want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
+    got = gemm_kernel.block_fp8_gemm(a, a_s, b, jnp.repeat(b_s, 128, axis=0)[:n], jnp.float32, config=config)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
