@@ -30,14 +30,24 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
 
 
+# Seconds a process may go without a heartbeat before the coordination service declares it dead
+# and every other process stops (jax's own default is 100).
+HEARTBEAT_TIMEOUT_SECONDS = 60
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, cluster_detection: bool = False) -> bool:
+               process_id: int | None = None, *, cluster_detection: bool = False,
+               heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT_SECONDS) -> bool:
     """Join a multi-process run; returns True if one was joined, False for a single-process run.
 
     Each argument falls back to its environment variable (``JAX_COORDINATOR_ADDRESS``,
     ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). Without any of them the run is single-process,
     unless ``cluster_detection`` asks jax to read them from the cluster (SLURM, Open MPI,
     Kubernetes, Cloud TPU). Must be called before jax creates its backends (before any array).
+
+    ``heartbeat_timeout_seconds`` bounds how long the others wait for a process that died or hangs:
+    after it, the coordination service reports the missing process to every other one, which stops
+    (jax terminates it with a message naming the task) instead of waiting in a collective forever.
 
     Raises:
       ValueError: only some of the three were given, or they are inconsistent.
@@ -55,12 +65,16 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             f"num_processes and process_id (flags --coordinator-address/--num-processes/--process-id or "
             f"{ENV_COORDINATOR}/{ENV_NUM_PROCESSES}/{ENV_PROCESS_ID}), or none"
         )
+    if not isinstance(heartbeat_timeout_seconds, int) or heartbeat_timeout_seconds < 1:
+        raise ValueError(f"distributed.initialize(heartbeat_timeout_seconds={heartbeat_timeout_seconds!r}): "
+                         "expected a positive int")
     if num_processes is not None and (num_processes < 1 or not 0 <= (process_id or 0) < num_processes):
         raise ValueError(f"distributed.initialize: process_id={process_id} must be in [0, num_processes={num_processes})")
     # CPU devices of different processes talk through gloo (the default CPU backend has no
     # cross-process collectives); GPU runs are unaffected by this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     return True
 
 

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from mtjax.models import GPT
-    from mtjax.train.checkpoint import Checkpointer
+    from mtjax.train.checkpoint import CheckpointError, Checkpointer
     from mtjax.train.cli import RunConfig
     from mtjax.train.tokenizer import load_tokenizer
 
@@ -98,17 +98,25 @@ def run(args: argparse.Namespace) -> int:
     with Checkpointer(directory) as checkpointer:
         try:
             meta = checkpointer.restore_meta(args.step)
-        except FileNotFoundError as err:
-            print(f"mtjax generate: error: {err}", file=sys.stderr)
+            run_config = RunConfig(**meta["run"])
+        except (FileNotFoundError, CheckpointError, KeyError, TypeError) as err:
+            print(f"mtjax generate: error: {err if isinstance(err, (FileNotFoundError, CheckpointError)) else 'its meta holds no run configuration'}",
+                  file=sys.stderr)
             return 2
-        run_config = RunConfig(**meta["run"])
         model = GPT(run_config.model_config())
         tokenizer = load_tokenizer(run_config.tokenizer)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                        nn.meta.unbox(shapes["params"]))
-        params = checkpointer.restore_params(abstract_params, args.step)
+        try:
+            params = checkpointer.restore_params(abstract_params, args.step)
+        except CheckpointError as err:
+            print(f"mtjax generate: error: {err}", file=sys.stderr)
+            return 2
+    if not all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(params)):
+        print(f"mtjax generate: error: the checkpoint in {directory} holds NaN or Inf parameters", file=sys.stderr)
+        return 2
     try:
         ids = sample(model, params, tokenizer.encode(args.prompt), max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)
