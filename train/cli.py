@@ -40,7 +40,13 @@ def _positive_int(text: str) -> int:
 
 
 def _non_negative_int(text: str) -> int:
-    return 0 if text == "0" else _positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -567,6 +573,11 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     skipped_steps = 0
     last_good = {"step": resumed_step}  # the newest checkpoint known to be good
 
+    def last_good_text() -> str:
+        if last_good["step"] is None:
+            return f"no checkpoint saved in {checkpointer.directory}"
+        return f"the last good checkpoint is step {last_good['step']} in {checkpointer.directory}"
+
     def check(checked_step: int, metrics: dict[str, Any]) -> None:
         """Stop on (or count) a non-finite loss or gradient norm of step ``checked_step``."""
         nonlocal skipped_steps
@@ -575,8 +586,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return
         where = (f"step {checked_step}: loss {loss}, gradient norm {grad_norm}")
-        good = (f"the last good checkpoint is step {last_good['step']} in {checkpointer.directory}"
-                if last_good["step"] is not None else "no checkpoint was saved")
+        good = last_good_text()
         if skip_nonfinite:
             skipped_steps += 1
             _note(f"warning: {where}: update skipped ({skipped_steps} skipped so far, "
@@ -642,8 +652,12 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     except jax.errors.JaxRuntimeError as err:
         if jax.process_count() == 1:
             raise
-        status, failure = 1, (f"step {step + 1} failed on process {jax.process_index()}: a peer process died or "
-                              f"became unreachable ({str(err).splitlines()[0][:300]})")
+        # A collective failed: a peer died or hangs. Waiting for saves or jax's shutdown barrier would
+        # hang on it or abort in C++, so say why and leave at once (the last complete checkpoint stays).
+        _fail(f"step {step + 1} failed on process {jax.process_index()}: a peer process died or became "
+              f"unreachable ({str(err).splitlines()[0][:300]}); {last_good_text()}", 1)
+        sys.stdout.flush()
+        os._exit(1)
     finally:
         progress.close()
         for close in (checkpointer.close, log.close):
