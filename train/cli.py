@@ -175,8 +175,7 @@ def _note(text: str) -> None:
     print(f"mtjax train: {text}", file=sys.stderr, flush=True)
 
 
-def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None,
-             resumed_step: int | None = None) -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
+def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None) -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
     """The run's settings: flags, else the checkpoint's run (``saved``), else the preset.
 
     Returns (config, preset, overridden): ``overridden`` maps each `RUN_FLAGS` field whose flag
@@ -201,9 +200,6 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
         _note(f"the {args.preset} preset's {values['warmup_steps']} warmup steps are not fewer than --steps "
               f"{steps}: warming up for {steps - 1}")
         values["warmup_steps"] = steps - 1
-    if resumed_step is not None and steps <= resumed_step:
-        raise ValueError(f"--steps {steps}: the checkpoint is at step {resumed_step} already; nothing to train "
-                         f"(ask for more steps, with --override)")
     seq_len = values["seq_len"]
     base = gpt_config(preset.model)
     overrides: dict[str, Any] = {}
@@ -401,7 +397,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
             if saved is None:
                 _note(f"no checkpoint in {workdir} yet; starting from scratch")
                 candidates = None
-        config, preset, overridden = _resolve(args, tokenizer, saved, candidates[0] if candidates else None)
+        config, preset, overridden = _resolve(args, tokenizer, saved)
         if overridden and not args.override:
             asked = ", ".join(f"{RUN_FLAGS[n]} {new}" for n, (_, new) in overridden.items())
             had = ", ".join(f"{n}={old}" for n, (old, _) in overridden.items())
@@ -515,6 +511,10 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             state, meta, resumed_step = checkpointer.restore_newest(
                 abstract, setup.resume_candidates, accept=accept, warn=lambda text: _note(f"warning: {text}"))
             position = meta["data"]["position"]
+            if resumed_step >= run_config.steps:
+                checkpointer.close()
+                return _fail(f"--steps {run_config.steps}: the checkpoint is at step {resumed_step} already; nothing "
+                             "to train (ask for more steps, with --override)")
             newer = [s for s in checkpointer.all_steps() if s > resumed_step]
             if newer:
                 moved = checkpointer.set_aside(newer)
@@ -591,7 +591,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             skipped_steps += 1
             _note(f"warning: {where}: update skipped ({skipped_steps} skipped so far, "
                   f"--max-skipped-steps {args.max_skipped_steps})")
-            log.write({"step": checked_step, "skipped": 1, "skipped_steps": skipped_steps})
+            log.write({"step": checked_step, "skipped_steps": skipped_steps})
             if skipped_steps > args.max_skipped_steps:
                 raise Diverged(f"{where}: {skipped_steps} steps skipped for a non-finite loss or gradient, more than "
                                f"--max-skipped-steps {args.max_skipped_steps}; stopping without saving; {good}")
