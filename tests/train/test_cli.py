@@ -106,3 +106,22 @@ def test_bad_flags_get_a_clear_message(flags, message, corpus, tmp_path, capsys)
         status = exit_.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_workdir_that_is_a_file_is_named(corpus, tmp_path, capsys):
+    """Issue 27 defect 6: --workdir pointing at a file gave a NotADirectoryError traceback."""
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    assert main(["train", "--data", corpus, "--workdir", str(path), *SMALL]) == 2
+    assert f"--workdir {path}: {path} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_data_that_is_not_utf8_is_an_error_unless_replace_is_asked(corpus, tmp_path, capsys):
+    """Issue 27 defect 7: a Latin-1 --data file trained on U+FFFD without a word."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "latin1.txt").write_bytes(("caf\u00e9 " * 5000).encode("latin-1"))
+    argv = ["train", "--data", str(data), "--workdir", str(tmp_path / "run"), *SMALL]
+    assert main(argv) == 2
+    assert "latin1.txt: not UTF-8 text (byte 3" in capsys.readouterr().err
+    assert main([*argv, "--data-errors", "replace", "--steps", "1", "--save-every", "0"]) == 0

@@ -374,3 +374,16 @@ def test_a_dead_peer_ends_the_other_process_with_a_clear_message(corpus, tmp_pat
             w.kill()
     assert workers[0].returncode == 1, err[-3000:]
     assert "a peer process died or became unreachable" in err
+
+
+def test_resume_with_changed_settings_needs_override(corpus, copy_of_base, capsys):
+    """Issue 27 defect 7: another --batch-size/--seq-len/--lr/--steps on resume changed the run silently."""
+    workdir = copy_of_base
+    for flags, named in ((["--batch-size", "16"], "--batch-size 16"), (["--lr", "0.1"], "--lr 0.1"),
+                         (["--seq-len", "16"], "--seq-len 16"), (["--steps", "9"], "--steps 9")):
+        assert _train(corpus, workdir, "--resume", *flags) == 2
+        [line] = _error_lines(capsys.readouterr().err)
+        assert f"--resume with {named}, but the checkpoint's run has" in line and "--override" in line
+    assert _train(corpus, workdir, "--resume") == 2  # the run is complete
+    assert "--steps 6: the checkpoint is at step 6 already; nothing to train" in capsys.readouterr().err
+    assert _steps(workdir) == [2, 4, 6]
