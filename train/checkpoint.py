@@ -276,9 +276,9 @@ class Checkpointer:
                        warn: Callable[[str], None] | None = None) -> tuple[TrainState, dict[str, Any], int]:
         """(state, meta, step) of the newest restorable checkpoint among ``steps`` (default: all).
 
-        A checkpoint that cannot be read is skipped with a warning naming it (``warn``, default
-        stderr); ``accept(step, meta)`` may raise to refuse one (e.g. another model), which is not
-        skipped but raised.
+        A checkpoint that cannot be read is skipped with a warning naming it and the step tried
+        next (``warn``, default stderr); ``accept(step, meta)`` may raise `CheckpointError` to skip
+        one the same way (e.g. one of another model).
 
         Raises:
           CheckpointError: none of ``steps`` can be restored (the message lists why, per step).

@@ -164,6 +164,8 @@ class RunConfig:
         return gpt_config(self.model, **self.model_overrides)
 
 
+# RunConfig fields the saved state's structure depends on: a resume must match them.
+STATE_FIELDS = ("model", "model_overrides", "tokenizer", "fp8")
 # RunConfig fields that change what a resumed run computes, and their flags.
 RUN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len",
              "learning_rate": "--lr", "warmup_steps": "--warmup-steps", "seed": "--seed"}
@@ -175,31 +177,29 @@ def _note(text: str) -> None:
     print(f"mtjax train: {text}", file=sys.stderr, flush=True)
 
 
-def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None) -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
+def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None,
+             workdir: str = "") -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
     """The run's settings: flags, else the checkpoint's run (``saved``), else the preset.
 
     Returns (config, preset, overridden): ``overridden`` maps each `RUN_FLAGS` field whose flag
     differs from ``saved`` to (saved value, new value); that is an error unless ``--override``.
+
+    Raises:
+      ValueError: an unusable combination, or a model/tokenizer/FP8 setting (`STATE_FIELDS`)
+        that differs from ``saved`` (the saved state would not fit).
     """
     from mtjax.models import gpt_config
 
     preset = PRESETS[args.preset]
     defaults = dict(steps=preset.steps, batch_size=preset.batch_size, seq_len=preset.seq_len,
                     learning_rate=preset.learning_rate, warmup_steps=preset.warmup_steps, seed=0, grad_accum=1)
-    if saved is not None:
-        defaults = {name: getattr(saved, name) for name in defaults}
+    if saved is not None:  # a resumed run keeps its settings; grad_accum is a memory knob of this mesh
+        defaults.update({name: getattr(saved, name) for name in RUN_FLAGS})
     values = {name: defaults[name] if getattr(args, arg) is None else getattr(args, arg)
               for name, arg in _ARG_NAMES.items()}
     overridden = {name: (getattr(saved, name), values[name]) for name in RUN_FLAGS
                   if saved is not None and getattr(args, _ARG_NAMES[name]) is not None
                   and values[name] != getattr(saved, name)}
-    steps = values["steps"]
-    if values["warmup_steps"] >= steps:
-        if args.warmup_steps is not None or saved is not None:
-            raise ValueError(f"--warmup-steps {values['warmup_steps']} must be fewer than --steps {steps}")
-        _note(f"the {args.preset} preset's {values['warmup_steps']} warmup steps are not fewer than --steps "
-              f"{steps}: warming up for {steps - 1}")
-        values["warmup_steps"] = steps - 1
     seq_len = values["seq_len"]
     base = gpt_config(preset.model)
     overrides: dict[str, Any] = {}
@@ -207,12 +207,30 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
         overrides["vocab_size"] = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if seq_len > base.max_seq_len:
         overrides["max_seq_len"] = seq_len
-    if args.remat is not None:
-        overrides["remat_policy"] = args.remat
+    remat = args.remat if args.remat is not None or saved is None else saved.model_overrides.get("remat_policy")
+    if remat is not None:
+        overrides["remat_policy"] = remat
     run = RunConfig(
         preset=args.preset, model=preset.model, model_overrides=overrides, tokenizer=tokenizer.spec,
-        batch_size=values["batch_size"], seq_len=seq_len, steps=steps, learning_rate=values["learning_rate"],
-        warmup_steps=values["warmup_steps"], grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8)
+        batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],
+        learning_rate=values["learning_rate"], warmup_steps=values["warmup_steps"],
+        grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8)
+    if saved is not None and any(getattr(saved, name) != getattr(run, name) for name in STATE_FIELDS):
+        raise ValueError(f"the checkpoint in {workdir} was written with "
+                         f"{ {name: getattr(saved, name) for name in STATE_FIELDS} }; this run asks for "
+                         f"{ {name: getattr(run, name) for name in STATE_FIELDS} }")
+    if overridden and not args.override:
+        asked = ", ".join(f"{RUN_FLAGS[n]} {new}" for n, (_, new) in overridden.items())
+        had = ", ".join(f"{n}={old}" for n, (old, _) in overridden.items())
+        raise ValueError(f"--resume with {asked}, but the checkpoint's run has {had}: that changes the run. "
+                         "Leave those flags out to continue it as it was, or pass --override")
+    if run.warmup_steps >= run.steps:
+        if args.warmup_steps is not None or saved is not None:
+            whose = "" if args.warmup_steps is not None else " (the checkpoint's)"
+            raise ValueError(f"--warmup-steps {run.warmup_steps}{whose} must be fewer than --steps {run.steps}")
+        _note(f"the {args.preset} preset's {run.warmup_steps} warmup steps are not fewer than --steps "
+              f"{run.steps}: warming up for {run.steps - 1}")
+        run = dataclasses.replace(run, warmup_steps=run.steps - 1)
     if run.batch_size % run.grad_accum:
         raise ValueError(f"--batch-size {run.batch_size} is not divisible by --grad-accum {run.grad_accum}")
     run.model_config()  # validates the overrides
@@ -237,8 +255,8 @@ class MetricsWriteError(RuntimeError):
 
 
 class _MetricsLog:
-    """``metrics.jsonl`` (appended to on resume, after dropping records past the resumed step) and the
-    loss curve drawn from it at the end. A failed write raises `MetricsWriteError` once; later
+    """``metrics.jsonl`` (appended to, after dropping the records past the step the run starts from) and
+    the loss curve drawn from it at the end. A failed write raises `MetricsWriteError` once; later
     writes and `close` do nothing."""
 
     def __init__(self, path: str, enabled: bool, resumed_step: int | None = None):
@@ -385,7 +403,6 @@ def _setup(args: argparse.Namespace) -> _Setup:
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"--workdir {args.workdir or workdir}: {path} is a file, not a folder")
     tokenizer = load_tokenizer(args.tokenizer)
-    save_every_flag = args.save_every
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=args.keep)
     try:
         saved, candidates = None, None
@@ -397,18 +414,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
             if saved is None:
                 _note(f"no checkpoint in {workdir} yet; starting from scratch")
                 candidates = None
-        config, preset, overridden = _resolve(args, tokenizer, saved)
-        if overridden and not args.override:
-            asked = ", ".join(f"{RUN_FLAGS[n]} {new}" for n, (_, new) in overridden.items())
-            had = ", ".join(f"{n}={old}" for n, (old, _) in overridden.items())
-            raise ValueError(f"--resume with {asked}, but the checkpoint's run has {had}: that changes the run. "
-                             "Leave those flags out to continue it as it was, or pass --override")
-        if saved is not None:
-            kept = ("model", "model_overrides", "tokenizer", "fp8")  # what the saved state's structure depends on
-            if any(getattr(saved, name) != getattr(config, name) for name in kept):
-                raise ValueError(f"the checkpoint in {workdir} was written with "
-                                 f"{ {name: getattr(saved, name) for name in kept} }; this run asks for "
-                                 f"{ {name: getattr(config, name) for name in kept} }")
+        config, preset, overridden = _resolve(args, tokenizer, saved, workdir)
         _check_tensor_parallel(config.model_config(), args.tp)
         other = args.fsdp * args.tp
         dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
@@ -428,8 +434,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
                 raise ValueError(f"--data holds {dataset.num_sequences} sequences of {config.seq_len} tokens: too few "
                                  f"to hold {eval_sequences} out for evaluation (use --eval-batches 0 or more data)")
             train_data, eval_data = dataset.split(eval_sequences)
-        save_every = preset.save_every if save_every_flag is None else save_every_flag or None
-        checkpointer.save_every = save_every
+        checkpointer.save_every = preset.save_every if args.save_every is None else args.save_every or None
     except BaseException:
         checkpointer.close()
         raise
@@ -500,13 +505,11 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     resumed_step = None
     try:
         if setup.resume_candidates:
-            kept = ("model", "model_overrides", "tokenizer", "fp8")
-
             def accept(step: int, meta: dict[str, Any]) -> None:
                 saved = meta.get("run", {})
-                if any(saved.get(name) != getattr(run_config, name) for name in kept):
+                if any(saved.get(name) != getattr(run_config, name) for name in STATE_FIELDS):
                     raise CheckpointError(f"checkpoint {checkpointer.step_path(step)} holds another model "
-                                          f"({ {name: saved.get(name) for name in kept} })")
+                                          f"({ {name: saved.get(name) for name in STATE_FIELDS} })")
 
             state, meta, resumed_step = checkpointer.restore_newest(
                 abstract, setup.resume_candidates, accept=accept, warn=lambda text: _note(f"warning: {text}"))
@@ -519,7 +522,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             if newer:
                 moved = checkpointer.set_aside(newer)
                 _note(f"resuming from step {resumed_step}; set aside the newer checkpoint(s) {', '.join(moved)}")
-            elif resumed_step != setup.resume_candidates[0] or len(setup.resume_candidates) > 1:
+            else:
                 _note(f"resuming from step {resumed_step}")
         else:
             state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
@@ -552,7 +555,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
 
     try:
         os.makedirs(setup.workdir, exist_ok=True)
-        log = _MetricsLog(os.path.join(setup.workdir, "metrics.jsonl"), enabled=is_main, resumed_step=resumed_step)
+        # Records past the step this run starts from belong to a run that is being replaced.
+        log = _MetricsLog(os.path.join(setup.workdir, "metrics.jsonl"), enabled=is_main,
+                          resumed_step=resumed_step or 0)
     except (OSError, MetricsWriteError) as err:
         checkpointer.close()
         return _fail(str(err), 1)

@@ -99,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             meta = checkpointer.restore_meta(args.step)
             run_config = RunConfig(**meta["run"])
-        except (FileNotFoundError, CheckpointError, KeyError, TypeError) as err:
-            print(f"mtjax generate: error: {err if isinstance(err, (FileNotFoundError, CheckpointError)) else 'its meta holds no run configuration'}",
-                  file=sys.stderr)
+        except (FileNotFoundError, CheckpointError) as err:
+            print(f"mtjax generate: error: {err}", file=sys.stderr)
+            return 2
+        except (KeyError, TypeError):
+            print(f"mtjax generate: error: the checkpoint in {directory} holds no run configuration", file=sys.stderr)
             return 2
         model = GPT(run_config.model_config())
         tokenizer = load_tokenizer(run_config.tokenizer)

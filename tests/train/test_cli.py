@@ -65,8 +65,13 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     assert "--resume" in capsys.readouterr().err
     assert main([*args[:-1], "--steps", str(stopped_at + 2), "--resume"]) == 2  # FP8 state, run without --fp8
     assert "'fp8': True" in capsys.readouterr().err
+    assert main([*args, "--steps", str(stopped_at + 2), "--resume"]) == 2  # another schedule: only with --override
+    assert f"--resume with --steps {stopped_at + 2}" in capsys.readouterr().err
     # Resume on dp=8: the checkpoint is laid out onto the new mesh.
-    assert main([*args, "--steps", str(stopped_at + 2), "--resume", "--eval-batches", "0"]) == 0
+    assert main([*args, "--steps", str(stopped_at + 2), "--resume", "--override", "--eval-batches", "0"]) == 2
+    assert f"--warmup-steps 40 (the checkpoint's) must be fewer than --steps {stopped_at + 2}" in capsys.readouterr().err
+    assert main([*args, "--steps", str(stopped_at + 2), "--warmup-steps", "1", "--resume", "--override",
+                 "--eval-batches", "0"]) == 0
     assert [r["step"] for r in _records(workdir) if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
     assert str(stopped_at + 2) in os.listdir(os.path.join(workdir, "checkpoints"))
     assert os.path.getsize(os.path.join(workdir, "loss.png")) > 0
