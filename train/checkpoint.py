@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -50,11 +51,15 @@ class NonFiniteStateError(ValueError):
 
 
 def _os_error(err: BaseException) -> OSError | None:
-    """The first OSError in ``err``'s chain of causes (orbax wraps the OS's errors), or None."""
+    """The first OS error in ``err``'s chain of causes, or None: an OSError, or a TensorStore error
+    carrying one (``... [os_error_code='28']``, how the array writer reports a full disk)."""
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, OSError):
             return err
+        code = re.search(r"os_error_code='?(\d+)", str(err))
+        if code:
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None

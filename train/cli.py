@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -265,7 +266,7 @@ class _MetricsLog:
         if not enabled:
             return
         try:
-            if resumed_step is not None and os.path.exists(path):
+            if resumed_step is not None and os.path.isfile(path):  # not a device or a pipe
                 self._truncate(resumed_step)
             self._file = open(path, "a")
         except OSError as err:
@@ -654,6 +655,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             pending = None
     except (Diverged, CheckpointError, NonFiniteStateError, MetricsWriteError) as err:
         status, failure = 1, str(err)
+        if isinstance(err, CheckpointError):
+            # The failed write's abandoned asyncio tasks would print the same error again at exit.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     except jax.errors.JaxRuntimeError as err:
         if jax.process_count() == 1:
             raise
