@@ -23,8 +23,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import (check_fp8_dtype, check_size, interpret, next_power_of_2, reduce_tile_maxima,
-                                   saturate_cast, unsupported)
+from mtjax.kernels.common import (
+    check_kernel_fp8_dtype,
+    check_size,
+    interpret,
+    next_power_of_2,
+    reduce_tile_maxima,
+    saturate_cast,
+    unsupported_array,
+)
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
@@ -201,7 +208,7 @@ def backward(x, bias, dy, *, activation: str, tile_override=None):
 
 
 # The FP8 backward writes each tile and its transpose: square tiles, as `kernels.quantize`'s
-# cast_transpose (whose 64x64 tiles on 8 warps ran at 2580 GB/s on the H200).
+# cast_transpose (whose 64x64 tiles on 8 warps are its fastest).
 BACKWARD_FP8_TILE = (64, 64, 8)
 
 
@@ -254,15 +261,16 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
     return outs[0], outs[1], reduce_tile_maxima(outs[2]), dbias
 
 
-def supported(x_shape, x_dtype, activation: str) -> str | None:
-    """``None`` if the kernels take this input, else why not (for the op's ``supports=``)."""
+def unsupported(x_shape, x_dtype, activation: str) -> str | None:
+    """``None`` if the kernels take this input, else why not (for the op's ``unsupported=``)."""
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} (kernels: {sorted(ACTIVATIONS)})"
-    return unsupported(x_shape, x_dtype, max_row=None)
+    return unsupported_array(x_shape, x_dtype, max_row=None)
 
 
 def _rows(x: jax.Array, activation: str) -> jax.Array:
-    """The 2-D view the launchers take: ``[rows, 2 * hidden]`` for gated ``[..., 2, hidden]``, else ``[rows, hidden]``."""
+    """The 2-D view the launchers take: ``[rows, 2 * hidden]`` for gated ``[..., 2, hidden]``, else
+    ``[rows, hidden]``."""
     k = x.shape[-1] * (2 if ACTIVATIONS[activation][1] else 1)
     return x.reshape(-1, k)
 
@@ -306,7 +314,7 @@ def activation_grad_fp8(x: jax.Array, bias: jax.Array | None, dy: jax.Array, sca
     """`backward_fp8` over the layouts of `activation`: ``x [..., hidden]`` (``[..., 2, hidden]``
     gated) and ``dy [..., hidden]`` give ``(dx_q`` shaped like x, ``dx_q`` flattened to 2-D and
     transposed, ``max |dx|``, ``dbias`` shaped like bias``)``."""
-    check_fp8_dtype("activation_grad_fp8", out_dtype)
+    check_kernel_fp8_dtype("activation_grad_fp8", out_dtype)
     dx_q, dx_q_t, amax, dbias = backward_fp8(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]),
                                              scale, activation=activation, out_dtype=out_dtype)
     return dx_q.reshape(x.shape), dx_q_t, amax, None if bias is None else dbias.reshape(bias.shape)
@@ -314,7 +322,8 @@ def activation_grad_fp8(x: jax.Array, bias: jax.Array | None, dy: jax.Array, sca
 
 def activation_fp8(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation: str,
                    out_dtype) -> tuple[jax.Array, jax.Array]:
-    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as `activation`); forward only."""
-    check_fp8_dtype("activation_fp8", out_dtype)
+    """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as
+    `activation`); forward only."""
+    check_kernel_fp8_dtype("activation_fp8", out_dtype)
     y, amax = forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation, out_dtype=out_dtype)
     return y.reshape(_out_shape(x.shape, activation)), amax

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mtjax.kernels._common import MAX_ELEMENTS, dropout_keep
+from mtjax.kernels.common import MAX_ELEMENTS, dropout_keep
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -59,7 +59,7 @@ class MaskSpec:
 
     @classmethod
     def build(cls, q_len: int, kv_len: int, *, causal: bool, window_size: tuple[int, int] | None,
-              segments: bool) -> "MaskSpec":
+              segments: bool) -> MaskSpec:
         lo = hi = None
         if window_size is not None:
             left, right = window_size
@@ -171,14 +171,14 @@ class BlockSizes:
     dq_num_stages: int = 3
 
     @classmethod
-    def default(cls, head_dim: int) -> "BlockSizes":
-        """The tiles measured fastest on the H200 for ``head_dim`` (`mtjax.bench.attention --sweep`
-        and A/B runs; the README's attention section has the numbers).
+    def default(cls, head_dim: int) -> BlockSizes:
+        """The fastest tiles for ``head_dim`` on Hopper GPUs (`mtjax bench attention --sweep` and A/B
+        runs; docs/kernels.md has the design notes, docs/performance.md the numbers).
 
         Four warps and two stages let two programs share an SM, so one's softmax runs under the
         other's GEMMs: the forward on 128x64 tiles and dk/dv on 64x64 (and dq on 64x64 at head_dim
         64, whose forward keeps 3 stages). 128x128 forward tiles on 8 warps were faster only on
-        unmasked rows of 16384 keys, and asked for more shared memory than the H200 has once a
+        unmasked rows of 16384 keys, and asked for more shared memory than a Hopper SM has once a
         masked key tail joined the loop. head_dim 256 uses 64-row forward tiles, 32x64 dk/dv and 64x32 dq.
         """
         if head_dim <= 64:
@@ -189,7 +189,7 @@ class BlockSizes:
                    dkdv_block_q=32, dkdv_block_k=64, dkdv_num_warps=8, dkdv_num_stages=1,
                    dq_block_q=64, dq_block_k=32, dq_num_warps=8, dq_num_stages=1)
 
-    def clamp(self, q_len: int, kv_len: int) -> "BlockSizes":
+    def clamp(self, q_len: int, kv_len: int) -> BlockSizes:
         """Shrink tiles that exceed the (power-of-two rounded) sequence lengths."""
         def fit(block, length):
             return max(_MIN_BLOCK, min(block, pl.next_power_of_2(length)))
@@ -260,7 +260,7 @@ def _soft_cap_grad(ds, s2, st: _Static):
 def _for_blocks(bounds, body, carry):
     """Run ``body(edge, block, carry)`` over ``[full_hi, hi)`` and ``[lo, full_lo)`` with masks, then
     over ``[full_lo, full_hi)`` without. The masked edges go first, so a program ends in its long
-    unmasked loop: faster on the H200 (README, attention)."""
+    unmasked loop, which the attention benchmark found faster (docs/kernels.md)."""
     lo, full_lo, full_hi, hi = bounds
     carry = lax.fori_loop(full_hi, hi, functools.partial(body, True), carry)
     carry = lax.fori_loop(lo, full_lo, functools.partial(body, True), carry)
@@ -581,7 +581,7 @@ def flash_attention(
         (in the same bottom-right alignment).
       logits_soft_cap: ``cap * tanh(logits / cap)`` after scaling.
       dropout_rate: probability of dropping an attention weight (kept ones scale by ``1 / (1 - rate)``).
-      dropout_seed: uint32 scalar; the mask is ``_common.dropout_keep(seed, (b * heads + h) * q_len + i, j)``,
+      dropout_seed: uint32 scalar; the mask is ``common.dropout_keep(seed, (b * heads + h) * q_len + i, j)``,
         recomputed by every kernel, never stored.
       block_sizes: tiles and launch parameters; default `BlockSizes.default`.
       interpret: run the kernels in Pallas interpret mode (any backend, e.g. CPU tests).

@@ -4,8 +4,8 @@ One forward kernel and one backward kernel serve every variant (static flags pic
 are persistent: a fixed number of programs (two per SM) each walk a strided set of row blocks, and
 while one block is computed the next one's loads are already in flight (a register prefetch
 carried through the loop). Without it a program holds one block at a time and the SM idles between
-its loads and its row reductions: at 16384x8192 bf16 the forward ran 0.232 ms with one block per
-program against 0.176 ms persistent with the prefetch (H200; the copy of the same bytes 0.20 ms).
+its loads and its row reductions; with it the forward runs close to a plain copy of the same bytes
+(docs/kernels.md).
 
 - forward: each block is ``block_m`` whole rows held in registers (one read of ``x``, one write of
   ``y``), statistics in float32. Optional inputs: ``beta``; a ``residual`` added to ``dropout(x)``
@@ -31,8 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import (
-    check_fp8_dtype, check_size, dropout_keep, interpret, next_power_of_2, reduce_tile_maxima, saturate_cast,
+from mtjax.kernels.common import (
+    check_kernel_fp8_dtype,
+    check_size,
+    dropout_keep,
+    interpret,
+    next_power_of_2,
+    reduce_tile_maxima,
+    saturate_cast,
 )
 
 # Programs of both kernels: two per SM of an H100/H200 (132 SMs), so each SM interleaves two
@@ -40,11 +46,10 @@ from mtjax.kernels._common import (
 # dgamma/dbeta sums stay small.
 PROGRAMS = 264
 # A kernel prefetches its next row block only while the prefetched tiles hold at most this many
-# elements per program (tensors x block_m x n_pad), beyond which they spill registers. H200, 16384
-# rows, forward+backward: LayerNorm at hidden 12288 (backward h and dy, 2 x 16384) ran 1.96 ms with
-# the backward's prefetch against 0.89 ms without; residual + dropout + LayerNorm at 8192 (2 x 2 x
-# 8192 forward, 3 x 8192 backward) went from 0.93 ms (one block per program) to 1.17 ms with it;
-# the plain norms at 16384 elements (hidden 8192: 2 x 8192 either way) were the fastest measured.
+# elements per program (tensors x block_m x n_pad), beyond which they spill registers and the
+# prefetch costs more than it hides: the backward of LayerNorm at hidden 12288 (h and dy, 2 x 16384)
+# and residual + dropout + LayerNorm at hidden 8192 (2 x 2 x 8192 forward, 3 x 8192 backward) were
+# slower with it, the plain norms at 16384 elements (hidden 8192) fastest (`mtjax bench norm --sweep`).
 PREFETCH_MAX_ELEMENTS = 16384
 
 
@@ -92,11 +97,10 @@ class NormSpec:
 def forward_tile(n: int) -> tuple[int, int]:
     """``(block_m, num_warps)`` of the forward kernel for rows of ``n`` elements.
 
-    From H200 sweeps (``python -m mtjax.bench.norm --sweep``, 16384 rows, bf16, persistent with
-    prefetch): 2048 and 8192 wide, 2 rows x 16 warps was best of 1-2 rows x 4/8/16 warps (0.0505
-    and 0.176 ms). Narrow rows keep 4096 elements per block on 4 warps (1024 wide: 4 x 4 was best
-    before the kernel became persistent); rows of 16384 (hidden 12288) fit one per block. RMSNorm
-    uses the same tiles.
+    From sweeps on Hopper (``mtjax bench norm --sweep``, bf16, persistent with prefetch): 2048 and
+    8192 wide, 2 rows x 16 warps was the best of 1-2 rows x 4/8/16 warps. Narrow rows keep 4096
+    elements per block on 4 warps; rows of 16384 (hidden 12288) fit one per block. RMSNorm uses the
+    same tiles.
     """
     n_pad = next_power_of_2(n)
     if n_pad <= 1024:
@@ -107,9 +111,9 @@ def forward_tile(n: int) -> tuple[int, int]:
 def backward_tile(n: int) -> tuple[int, int]:
     """``(block_m, num_warps)`` of the backward kernel (it keeps ~6 row-sized f32 tensors live).
 
-    H200 sweeps (16384 rows, bf16, 264 or 528 programs): 1024 wide, 8 rows x 8 warps ran 0.104 ms
-    against 0.158 ms for 4 x 16; 2048 wide, 2 rows x 4 warps ran 0.133 ms against 0.136 for 2 x 8
-    and 0.198 for 2 x 16 (2026-12-03); 8192 and 12288 wide, one row x 16 warps was best of 8/16/32.
+    From sweeps on Hopper (bf16, 264 or 528 programs): 1024 wide, 8 rows x 8 warps was best; 2048
+    wide, 2 rows x 4 warps (2 x 8 close behind); 8192 and 12288 wide, one row x 16 warps was the best
+    of 8/16/32.
     """
     n_pad = next_power_of_2(n)
     if n_pad <= 1024:
@@ -423,7 +427,7 @@ def norm_fp8(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, scale: jax.
     Returns ``(y_fp8 [..., hidden], amax)`` with ``amax = max |y|`` of the normalized output
     before scaling (float32 scalar). Forward only.
     """
-    check_fp8_dtype("norm_fp8", out_dtype)
+    check_kernel_fp8_dtype("norm_fp8", out_dtype)
     y, amax = forward(x.reshape(-1, x.shape[-1]), gamma, beta, scale=scale, rms=rms, epsilon=epsilon,
                       zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
     return y.reshape(x.shape), amax

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import FP8_DTYPES, interpret, reduce_tile_maxima, saturate_cast, unsupported
+from mtjax.kernels.common import interpret, reduce_tile_maxima, saturate_cast, unsupported_array, unsupported_fp8_dtype
 
-# Square 64x64 tiles, 8 warps: on the H200 the fastest of 32/64/128 tiles and 4/8 warps at both
-# 8192x8192 (0.104 ms, 2580 GB/s) and 16384x2048 bf16 (0.057 ms, 2350 GB/s); XLA: 0.225 and 0.107 ms.
+# Square 64x64 tiles, 8 warps: the fastest of 32/64/128 tiles and 4/8 warps on square and on
+# tall bf16 inputs in the cast benchmark (docs/kernels.md), and faster than XLA's passes there.
 BLOCK = 64
 NUM_WARPS = 8
 
@@ -57,13 +57,14 @@ def _kernel(x_ref, scale_ref, q_ref, qt_ref, amax_ref, *, spec: CastSpec):
     plgpu.store(qt_ref.at[cols[:, None], rows[None, :]], q.T, mask=None if mask is None else mask.T)
 
 
-def supported(shape, dtype, out_dtype) -> str | None:
+def unsupported(shape, dtype, out_dtype) -> str | None:
     """``None`` if the kernel takes ``x`` of this shape and dtype, else why not."""
     if len(shape) != 2:
         return f"x of rank {len(shape)} (2-D only)"
-    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
-        return f"out_dtype {jnp.dtype(out_dtype)} (float8_e4m3fn, float8_e5m2 only)"
-    return unsupported(shape, dtype, max_row=None)  # dtype and int32-indexable size
+    reason = unsupported_fp8_dtype(out_dtype)
+    if reason is not None:
+        return reason
+    return unsupported_array(shape, dtype, max_row=None)  # dtype and int32-indexable size
 
 
 def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BLOCK,
@@ -73,7 +74,7 @@ def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BL
     ``scale`` is a float32 scalar; the amax is float32, of ``x`` before scaling. Forward only (FP8
     casts feed GEMMs whose custom_vjp owns the backward).
     """
-    why = supported(x.shape, x.dtype, out_dtype)
+    why = unsupported(x.shape, x.dtype, out_dtype)
     if why is not None:
         raise ValueError(f"cast_transpose: unsupported input: {why}")
     m, k = x.shape

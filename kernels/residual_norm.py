@@ -3,7 +3,7 @@
 ``new_residual = dropout(x) + residual`` and ``normalized = norm(new_residual)`` come out of one
 kernel (the norm kernels of ``layer_norm.py`` with their residual input); the backward kernel
 adds the new residual's cotangent to the norm's input gradient and sends it through the same
-dropout mask, which both passes regenerate from ``seed`` (`_common.dropout_keep`) instead of
+dropout mask, which both passes regenerate from ``seed`` (`common.dropout_keep`) instead of
 storing it. Only ``new_residual`` (an output anyway), ``gamma`` and ``seed`` are kept for the
 backward pass.
 """
@@ -30,12 +30,12 @@ def _fwd(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, drop
     )
     new_residual = new_residual.reshape(residual.shape)
     saved = (new_residual, gamma, beta, seed)
-    return (new_residual, normalized.reshape(x.shape)), saved
+    return (normalized.reshape(x.shape), new_residual), saved
 
 
 def _bwd(rms, epsilon, zero_centered_gamma, dropout_rate, saved, cotangents):
     new_residual, gamma, beta, seed = saved
-    d_residual, d_normalized = cotangents
+    d_normalized, d_residual = cotangents
     n = new_residual.shape[-1]
     dh, dx, dgamma, dbeta = norm_kernels.backward(
         new_residual.reshape(-1, n), gamma, d_normalized.reshape(-1, n), d_residual.reshape(-1, n), seed,
@@ -53,13 +53,13 @@ _residual_norm.defvjp(_fwd, _bwd)
 def residual_norm(x: jax.Array, residual: jax.Array, gamma: jax.Array, beta: jax.Array | None,
                   seed: jax.Array | None, *, rms: bool, epsilon: float, zero_centered_gamma: bool,
                   dropout_rate: float) -> tuple[jax.Array, jax.Array]:
-    """``(new_residual, norm(new_residual))`` with ``new_residual = dropout(x) + residual``.
+    """``(norm(new_residual), new_residual)`` with ``new_residual = dropout(x) + residual``.
 
     Args:
       x, residual: ``[..., hidden]`` (the new residual takes ``residual.dtype``, the normalized
         output ``x.dtype``).
       gamma, beta: ``[hidden]``; ``beta`` ``None`` for RMSNorm.
-      seed: uint32 scalar drawing the dropout mask (`_common.dropout_keep`); unused when
+      seed: uint32 scalar drawing the dropout mask (`common.dropout_keep`); unused when
         ``dropout_rate == 0``.
     """
     if dropout_rate > 0.0 and seed is None:

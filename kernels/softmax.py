@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels._common import check_size, interpret, next_power_of_2, unsupported
+from mtjax.kernels.common import check_size, interpret, next_power_of_2, unsupported_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +156,9 @@ def backward(y, dy, *, scale: float, tile_override=None):
     return dx.reshape(y.shape)
 
 
-def supported(logits_shape, logits_dtype, mask_shape) -> str | None:
-    """``None`` if the kernels take this call, else why not (for the op's ``supports=``)."""
-    reason = unsupported(logits_shape, logits_dtype)
+def unsupported(logits_shape, logits_dtype, mask_shape) -> str | None:
+    """``None`` if the kernels take this call, else why not (for the op's ``unsupported=``)."""
+    reason = unsupported_array(logits_shape, logits_dtype)
     if reason is None and mask_shape is not None and mask_layout(mask_shape, logits_shape) is None:
         reason = f"mask {tuple(mask_shape)} must match a prefix of the logits' leading axes and be 1 elsewhere"
     return reason

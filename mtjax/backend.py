@@ -3,17 +3,20 @@
 Every fused op (``layernorm``, ``rmsnorm``, ``softmax``, ``activation``, ``attention``, ``fp8_gemm``,
 ...) has named implementations: ``"xla"`` (the plain jax.numpy reference, runs everywhere) and
 kernels such as ``"pallas_triton"`` or ``"cudnn"``. Each declares
-the capabilities it needs (and optionally the platforms it is limited to and a predicate on the call's
-static configuration). `dispatch` picks one:
+the capabilities it needs (and optionally the platforms it is limited to and an ``unsupported``
+predicate saying why it cannot run a call). `dispatch` picks one:
 
 1. the call's ``implementation=`` argument;
 2. else the per-op override in ``mtjax.config.config.implementations`` (env ``MTJAX_IMPL_<OP>``);
-3. else, per *lowering* platform, the available implementation of highest priority that supports the
-   configuration, staged with `jax.lax.platform_dependent`, so a function exported for ``cuda`` on a
+3. else, per *lowering* platform, the available implementation of highest priority that can run the
+   call, staged with `jax.lax.platform_dependent`, so a function exported for ``cuda`` on a
    CPU-only machine carries the GPU kernel and the same function exported for ``cpu`` the reference.
 
 An explicit choice (1 or 2) that cannot run here raises `ValueError`. Automatic selection never
 fails: it falls back to the reference and logs that once.
+
+The registry knows nothing of the ops: they register their implementations when `mtjax.ops` is
+imported, which ``import mtjax`` does.
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ def register_platform(
     caps = frozenset(capabilities)
     unknown = caps - set(ALL_CAPABILITIES)
     if unknown:
-        raise ValueError(f"register_platform(capabilities=...): unknown {sorted(unknown)}; accepted: {ALL_CAPABILITIES}")
+        raise ValueError(f"register_platform(capabilities=...): unknown {sorted(unknown)}; accepted: "
+                         f"{ALL_CAPABILITIES}")
     kernels = dict(kernels or {})
     for op, impl_name in kernels.items():
         if op in _registry and impl_name not in _registry[op]:
@@ -277,6 +281,11 @@ def loaded_plugins() -> dict[str, str]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _runs_anything(*_: Any, **__: Any) -> str | None:
+    """The ``unsupported`` predicate of an implementation that can run every call of its op."""
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One way to compute an op.
@@ -287,10 +296,10 @@ class Implementation:
       fn: ``fn(*arrays, **static) -> result``, the same signature for every implementation of the op.
       requires: capability names the platform must offer.
       platforms: the platforms it is limited to, or ``None`` for any with the capabilities.
-      supports: ``supports(*arrays, **static) -> str | None`` on abstract arrays: ``None`` when the
-        configuration is supported, else the reason it is not (shapes, dtypes, options).
-      prefer: like ``supports`` but consulted by automatic selection only: ``None`` where this
-        implementation should be picked, else why not (e.g. "measured slower than xla here"). An
+      unsupported: ``unsupported(*arrays, **static) -> str | None`` on abstract arrays: ``None`` when
+        this implementation can run the call, else the reason it cannot (shapes, dtypes, options).
+      prefer: like ``unsupported`` but consulted by automatic selection only: ``None`` where this
+        implementation should be picked, else why not (e.g. "xla is as fast on arrays this small"). An
         explicit choice ignores it, so tests and benchmarks can still run the kernel there.
       priority: higher wins in automatic selection.
       single_device: the implementation is a custom call XLA cannot partition (a Pallas kernel).
@@ -304,7 +313,7 @@ class Implementation:
     fn: Callable[..., Any]
     requires: frozenset[str] = frozenset()
     platforms: frozenset[str] | None = None
-    supports: Callable[..., str | None] | None = None
+    unsupported: Callable[..., str | None] = _runs_anything
     prefer: Callable[..., str | None] | None = None
     priority: int = 0
     single_device: bool = False
@@ -317,9 +326,6 @@ class Implementation:
         if missing:
             return f"needs {sorted(missing)}, which {platform_name!r} lacks"
         return None
-
-    def unsupported(self, args: Sequence[Any], static: Mapping[str, Any]) -> str | None:
-        return None if self.supports is None else self.supports(*args, **static)
 
     def not_preferred(self, args: Sequence[Any], static: Mapping[str, Any]) -> str | None:
         if self.single_device and (devices := _partitioned_devices()) > 1:
@@ -348,7 +354,7 @@ def register(
     *,
     requires: Iterable[str] = (),
     platforms: Iterable[str] | None = None,
-    supports: Callable[..., str | None] | None = None,
+    unsupported: Callable[..., str | None] | None = None,
     prefer: Callable[..., str | None] | None = None,
     priority: int = 0,
     single_device: bool = False,
@@ -366,7 +372,7 @@ def register(
             fn=fn,
             requires=requires,
             platforms=None if platforms is None else frozenset(platforms),
-            supports=supports,
+            unsupported=_runs_anything if unsupported is None else unsupported,
             prefer=prefer,
             priority=priority,
             single_device=single_device,
@@ -378,12 +384,10 @@ def register(
 
 def ops() -> tuple[str, ...]:
     """Every op name with at least one registered implementation."""
-    _import_kernels()
     return tuple(sorted(_registry))
 
 
 def _implementations_of(op: str) -> dict[str, Implementation]:
-    _import_kernels()
     if op not in _registry:
         raise ValueError(f"unknown op {op!r}; registered ops: {sorted(_registry)}")
     return _registry[op]
@@ -394,14 +398,16 @@ def implementations(op: str) -> tuple[str, ...]:
     return tuple(impl.name for impl in sorted(_implementations_of(op).values(), key=lambda i: -i.priority))
 
 
-def _get(op: str, name: str) -> Implementation:
+def get_implementation(op: str, name: str) -> Implementation:
+    """The `Implementation` registered as ``name`` for ``op``; `ValueError` naming the registered ones if none."""
     registered = _implementations_of(op)
     if name not in registered:
         raise ValueError(f"{op}(implementation={name!r}): unknown implementation; registered: {implementations(op)}")
     return registered[name]
 
 
-def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[str, Any]) -> tuple[Implementation, str]:
+def _best_for(op: str, platform_name: str, args: Sequence[Any],
+              static: Mapping[str, Any]) -> tuple[Implementation, str]:
     """The implementation automatic selection uses for ``op`` on ``platform_name``, and why."""
     registered = _implementations_of(op)
     preferred = _registered_platforms.get(platform_name)
@@ -413,7 +419,7 @@ def _best_for(op: str, platform_name: str, args: Sequence[Any], static: Mapping[
     for impl in candidates:
         reason = impl.runs_on(platform_name)
         if reason is None and args:
-            reason = impl.unsupported(args, static) or impl.not_preferred(args, static)
+            reason = impl.unsupported(*args, **static) or impl.not_preferred(args, static)
         if reason is None:
             why = "highest priority available" if not skipped else "; ".join(skipped)
             return impl, why
@@ -428,15 +434,14 @@ def select(op: str, implementation: str | None = None, *, platform_name: str | N
     With ``args`` (arrays or `jax.ShapeDtypeStruct`) and ``static`` the implementations' support
     predicates are consulted; without them only platform and capabilities are.
     """
-    _import_kernels()
     platform_name = platform() if platform_name is None else platform_name
     static = dict(static or {})
     explicit, source = _explicit_choice(op, implementation)
     if explicit is not None:
-        impl = _get(op, explicit)
-        reason = impl.runs_on(platform_name) or (impl.unsupported(args, static) if args else None)
+        impl = get_implementation(op, explicit)
+        reason = impl.runs_on(platform_name) or (impl.unsupported(*args, **static) if args else None)
         if reason is not None:
-            available = [n for n in implementations(op) if _get(op, n).runs_on(platform_name) is None]
+            available = [n for n in implementations(op) if get_implementation(op, n).runs_on(platform_name) is None]
             raise ValueError(
                 f"{op}(implementation={explicit!r}) from {source} cannot run here: {reason}. "
                 f"Available on {platform_name!r}: {available}"
@@ -459,7 +464,6 @@ def dispatch(op: str, *args: Any, implementation: str | None = None, **static: A
 
     ``args`` are the op's arrays (pytrees; ``None`` allowed), ``static`` its hashable options.
     """
-    _import_kernels()
     explicit, _ = _explicit_choice(op, implementation)
     if explicit is not None:
         impl, _ = select(op, implementation, args=args, static=static)
@@ -502,7 +506,7 @@ def _traced_or_reference(impl: Implementation, reference: Implementation,
     def branch(*args):
         try:
             return impl.fn(*args, **static)
-        except Exception as err:  # noqa: BLE001 - any trace-time failure of a foreign platform's kernel
+        except Exception as err:
             _log_once((impl.op, "trace", impl.name, type(err).__name__), logging.WARNING,
                       "%s: %r cannot be traced on this machine (%s: %s); its platforms get the %r "
                       "reference in this computation", impl.op, impl.name, type(err).__name__, err, REFERENCE)
@@ -522,19 +526,6 @@ def _log_once(key: tuple[str, ...], level: int, message: str, *args: Any) -> Non
     if key not in _logged_fallbacks:
         _logged_fallbacks.add(key)
         logger.log(level, message, *args)
-
-
-_kernels_imported = False
-
-
-def _import_kernels() -> None:
-    """Import the ops and kernel modules once, so their implementations are registered."""
-    global _kernels_imported
-    if _kernels_imported:
-        return
-    _kernels_imported = True
-    import mtjax.fp8  # noqa: F401  (registers fp8_gemm)
-    import mtjax.ops  # noqa: F401  (registers the references and the kernels they wrap)
 
 
 def describe() -> list[dict[str, str]]:

@@ -60,7 +60,7 @@ class Config:
     debug_checks: bool = False
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         environ = os.environ if environ is None else environ
         return cls(
             implementations=_env_implementations(environ),

@@ -34,7 +34,8 @@ def collect() -> dict:
             "implementations": config.implementations,
             "pallas_interpret": config.pallas_interpret,
             "cuda_compute_capability": config.cuda_compute_capability,
-            "environment": {k: v for k, v in os.environ.items() if k.startswith(("MTJAX_", "JAX_PLATFORMS", "XLA_FLAGS"))},
+            "environment": {k: v for k, v in os.environ.items()
+                            if k.startswith(("MTJAX_", "JAX_PLATFORMS", "XLA_FLAGS"))},
         },
         "ops": backend.describe(),
     }
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print("versions:    " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     print(f"platform:    {info['platform']}  (process {info['process']})")
-    print(f"devices:     {len(info['devices'])}: " + "; ".join(info["devices"][:8]) + (" ..." if len(info["devices"]) > 8 else ""))
+    more = " ..." if len(info["devices"]) > 8 else ""
+    print(f"devices:     {len(info['devices'])}: " + "; ".join(info["devices"][:8]) + more)
     print(f"capabilities: {', '.join(info['capabilities']) or 'none (references only)'}")
     print(f"plugins:     {info['plugins'] or 'none'}")
     print(f"config:      {info['config']}")

@@ -6,7 +6,8 @@ Typical use (see the README's Parallelism section)::
     mesh, rules = config.make_mesh(), logical_axis_rules(config)
     variables = init_sharded(model.init, rng, tokens, mesh=mesh, rules=rules)
     step = jit_sharded(train_step, mesh=mesh, rules=rules,
-                       in_shardings=(tree_shardings(variables), named_sharding(mesh, rules, ("activation_batch", None))),
+                       in_shardings=(tree_shardings(variables),
+                                     named_sharding(mesh, rules, ("activation_batch", None))),
                        out_shardings=...)
 """
 
@@ -60,7 +61,7 @@ def init_sharded(init_fn: Callable[..., Any], *args: Any, mesh: Mesh, rules: Log
         return jax.jit(lambda *a: nn.meta.unbox(init_fn(*a)), out_shardings=shardings)(*args)
 
 
-class jit_sharded:  # noqa: N801 - used like jax.jit
+class jit_sharded:
     """``jax.jit(fn, **jit_kwargs)`` whose tracing happens under ``mesh`` and the logical ``rules``.
 
     The modules' ``nn.with_logical_constraint`` calls resolve against the rules and the mesh in

@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mtjax.fp8 import FP8_COLLECTION, accumulate_gradients, split_gradients
+from mtjax.fp8 import accumulate_gradients, map_param_gradients
 from mtjax.sharding.mesh import PP
 
 # Relative costs of a forward and a backward action (the usual estimate: backward = 2 forward).
@@ -169,7 +169,7 @@ class Schedule(abc.ABC):
                 for start in range(0, m, p) for c in reversed(range(self.num_chunks))
                 for mb in range(start, min(start + p, m))]
 
-    @functools.cache
+    @functools.cache  # noqa: B019 - schedules are few, frozen and hashable: caching per instance is the intent
     def timeline(self, num_stages: int, backward: bool = True) -> Timeline:
         """Lay the order out in ticks (only the F actions when ``backward`` is False)."""
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
@@ -221,7 +221,8 @@ class Schedule(abc.ABC):
     def _lay_out(self, ticks: list[list[list[Action]]], p: int, v_last: int) -> Timeline:
         num_ticks = len(ticks)
         arrays = {name: np.full((num_ticks, p), -1, np.int32)
-                  for name in ("f_chunk", "f_mb", "f_src", "f_dy", "b_chunk", "b_mb", "b_src", "b_dy", "recv_f", "recv_b")}
+                  for name in ("f_chunk", "f_mb", "f_src", "f_dy", "b_chunk", "b_mb", "b_src", "b_dy",
+                               "recv_f", "recv_b")}
         f_loss = np.zeros((num_ticks, p), bool)
         b_first = np.zeros((num_ticks, p), bool)
         act = [_Slots() for _ in range(p)]
@@ -387,7 +388,8 @@ def pipeline_loss(
       schedule: a `Schedule` (`GPipe`, `Circular`, `OneFOneB`).
     """
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"pipeline_loss(schedule=...): expected a Schedule (GPipe, Circular, OneFOneB), got {schedule!r}")
+        raise TypeError("pipeline_loss(schedule=...): expected a Schedule (GPipe, Circular, OneFOneB), got "
+                        f"{schedule!r}")
     if PP not in mesh.axis_names:
         raise ValueError(f"pipeline_loss(mesh=...): the mesh has no {PP!r} axis (axes: {mesh.axis_names})")
     num_stages, m, c = mesh.shape[PP], schedule.num_microbatches, schedule.num_chunks
@@ -412,9 +414,7 @@ def pipeline_loss(
 
     def loss_bwd(grads, g):
         def scale(tree):  # the FP8 meta riding on a gradient is the new meta, not a derivative
-            params, meta = split_gradients(tree)
-            scaled = jax.tree.map(lambda x: (g * x).astype(x.dtype), params)
-            return {**scaled, FP8_COLLECTION: meta} if meta else scaled
+            return map_param_gradients(lambda x: (g * x).astype(x.dtype), tree)
 
         layer_grads, input_grads, loss_grads = grads
         return scale(layer_grads), scale(input_grads), scale(loss_grads), None
@@ -500,7 +500,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
             recv_f = lax.ppermute(y, PP, [(i, (i + 1) % p) for i in range(p)])
             if backward:
                 # Backward: recompute the stage from its stashed input and apply its vjp.
-                x_b, dy_b = stage_input(carry["act"], row["b_src"], row["b_mb"]), carry["dy"][jnp.maximum(row["b_dy"], 0)]
+                x_b = stage_input(carry["act"], row["b_src"], row["b_mb"])
+                dy_b = carry["dy"][jnp.maximum(row["b_dy"], 0)]
 
                 def backward_step():
                     _, vjp = jax.vjp(stage_fn, chunk_of(staged, row["b_chunk"]), x_b)
@@ -510,8 +511,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
                 g_params, g_x = lax.cond(any_b, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
                 chunk = jnp.maximum(row["b_chunk"], 0)
                 acc = accumulate_gradients(chunk_of(carry["grads"], chunk), masked(row["b_mb"] >= 0, g_params))
-                carry["grads"] = jax.tree.map(lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0),
-                                              carry["grads"], acc)
+                carry["grads"] = jax.tree.map(
+                    lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0), carry["grads"], acc)
                 carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
                 recv_b = lax.ppermute(g_x, PP, [(i, (i - 1) % p) for i in range(p)])
                 carry["dy"] = carry["dy"].at[jnp.where(row["recv_b"] >= 0, row["recv_b"], dump_dy)].set(recv_b)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from mtjax import axes
 from mtjax.sharding.mesh import AXES, DP, FSDP, PP, TP, MeshConfig
 
 MeshAxes = str | tuple[str, ...] | None
@@ -52,27 +53,27 @@ def logical_axis_rules(config: MeshConfig, overrides: Mapping[str, MeshAxes] | N
     if not isinstance(config, MeshConfig):
         raise TypeError(f"logical_axis_rules(config=...): expected a MeshConfig, got {type(config).__name__}")
     rules: dict[str, MeshAxes] = {
-        "activation_batch": (DP, FSDP),
-        "activation_heads": TP,
-        "activation_kv_heads": TP,
-        "activation_mlp": TP,
-        "activation_vocab": TP,
+        axes.ACTIVATION_BATCH: (DP, FSDP),
+        axes.ACTIVATION_HEADS: TP,
+        axes.ACTIVATION_KV_HEADS: TP,
+        axes.ACTIVATION_MLP: TP,
+        axes.ACTIVATION_VOCAB: TP,
         # After the names above: where heads / MLP columns hold tp the sequence stays whole.
-        "activation_length": TP if config.sp else None,
-        "activation_embed": None,
-        "activation_head_dim": None,
-        "embed": FSDP,
-        "mlp": TP,
-        "heads": TP,
-        "kv_heads": TP,
-        "vocab": TP,
-        "layers": PP,
-        "head_dim": None,
-        "relpos_buckets": None,
+        axes.ACTIVATION_LENGTH: TP if config.sp else None,
+        axes.ACTIVATION_EMBED: None,
+        axes.ACTIVATION_HEAD_DIM: None,
+        axes.EMBED: FSDP,
+        axes.MLP: TP,
+        axes.HEADS: TP,
+        axes.KV_HEADS: TP,
+        axes.VOCAB: TP,
+        axes.LAYERS: PP,
+        axes.HEAD_DIM: None,
+        axes.RELPOS_BUCKETS: None,
     }
-    for name, axes in (overrides or {}).items():
-        _check_mesh_axes(name, axes)
-        rules[name] = axes
+    for name, mesh_axes in (overrides or {}).items():
+        _check_mesh_axes(name, mesh_axes)
+        rules[name] = mesh_axes
     return tuple(rules.items())
 
 

@@ -8,9 +8,9 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -27,7 +27,7 @@ def _double_kernel(x_ref, o_ref):
 
 
 @backend.register("_test_op", "pallas_triton", requires=[backend.PALLAS_TRITON], priority=10,
-                  supports=lambda x: None if x.ndim == 2 else "2-D inputs only")
+                  unsupported=lambda x: None if x.ndim == 2 else "2-D inputs only")
 def _test_op_kernel(x):
     return pl.pallas_call(_double_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           interpret=config.pallas_interpret)(x)
@@ -83,7 +83,7 @@ def test_interpret_mode_runs_the_kernel_on_cpu():
         np.testing.assert_array_equal(jax.jit(probe_op)(jnp.ones((2, 2))), 2.0)  # automatic choice
 
 
-def test_supports_predicate_declines_unsupported_configurations():
+def test_unsupported_predicate_declines_unsupported_configurations():
     impl, why = backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2, 2))])
     assert impl.name == "xla" and "2-D inputs only" in why
     assert backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2))])[0].name == "pallas_triton"
@@ -231,8 +231,9 @@ def test_mtjax_info_runs(capsys):
 
 def test_ops_use_the_reference_on_cpu():
     x = jnp.ones((2, 4))
-    assert backend.select("layernorm", args=[x, jnp.ones(4), None],
-                          static={"epsilon": 1e-6, "zero_centered_gamma": False})[0].name in backend.implementations("layernorm")
+    chosen = backend.select("layernorm", args=[x, jnp.ones(4), None],
+                            static={"epsilon": 1e-6, "zero_centered_gamma": False})[0]
+    assert chosen.name in backend.implementations("layernorm")
     np.testing.assert_allclose(ops.layernorm(x, jnp.ones(4)), 0.0, atol=1e-6)
 
 
@@ -257,7 +258,8 @@ def test_a_foreign_platform_kernel_that_cannot_trace_here_gets_the_reference(cap
 
 
 def test_single_device_kernels_are_skipped_in_partitioned_traces_only():
-    from jax.sharding import AxisType, PartitionSpec as P
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
 
     @backend.register("_test_single_device", "pallas_triton", requires=[backend.PALLAS_TRITON], priority=10,
                       single_device=True)

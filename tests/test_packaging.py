@@ -40,8 +40,8 @@ def wheel(tmp_path_factory):
         path = ROOT / name
         (shutil.copytree if path.is_dir() else shutil.copy)(path, src / name)
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(src)], check=True)
     return next(out.glob("mtjax-*.whl"))
 
 
@@ -57,7 +57,8 @@ def test_wheel_contains_the_four_packages_and_no_top_level_kernels_or_train(whee
 
 def test_installed_wheel_imports(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True)
     code = "import mtjax, mtjax.kernels, mtjax.sharding, mtjax.train; print(mtjax.kernels.__file__)"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})

@@ -11,7 +11,7 @@ Typical use (what ``mtjax train`` does, see `mtjax.train.cli`)::
     state, metrics = step(state, {"inputs": tokens, "targets": next_tokens})
 """
 
-from mtjax.train.checkpoint import CheckpointError, Checkpointer, NonFiniteStateError, PreemptionWatcher
+from mtjax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, PreemptionWatcher
 from mtjax.train.data import DataIterator, PackedDataset, default_corpus
 from mtjax.train.distributed import global_batch, initialize, process_rows
 from mtjax.train.state import TrainState, abstract_train_state, batch_sharding, init_train_state

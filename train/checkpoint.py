@@ -335,7 +335,7 @@ class Checkpointer:
         finally:
             self._manager.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -24,50 +24,11 @@ import sys
 import time
 from typing import Any
 
+from mtjax.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 from mtjax.train.presets import PRESETS, TrainPreset, peak_tflops
 
 # Model vocabularies are padded to a multiple of this, so the vocab axis splits over tp.
 VOCAB_MULTIPLE = 128
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
 
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -80,21 +41,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="model and run defaults (default: tiny, for the CPU)")
     run = parser.add_argument_group("run")
-    run.add_argument("--steps", type=_positive_int, help="optimizer steps")
-    run.add_argument("--batch-size", type=_positive_int, help="global batch size in sequences")
-    run.add_argument("--seq-len", type=_positive_int, help="tokens per sequence")
-    run.add_argument("--grad-accum", type=_positive_int, help="micro-batches per step (default 1)")
-    run.add_argument("--lr", type=_positive_float, help="peak learning rate")
-    run.add_argument("--warmup-steps", type=_non_negative_int, help="linear warmup steps (fewer than --steps)")
-    run.add_argument("--weight-decay", type=_non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
-    run.add_argument("--clip-norm", type=_positive_float, default=1.0, help="gradient global-norm clip (default 1)")
-    run.add_argument("--seed", type=_non_negative_int, help="initialisation, dropout and data order (default 0)")
+    run.add_argument("--steps", type=positive_int, help="optimizer steps")
+    run.add_argument("--batch-size", type=positive_int, help="global batch size in sequences")
+    run.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    run.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (default 1)")
+    run.add_argument("--lr", type=positive_float, help="peak learning rate")
+    run.add_argument("--warmup-steps", type=non_negative_int, help="linear warmup steps (fewer than --steps)")
+    run.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
+    run.add_argument("--clip-norm", type=positive_float, default=1.0, help="gradient global-norm clip (default 1)")
+    run.add_argument("--seed", type=non_negative_int, help="initialisation, dropout and data order (default 0)")
     run.add_argument("--fp8", action="store_true", help="FP8 GEMMs with delayed scaling (mtjax.fp8)")
     run.add_argument("--remat", choices=sorted(REMAT_POLICIES), help="rematerialisation policy of the layers")
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES, default="stop",
                      help="a NaN/Inf loss or gradient norm: stop without saving (default), or skip that "
                           "step's update and count it")
-    run.add_argument("--max-skipped-steps", type=_non_negative_int, default=10,
+    run.add_argument("--max-skipped-steps", type=non_negative_int, default=10,
                      help="with --on-nonfinite skip: stop once more steps than this were skipped (default 10)")
     run.add_argument("--debug-checks", action="store_true",
                      help="check token ids inside the jitted step too (slower; mtjax.config.debug_checks)")
@@ -104,35 +65,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data-errors", choices=("strict", "replace"), default="strict",
                       help="a --data file that is not UTF-8: an error (default), or read its bad bytes as U+FFFD")
     data.add_argument("--tokenizer", default="byte", help="'byte' (default) or 'sentencepiece:MODEL_FILE'")
-    data.add_argument("--eval-batches", type=_non_negative_int, default=4,
+    data.add_argument("--eval-batches", type=non_negative_int, default=4,
                       help="held-out batches per evaluation (0: no evaluation; default 4)")
     mesh = parser.add_argument_group("parallelism (the product must equal the number of devices)")
-    mesh.add_argument("--dp", type=_positive_int, help="data-parallel ways (default: the devices left over)")
-    mesh.add_argument("--fsdp", type=_positive_int, default=1, help="fully-sharded data-parallel ways")
-    mesh.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ways")
+    mesh.add_argument("--dp", type=positive_int, help="data-parallel ways (default: the devices left over)")
+    mesh.add_argument("--fsdp", type=positive_int, default=1, help="fully-sharded data-parallel ways")
+    mesh.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ways")
     mesh.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis")
     hosts = parser.add_argument_group("multi-host (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
-    hosts.add_argument("--num-processes", type=_positive_int)
-    hosts.add_argument("--process-id", type=_non_negative_int)
-    hosts.add_argument("--peer-timeout", type=_positive_int, default=60, metavar="SECONDS",
+    hosts.add_argument("--num-processes", type=positive_int)
+    hosts.add_argument("--process-id", type=non_negative_int)
+    hosts.add_argument("--peer-timeout", type=positive_int, default=60, metavar="SECONDS",
                        help="a peer process silent this long is taken as dead and every process stops (default 60)")
     out = parser.add_argument_group("output")
     out.add_argument("--workdir", help="checkpoints, metrics.jsonl and loss.png (default: runs/<preset>)")
     out.add_argument("--resume", action="store_true",
                      help="continue from the newest usable checkpoint in --workdir; flags left out take the "
                           "checkpoint's values")
-    out.add_argument("--resume-step", type=_non_negative_int, metavar="N",
+    out.add_argument("--resume-step", type=non_negative_int, metavar="N",
                      help="with --resume: continue from checkpoint N (newer ones are set aside)")
     out.add_argument("--override", action="store_true",
                      help="with --resume: accept --steps/--batch-size/--seq-len/--lr/--warmup-steps/--seed values "
                           "that differ from the checkpoint's run (logged)")
-    out.add_argument("--save-every", type=_non_negative_int,
+    out.add_argument("--save-every", type=non_negative_int,
                      help="checkpoint interval in steps; 0: none, not even at the end (SIGTERM still saves)")
-    out.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
-    out.add_argument("--eval-every", type=_positive_int, help="evaluation interval in steps")
-    out.add_argument("--log-every", type=_positive_int, help="metrics interval in steps")
-    out.add_argument("--peak-tflops", type=_positive_float,
+    out.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept (default 3)")
+    out.add_argument("--eval-every", type=positive_int, help="evaluation interval in steps")
+    out.add_argument("--log-every", type=positive_int, help="metrics interval in steps")
+    out.add_argument("--peak-tflops", type=positive_float,
                      help="one device's peak TFLOP/s for MFU (default: known GPUs' dense bf16 peak)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -492,7 +453,8 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     from mtjax.train.state import abstract_train_state, batch_sharding, compute_dtype_for, init_train_state
     from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, throughput
 
-    run_config, preset, mesh, rules, checkpointer = setup.config, setup.preset, setup.mesh, setup.rules, setup.checkpointer
+    run_config, preset, mesh, rules = setup.config, setup.preset, setup.mesh, setup.rules
+    checkpointer = setup.checkpointer
     is_main = jax.process_index() == 0
     config = run_config.model_config()
     model = GPT(config)

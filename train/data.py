@@ -125,12 +125,12 @@ class PackedDataset:
     @classmethod
     def from_paths(cls, paths: Iterable[str], tokenizer: Tokenizer, seq_len: int, *, seed: int = 0,
                    suffixes: Sequence[str] = TEXT_SUFFIXES, errors: str = "strict",
-                   vocab_size: int | None = None) -> "PackedDataset":
+                   vocab_size: int | None = None) -> PackedDataset:
         """Read and tokenize the text files in ``paths`` (files or folders); ``errors`` as `tokenize_files`'s."""
         return cls(tokenize_files(list_text_files(paths, suffixes), tokenizer, errors=errors), seq_len, seed=seed,
                    vocab_size=vocab_size)
 
-    def split(self, eval_sequences: int) -> tuple["PackedDataset", "PackedDataset"]:
+    def split(self, eval_sequences: int) -> tuple[PackedDataset, PackedDataset]:
         """(train, eval): the last ``eval_sequences`` sequences of the stream are held out, unshuffled."""
         if not 0 < eval_sequences < self.num_sequences:
             raise ValueError(f"eval_sequences={eval_sequences}: expected 1..{self.num_sequences - 1}")

@@ -69,7 +69,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise ValueError(f"distributed.initialize(heartbeat_timeout_seconds={heartbeat_timeout_seconds!r}): "
                          "expected a positive int")
     if num_processes is not None and (num_processes < 1 or not 0 <= (process_id or 0) < num_processes):
-        raise ValueError(f"distributed.initialize: process_id={process_id} must be in [0, num_processes={num_processes})")
+        raise ValueError(f"distributed.initialize: process_id={process_id} must be in [0, "
+                         f"num_processes={num_processes})")
     # CPU devices of different processes talk through gloo (the default CPU backend has no
     # cross-process collectives); GPU runs are unaffected by this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mtjax.cli_args import non_negative_int, positive_int
+
 if TYPE_CHECKING:  # jax and the models are imported when a command runs
     from mtjax.models import GPT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mtjax.train.cli import _non_negative_int, _positive_int
-
     parser.add_argument("--checkpoint", required=True,
                         help="the --workdir of a training run (or its checkpoints/ folder)")
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=100)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token (default 0.8)")
-    parser.add_argument("--top-k", type=_non_negative_int, default=40, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--top-k", type=non_negative_int, default=40, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from mtjax.models import GPT
-    from mtjax.train.checkpoint import CheckpointError, Checkpointer
+    from mtjax.train.checkpoint import Checkpointer, CheckpointError
     from mtjax.train.cli import RunConfig
     from mtjax.train.tokenizer import load_tokenizer
 

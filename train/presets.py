@@ -1,7 +1,7 @@
 """Training presets of ``mtjax train``: a model preset (`mtjax.models.gpt_config`) plus run settings.
 
 ``tiny`` is the default: it runs on the CPU in a few minutes with a clearly falling loss. The GPU
-presets use the shapes of ANCHORS.md's whole-step measurements (batch 8 x 2048 tokens for the 1B
+presets use the shapes of the whole-step benchmark (docs/performance.md) (batch 8 x 2048 tokens for the 1B
 models), so their tokens/s and MFU compare directly with the stock-Flax peer.
 """
 
@@ -49,7 +49,7 @@ PRESETS: dict[str, TrainPreset] = {
 }
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of jax's ``device_kind``: the MFU denominator
-# (FP8 runs are measured against it too, as in ANCHORS.md, so MFUs of bf16 and FP8 runs compare).
+# (FP8 runs are reported against it too, so MFUs of bf16 and FP8 runs compare).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "MI300X": 1307.0}
 
 

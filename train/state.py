@@ -24,8 +24,8 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
+from mtjax import axes, fp8
 from mtjax.fp8 import FP8_COLLECTION
-from mtjax.models import LAYERS_AXIS
 from mtjax.sharding import LogicalRules, logical_shardings, named_sharding, tree_shardings, use_mesh
 
 
@@ -66,14 +66,14 @@ def compute_copy(params: Any, dtype: Any) -> Any:
     are, since the norms use their scales in float32.
 
     Pass the boxed parameters (``nn.Partitioned``, as ``model.init`` returns them): the boxes are
-    kept, hence the logical axes, and a scanned stack's leading `mtjax.models.LAYERS_AXIS` does not
+    kept, hence the logical axes, and a scanned stack's leading `mtjax.axes.LAYERS` does not
     count, so stacked norm scales stay vectors. Unboxed leaves count every dimension.
     """
     def cast(leaf: Any) -> Any:
         boxed = isinstance(leaf, nn.Partitioned)
         value = leaf.value if boxed else leaf
         names = leaf.names if boxed else (None,) * value.ndim
-        if sum(name != LAYERS_AXIS for name in names) >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
+        if sum(name != axes.LAYERS for name in names) >= 2 and jnp.issubdtype(value.dtype, jnp.floating):
             value = value.astype(dtype)
         return leaf.replace_boxed(value) if boxed else value
 
@@ -113,7 +113,8 @@ def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_sh
                                jnp.zeros(batch_shape, jnp.int32))
         params = variables["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          fp8_meta=variables.get(FP8_COLLECTION, {}), opt_state=optimizer.init(params),
+                          fp8_meta=variables.get(FP8_COLLECTION, {}),
+                          opt_state=fp8.Optimizer(optimizer, collection="params").init(variables),
                           rng=state_rng,
                           compute_params=None if compute_dtype is None else compute_copy(params, compute_dtype))
 
@@ -122,7 +123,7 @@ def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_sh
 
 def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
     """Token batches ``[batch, seq]``: split over the data-parallel axes (``activation_batch``)."""
-    return named_sharding(mesh, rules, ("activation_batch", None))
+    return named_sharding(mesh, rules, (axes.ACTIVATION_BATCH, None))
 
 
 def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformation,

@@ -10,8 +10,8 @@ inside the step with ``debug_checks`` (`jax.experimental.checkify`). Wall-clock 
 between steps, which the jitted step cannot see.
 
 FP8: the step traces whatever `mtjax.fp8.fp8_autocast` is in force when it is first called. The
-next FP8 meta rides on the gradient (see `mtjax.fp8`): `split_gradients` separates it from the
-parameter gradients, and micro-batches are combined with `accumulate_gradients`, which sums
+next FP8 meta rides on the gradient (see `mtjax.fp8`): `mtjax.fp8.Optimizer` applies the parameter
+gradients and replaces the meta, and micro-batches are combined with `accumulate_gradients`, which sums
 parameter gradients but combines amaxes by max (summing them would be wrong). Forward amaxes then
 equal those of one un-split batch; gradient amaxes are ``grad_accum_steps`` times larger, because
 each micro-batch's loss is a mean over its own rows: they are the amaxes of the gradients that the
@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import checkify
 from jax.sharding import Mesh
 
-from jax.experimental import checkify
-
-from mtjax import fp8, ops
+from mtjax import axes, fp8, ops
 from mtjax.config import config as mtjax_config
 from mtjax.sharding import LogicalRules, jit_sharded
 from mtjax.train.state import TrainState, batch_sharding, cast_like
@@ -56,7 +55,7 @@ def _micro_batches(batch: Batch, count: int) -> Batch:
         if x.shape[0] % count:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by grad_accum_steps={count}")
         x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
-        return nn.with_logical_constraint(x, (None, "activation_batch") + (None,) * (x.ndim - 2))
+        return nn.with_logical_constraint(x, (None, axes.ACTIVATION_BATCH) + (None,) * (x.ndim - 2))
 
     return jax.tree.map(split, dict(batch))
 
@@ -149,6 +148,8 @@ def make_train_step(
     _check_sharding_args("make_train_step", mesh, rules, state_sharding)
     vocab_size = model_vocab_size(model) if vocab_size is None else vocab_size
     debug_checks = mtjax_config.debug_checks if debug_checks is None else debug_checks
+    # The optimizer updates the parameters; the FP8 meta on the gradients replaces the old meta.
+    fp8_optimizer = fp8.Optimizer(optimizer, collection="params")
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         if debug_checks and vocab_size is not None:
@@ -184,15 +185,15 @@ def make_train_step(
                 accumulate, (first_loss, fp8.accumulate_gradients(None, first_grads)), rest)
             loss = loss_sum / grad_accum_steps
             grads = fp8.finalize_accumulated(acc, grad_accum_steps)
-        grads, new_fp8_meta = fp8.split_gradients(grads)
-        param_grads = grads["params"]
-        updates, opt_state = optimizer.update(param_grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        master = {"params": state.params, **({fp8.FP8_COLLECTION: state.fp8_meta} if state.fp8_meta else {})}
+        applied, opt_state = fp8_optimizer.apply_gradients(master, grads, state.opt_state)
+        params = applied["params"]
+        param_grads = fp8.split_gradients(grads)[0]["params"]
         grad_norm = optax.tree.norm(param_grads)
         updated = dict(
             params=params,
             compute_params=None if state.compute_params is None else cast_like(params, state.compute_params),
-            fp8_meta=new_fp8_meta if state.fp8_meta else state.fp8_meta,
+            fp8_meta=applied.get(fp8.FP8_COLLECTION, state.fp8_meta),
             opt_state=opt_state,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm}
@@ -291,7 +292,8 @@ def make_optimizer(
     if not 0 <= weight_decay < float("inf"):
         raise ValueError(f"make_optimizer(weight_decay={weight_decay}): expected a finite number >= 0")
     if clip_norm is not None and not 0 <= clip_norm < float("inf"):
-        raise ValueError(f"make_optimizer(clip_norm={clip_norm}): expected a finite number >= 0 (0 or None: no clipping)")
+        raise ValueError(f"make_optimizer(clip_norm={clip_norm}): expected a finite number >= 0 "
+                         "(0 or None: no clipping)")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
         decay_steps=total_steps, end_value=learning_rate * min_learning_rate_ratio)

@@ -1,7 +1,7 @@
 """`mtjax bench attention`: `mtjax.ops.attention` (its default choice and the Pallas Triton kernel)
 side by side with cuDNN and XLA, forward and forward+backward, bf16.
 
-FLOPs as in ANCHORS.md: ``4·B·H·Tq·Tk·D`` forward (halved when causal), 3.5x that for
+FLOPs as in docs/performance.md: ``4·B·H·Tq·Tk·D`` forward (halved when causal), 3.5x that for
 forward+backward. The ``mtjax`` row is the implementation the default selection picks for the case
 (named in ``extra["chosen"]``), so its time is that implementation's; the peer of every mtjax row is cuDNN.
 
@@ -62,9 +62,9 @@ CASES = (
     Case(1, 16384, 32, 32, 128, False),
 )
 QUICK_CASES = (Case(1, 128, 2, 1, 64, True),)
-# Samples span at least this long (up to `timing.measure`'s 100 calls each): on the H200, samples of
-# two calls of a 1.4 ms kernel moved by up to 25 % between rounds of one process, far more than the
-# differences being measured.
+# Samples span at least this long (up to `timing.measure`'s 100 calls each): samples of only a few
+# calls of a millisecond kernel vary between rounds of one process far more than the differences
+# being compared.
 SAMPLE_S = 20e-3
 # XLA materialises the logits (and is 10x slower): timed on the headline and the short cases only.
 XLA_CASES = (HEADLINE, Case(16, 1024, 32, 32, 128, True), Case(16, 1024, 32, 32, 128, False)) + QUICK_CASES
@@ -92,7 +92,7 @@ def _chosen(case: Case) -> str:
 
 
 def _runnable(implementation: str) -> bool:
-    return backend._get("attention", implementation).runs_on(backend.platform()) is None
+    return backend.get_implementation("attention", implementation).runs_on(backend.platform()) is None
 
 
 def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
@@ -148,7 +148,7 @@ def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
             try:
                 t = measure(_function(case, None, backward_pass, blocks), inputs, runs=5, min_sample_s=SAMPLE_S).median
                 results.append((label, t * 1e3, case.flops(backward_pass) / t / 1e12))
-            except Exception as err:  # noqa: BLE001  (a candidate that does not compile, e.g. out of shared memory)
+            except Exception as err:
                 results.append((label + f"  FAILED {type(err).__name__}: {str(err)[:120]}", float("nan"), float("nan")))
             print(f"{results[-1][0]:<90} {results[-1][1]:9.3f} ms {results[-1][2]:7.1f} TFLOP/s", flush=True)
     return results

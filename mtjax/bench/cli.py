@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = jax.devices()[0]
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device.device_kind,
         "platform": device.platform,
         "jax": jax.__version__,

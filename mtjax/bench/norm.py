@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend, ops
-from mtjax.config import override
 from mtjax.bench import ceilings, timing
+from mtjax.config import override
 from mtjax.kernels import layer_norm as norm_kernels
 
 MAIN_SHAPE = (16384, 8192)
@@ -43,7 +43,8 @@ def _inputs(shape, hidden, dtype, *, count_arrays: int, seed: int = 0) -> list[t
     def make(i):
         k = jax.random.split(keys[i], count_arrays + 2)
         acts = tuple(timing.random_array(k[j], shape, dtype) for j in range(count_arrays))
-        return acts + (timing.random_array(k[-2], (hidden,), jnp.float32), timing.random_array(k[-1], (hidden,), jnp.float32))
+        return acts + (timing.random_array(k[-2], (hidden,), jnp.float32),
+                       timing.random_array(k[-1], (hidden,), jnp.float32))
 
     return timing.rotating(make)
 
@@ -117,11 +118,11 @@ def _fp8_case(rows, quick: bool) -> None:
     inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=1)
     scale = jnp.float32(4.0)
     fns = {
-        label: jax.jit(lambda x, g, b, impl=impl: ops.layernorm_fp8(x, g, b, scale, implementation=impl))
+        label: jax.jit(lambda x, g, b, impl=impl: ops.norm_fp8(x, g, b, scale, implementation=impl))
         for label, impl in IMPLEMENTATIONS
     }
     x, g, b = inputs[0]
-    auto = _auto("layernorm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
+    auto = _auto("norm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
                  zero_centered_gamma=False, out_dtype=jnp.dtype(jnp.float8_e4m3fn))
     _case(rows, f"layernorm+fp8 cast fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, 3 * tokens * hidden, quick, auto)
 

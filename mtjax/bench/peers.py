@@ -6,7 +6,7 @@ f32 parameters; with ``fp8=True`` every ``nn.Dense`` gets Flax's own FP8 op,
 ``flax.linen.fp8_ops.Fp8DirectDotGeneralOp``, whose delayed-scaling state lives in Flax's
 ``"_overwrite_with_gradient"`` collection (its gradient is the next state).
 
-`FlaxGPT` is the model of ANCHORS.md's "whole training step, stock Flax" measurement; `train_step`
+`FlaxGPT` is the stock-Flax model of the whole-training-step benchmark (docs/performance.md); `train_step`
 is its AdamW step.
 """
 
@@ -75,7 +75,8 @@ class FlaxTransformerLayer(nn.Module):
         if self.fp8 and not HAS_FLAX_FP8:
             raise ValueError("FlaxTransformerLayer(fp8=True): this Flax has no fp8_ops.Fp8DirectDotGeneralOp")
         if self.layernorm_type not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"FlaxTransformerLayer: layernorm_type={self.layernorm_type!r}; accepted: layernorm, rmsnorm")
+            raise ValueError(f"FlaxTransformerLayer: layernorm_type={self.layernorm_type!r}; accepted: layernorm, "
+                             "rmsnorm")
         dense = functools.partial(
             nn.Dense, dtype=self.dtype, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp if self.fp8 else None
         )
@@ -84,9 +85,11 @@ class FlaxTransformerLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
         head_dim = self.hidden_size // heads
         h = norm(name="ln_attention")(x)
-        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h).reshape(batch, seq, heads + 2 * kv_heads, head_dim)
+        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h)
+        qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
         q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_implementation(q.dtype))
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                implementation=_attention_implementation(q.dtype))
         x = x + dense(self.hidden_size, name="attention_out")(attended.reshape(batch, seq, self.hidden_size))
         h = norm(name="ln_mlp")(x)
         act = _ACTIVATIONS[self.activations[0]]
@@ -125,7 +128,7 @@ class FlaxGPT(nn.Module):
     fp8: bool = False
 
     @classmethod
-    def like(cls, config: Any, *, fp8: bool = False) -> "FlaxGPT":
+    def like(cls, config: Any, *, fp8: bool = False) -> FlaxGPT:
         """The stock-Flax model of the same sizes, norm and MLP as an `mtjax.models.GPTConfig`."""
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
                    num_heads=config.num_heads, mlp_dim=config.mlp_dim, num_kv_heads=config.num_kv_heads,

@@ -111,9 +111,8 @@ def measure_steps(step: Callable[..., Any], state: Any, batches: Sequence[Any], 
     The state is threaded from call to call as in training; batches cycle. Each sample dispatches
     ``steps_per_sample`` steps back to back and blocks once, as a training loop that does not read
     its metrics every step runs: the host dispatches the next step while the device runs this one.
-    (Blocking after every step added the dispatch of a 1.3B model's state, 4-6 ms on the H200's
-    host, to each step.) Returns the per-step timing and the last ``(state, aux)`` so callers can
-    check the loss is finite.
+    (Blocking after every step would add the host's dispatch of the model's state to each step.)
+    Returns the per-step timing and the last ``(state, aux)`` so callers can check the loss is finite.
     """
     if not batches:
         raise ValueError("measure_steps(batches=...): need at least one batch")

@@ -143,7 +143,7 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
     # A profiler that cannot attach (no CUPTI in a VM) must not cost the measurements.
     try:
         summary = profile.profile(once, out_dir=out_dir, label=label, hlo_text=hlo_text)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return holder["state"], {"profile_error": repr(err)}
     print(profile.format_summary(label, summary, top=40), file=sys.stderr, flush=True)
     # The optimized HLO beside the trace names what each fusion in the top ops computes.

@@ -1,11 +1,15 @@
 """Flax linen modules with TransformerEngine-JAX names, built on `mtjax.ops` and `mtjax.fp8.DotGeneral`.
 
 Every parameter carries logical axis names and every ``[batch, length, ...]`` activation a logical
-constraint (names in the README's "Flax modules" section); without a mesh and rules they are no-ops.
+constraint (the names of `mtjax.axes`); without a mesh and rules they are no-ops.
 """
 
 from mtjax.flax.attention import (
-    ATTN_BIAS_TYPES, ROTARY_GROUP_METHODS, DotProductAttention, MultiHeadAttention, RelativePositionBiases,
+    ATTN_BIAS_TYPES,
+    ROTARY_GROUP_METHODS,
+    DotProductAttention,
+    MultiHeadAttention,
+    RelativePositionBiases,
     apply_rotary_pos_emb,
 )
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral

@@ -9,9 +9,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import fp8, ops
-from mtjax.flax._params import AxisNames, Dtype, Initializer, canonical_tuple, contract, flat_kernel_init, param_with_axes
+from mtjax import axes, fp8, ops
 from mtjax.flax.normalization import input_norm
+from mtjax.flax.params import (
+    AxisNames,
+    Dtype,
+    Initializer,
+    canonical_tuple,
+    contract,
+    flat_kernel_init,
+    param_with_axes,
+)
 
 
 def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -79,7 +87,7 @@ class LayerNormDenseGeneral(nn.Module):
     """LayerNorm/RMSNorm of the last axis followed by a `DenseGeneral` (e.g. the QKV projection).
 
     Under `mtjax.fp8.fp8_autocast` with delayed scaling, the norm writes the FP8 input of the GEMM
-    and its amax in one pass (`mtjax.ops.layernorm_fp8`); with ``return_layernorm_output``, a
+    and its amax in one pass (`mtjax.ops.norm_fp8`); with ``return_layernorm_output``, a
     ``residual`` (added in the norm's kernel) or a projection over other axes than the last, the
     norm runs on its own first and writes the compute dtype.
 
@@ -107,9 +115,9 @@ class LayerNormDenseGeneral(nn.Module):
     epsilon: float = 1e-6
     zero_centered_gamma: bool = False
     scale_init: Initializer | None = None
-    scale_axes: AxisNames = ("embed",)
+    scale_axes: AxisNames = (axes.EMBED,)
     ln_bias_init: Initializer = nn.initializers.zeros
-    ln_bias_axes: AxisNames = ("embed",)
+    ln_bias_axes: AxisNames = (axes.EMBED,)
     kernel_init: Initializer = nn.initializers.lecun_normal()
     kernel_axes: AxisNames = ()
     use_bias: bool = False

@@ -6,8 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import fp8
-from mtjax.flax._params import AxisNames, Dtype, Initializer, param_with_axes
+from mtjax import axes, fp8
+from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 
 
 class Embed(nn.Module):
@@ -32,13 +32,14 @@ class Embed(nn.Module):
     num_embeddings: int
     features: int
     embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
-    embedding_axes: AxisNames = ("vocab", "embed")
+    embedding_axes: AxisNames = (axes.VOCAB, axes.EMBED)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
         if self.num_embeddings < 1 or self.features < 1:
-            raise ValueError(f"Embed: num_embeddings={self.num_embeddings} and features={self.features} must be positive")
+            raise ValueError(f"Embed: num_embeddings={self.num_embeddings} and features={self.features} must be "
+                             "positive")
         self.embedding = param_with_axes(self, "embedding", self.embedding_init, (self.num_embeddings, self.features),
                                          self.param_dtype, self.embedding_axes)
         self.attend_dot_general = fp8.DotGeneral()

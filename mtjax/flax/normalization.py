@@ -6,10 +6,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import ops
-from mtjax.flax._params import AxisNames, Dtype, Initializer, param_with_axes
+from mtjax import axes, ops
+from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.ops import LAYERNORM_TYPES
-from mtjax.ops._checks import check_choice
+from mtjax.ops.checks import check_choice
 
 
 def check_layernorm_type(owner: str, layernorm_type: str) -> None:
@@ -57,7 +57,7 @@ def input_norm(module: nn.Module, x: jax.Array, residual: jax.Array | None, *, a
         ln_bias_init=module.ln_bias_init, ln_bias_axes=module.ln_bias_axes, param_dtype=module.param_dtype,
     )
     if residual is not None:
-        new_residual, x = norm.with_residual(x, residual)
+        x, new_residual = norm.with_residual(x, residual)
         return x, None, new_residual
     return (norm(x), None, None) if apply_now else (x, norm, None)
 
@@ -81,9 +81,9 @@ class LayerNorm(nn.Module):
     layernorm_type: str = "layernorm"
     zero_centered_gamma: bool = False
     scale_init: Initializer | None = None
-    scale_axes: AxisNames = ("embed",)
+    scale_axes: AxisNames = (axes.EMBED,)
     bias_init: Initializer = nn.initializers.zeros
-    bias_axes: AxisNames = ("embed",)
+    bias_axes: AxisNames = (axes.EMBED,)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -93,8 +93,8 @@ class LayerNorm(nn.Module):
 
         With ``residual`` (a residual stream ``x`` is still to be added to), normalizes ``x + residual``
         with the add in the norm's kernel (`mtjax.ops.residual_norm`) and returns
-        ``(normalized, x + residual)``: the output first, as every module with ``residual=`` returns
-        it (`mtjax.ops.residual_norm` itself returns the new stream first).
+        ``(normalized, x + residual)``: the output first, as every module with ``residual=`` and
+        `mtjax.ops.residual_norm` return it.
         """
         norm = norm_with_params(
             self, x.shape[-1], layernorm_type=self.layernorm_type, epsilon=self.epsilon,
@@ -103,5 +103,4 @@ class LayerNorm(nn.Module):
         )
         if residual is None:
             return norm(x.astype(self.dtype))
-        new_residual, y = norm.with_residual(x.astype(self.dtype), residual)
-        return y, new_residual
+        return norm.with_residual(x.astype(self.dtype), residual)

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import ops
-from mtjax.flax._params import BATCH_LENGTH_EMBED, Dtype, Initializer
+from mtjax.axes import BATCH_LENGTH_EMBED
 from mtjax.flax.attention import ROTARY_GROUP_METHODS, MultiHeadAttention, RelativePositionBiases, check_heads
 from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import LayerNorm, check_layernorm_type
-from mtjax.ops._checks import check_choice
+from mtjax.flax.params import Dtype, Initializer
+from mtjax.ops.checks import check_choice
 
 
 class TransformerLayerType(enum.Enum):
@@ -164,7 +165,8 @@ class TransformerLayer(nn.Module):
                  ) -> jax.Array | tuple[jax.Array, jax.Array]:
         head_dim = self._validate()
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
-            raise ValueError(f"TransformerLayer: inputs has shape {inputs.shape}; expected [batch, length, {self.hidden_size}]")
+            raise ValueError(f"TransformerLayer: inputs has shape {inputs.shape}; expected [batch, length, "
+                             f"{self.hidden_size}]")
         if (residual is not None or self.defer_residual_add) and (
                 self.output_layernorm or self.apply_residual_connection_post_layernorm):
             raise ValueError("TransformerLayer: residual= and defer_residual_add need a pre-LN block "
@@ -179,7 +181,8 @@ class TransformerLayer(nn.Module):
             head_dim=head_dim, num_attention_heads=self.num_attention_heads, num_gqa_groups=self.num_gqa_groups,
             attention_dropout=self.attention_dropout, dropout_rng_name=self.dropout_rng_name,
             layernorm_type=self.layernorm_type, layernorm_epsilon=self.layernorm_epsilon,
-            zero_centered_gamma=self.zero_centered_gamma, return_layernorm_output=self.apply_residual_connection_post_layernorm,
+            zero_centered_gamma=self.zero_centered_gamma,
+            return_layernorm_output=self.apply_residual_connection_post_layernorm,
             use_bias=self.use_bias, kernel_init=self.mha_kernel_init, bias_init=self.bias_init,
             fuse_qkv_params=self.fuse_qkv_params, scale_attn_logits=self.scale_attn_logits,
             scaled_query_init=self.scaled_query_init, float32_logits=self.float32_attention_logits,

@@ -10,13 +10,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import ops
+from mtjax import axes, ops
 from mtjax.flax import TransformerLayer
 from mtjax.flax.attention import CACHE_COLLECTION
 from mtjax.fp8 import FP8_COLLECTION
 
 # The logical axis name of a scanned stack's leading layer axis (its parameters' first dimension).
-LAYERS_AXIS = "layers"
 
 # name -> jax.checkpoint policy (what the backward pass may keep instead of recomputing); "none": no remat.
 REMAT_POLICIES: dict[str, Any] = {
@@ -56,7 +55,7 @@ class _StackedLayer(TransformerLayer):
     The carry is the stream, or with ``defer_residual_add`` the pair ``(branch, stream)`` whose sum
     the stream is (``stream`` ``None`` before an unrolled stack's first layer)."""
 
-    def __call__(self, carry, segment_ids, positions, deterministic, decode):  # noqa: D102
+    def __call__(self, carry, segment_ids, positions, deterministic, decode):
         x, residual = carry if self.defer_residual_add else (carry, None)
         y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
                              decode=decode, residual=residual)
@@ -87,7 +86,7 @@ def apply_layers(x: jax.Array, *, layer: Mapping[str, Any], num_layers: int, sca
             split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=num_layers,
-            metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+            metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )
         carry = (x, jnp.zeros_like(x)) if defer else x
         carry, _ = stack(name="layers", **layer)(carry, segment_ids, positions, deterministic, decode)

@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtjax import axes
 from mtjax.flax import Embed, LayerNorm, TransformerLayerType
-from mtjax.flax._params import BATCH_LENGTH_EMBED
 from mtjax.flax.attention import check_heads
 from mtjax.models._stack import apply_layers, check_stack_config
 
@@ -95,12 +95,15 @@ class BertEncoder(nn.Module):
         embed = dict(embedding_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
         token_type_ids = jnp.zeros_like(tokens) if token_type_ids is None else token_type_ids
+        position_axes = (None, axes.EMBED)
         x = (Embed(cfg.vocab_size, cfg.hidden_size, name="token_embed", **embed)(tokens)
-             + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_axes=(None, "embed"), name="position_embed", **embed)(positions)
-             + Embed(cfg.type_vocab_size, cfg.hidden_size, embedding_axes=(None, "embed"), name="type_embed", **embed)(token_type_ids))
+             + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_axes=position_axes, name="position_embed",
+                     **embed)(positions)
+             + Embed(cfg.type_vocab_size, cfg.hidden_size, embedding_axes=position_axes, name="type_embed",
+                     **embed)(token_type_ids))
         x = LayerNorm(epsilon=cfg.layernorm_epsilon, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="embed_norm")(x)
         x = nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
-        x = nn.with_logical_constraint(x, BATCH_LENGTH_EMBED)
+        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED)
         layer = dict(
             hidden_size=cfg.hidden_size, mlp_hidden_size=cfg.mlp_dim, num_attention_heads=cfg.num_heads,
             layernorm_type="layernorm", layernorm_epsilon=cfg.layernorm_epsilon, hidden_dropout=cfg.dropout_rate,

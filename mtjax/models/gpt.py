@@ -14,15 +14,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import ops
+from mtjax import axes, ops
 from mtjax.flax import DenseGeneral, Embed, LayerNorm, TransformerLayerType
-from mtjax.flax._params import check_float_dtype
 from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, check_heads
 from mtjax.flax.normalization import LAYERNORM_TYPES
+from mtjax.flax.params import check_float_dtype
 from mtjax.models._stack import apply_layers, check_stack_config
 
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
-LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
+LOGITS_AXES = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,8 @@ class GPTConfig:
       fuse_residual_across_layers: add each MLP output to the stream in the next layer's attention
         norm kernel (and the last one in the final norm's): the layers pass ``(branch, stream)``
         (`mtjax.flax.TransformerLayer.defer_residual_add`); with remat each layer
-        saves both as its input (one more activation per layer). Off by default: 0.8 ms faster on
-        the H200's bf16 1.3B step, no difference on the FP8 step (README).
+        saves both as its input (one more activation per layer). Off by default: its gain on the
+        train benchmark is within noise (docs/performance.md).
       dropout_rate: embedding, hidden and MLP-intermediate dropout.
       attention_dropout: attention-probability dropout.
       window_size: sliding-window attention ``(left, right)``; None: full causal.
@@ -109,7 +109,8 @@ class GPTConfig:
         for name, accepted in (("layernorm_type", LAYERNORM_TYPES), ("position_embedding", POSITION_EMBEDDINGS),
                                ("rope_group_method", ROTARY_GROUP_METHODS)):
             if getattr(self, name) not in accepted:
-                raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: {', '.join(accepted)}")
+                raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: "
+                                 f"{', '.join(accepted)}")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -151,11 +152,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
                  max_seq_len=128, activations=("silu", "linear"), layernorm_type="rmsnorm"),
     "gpt-125m": dict(vocab_size=32768, hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072,
                      max_seq_len=2048, dtype=jnp.bfloat16),
-    # The stock-Flax peer of ANCHORS.md: LayerNorm + GELU, tied embedding, 1.275B parameters.
+    # The shape of the stock-Flax peer (`mtjax.bench.peers`): LayerNorm + GELU, tied embedding, 1.275B parameters.
     # The 1B-class presets unroll their layers: a scanned stack stores each layer's residuals into
-    # (and reads them back from) [layers, ...] buffers, ~30 ms of copies per H200 train step at
-    # batch 8 x 2048; unrolled, the step ran 2 % (bf16) and 4 % (FP8) faster, compiled in 8-17 s
-    # and used 4 GB less memory (`mtjax bench train --variant scan_layers=true` compares).
+    # (and reads them back from) [layers, ...] buffers, copies an unrolled stack does not make; the
+    # unrolled step is faster and uses less memory, at a longer compile
+    # (`mtjax bench train --variant scan_layers=true` compares).
     "gpt-1.3b": dict(vocab_size=32768, hidden_size=2048, num_layers=24, num_heads=16, mlp_dim=8192,
                      max_seq_len=2048, dtype=jnp.bfloat16, scan_layers=False),
     # Llama-3.2-1B's shape (RMSNorm, SwiGLU, RoPE theta 500k, GQA 32/8, tied) with a 32768 vocabulary.
@@ -211,7 +212,7 @@ class GPT(nn.Module):
                       param_dtype=cfg.param_dtype, name="token_embed")
         x = embed(tokens)
         if cfg.position_embedding == "learned":
-            x = x + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_init=init, embedding_axes=(None, "embed"),
+            x = x + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_init=init, embedding_axes=(None, axes.EMBED),
                           dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="position_embed")(positions)
         x = nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=deterministic)
         layer = dict(
@@ -244,8 +245,9 @@ class GPT(nn.Module):
             # of this (tokens x hidden x vocab) product run in float32 on float32 copies.
             logits = embed.attend(x)
         else:
-            logits = DenseGeneral(cfg.vocab_size, use_bias=False, kernel_init=init, kernel_axes=("embed", "vocab"),
-                                  dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="logits_dense")(x)
+            logits = DenseGeneral(cfg.vocab_size, use_bias=False, kernel_init=init,
+                                  kernel_axes=(axes.EMBED, axes.VOCAB), dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                  name="logits_dense")(x)
         return nn.with_logical_constraint(logits.astype(jnp.float32), LOGITS_AXES)
 
     def _decode_offset(self, seq: int) -> jax.Array:

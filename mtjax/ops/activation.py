@@ -20,8 +20,8 @@ from jax.typing import DTypeLike
 
 from mtjax import backend
 from mtjax.kernels import activation as activation_kernels
-from mtjax.kernels._common import saturate_cast, too_small
-from mtjax.ops._checks import check_float, check_fp8_output, check_shape
+from mtjax.kernels.common import saturate_cast, too_small, unsupported_fp8_dtype
+from mtjax.ops.checks import check_float, check_fp8_output, check_shape
 
 
 def _gelu_tanh(x):
@@ -238,7 +238,7 @@ class Activation:
         return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype)
 
     def fp8_grad(self, x: jax.Array, dy: jax.Array, scale: jax.Array,
-                 out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array, "Activation"]:
+                 out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array, Activation]:
         """The backward of ``self(x)`` for the cotangent ``dy``, written for an FP8 GEMM
         (`activation_grad_fp8`): ``(dx_q, dx_q_t, max |dx|, the cotangent of self)``."""
         dx_q, dx_q_t, amax, dbias = activation_grad_fp8(x, dy, self.activation_type, self.bias, scale=scale,
@@ -247,14 +247,17 @@ class Activation:
         return dx_q, dx_q_t, amax, d_self
 
 
-# Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact)
-# and automatic selection leaves small arrays to XLA. H200, fwd+bwd at 16384x8192 bf16: bias+GELU
-# 0.52 ms against XLA's 0.74 ms, bias+SwiGLU (16384x16384 in) 0.84 against 1.35 ms.
-def _kernel_supports(x, *_, activation_type: str, **__) -> str | None:
-    return activation_kernels.supported(jnp.shape(x), jnp.result_type(x), activation_type)
+# Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact,
+# fnuz outputs) and automatic selection leaves small arrays to XLA, which is as fast there. On large
+# arrays one pass over memory forward and one backward beat XLA's fusions (docs/performance.md).
+def _kernel_unsupported(x, *_, activation_type: str, out_dtype=None, **__) -> str | None:
+    reason = activation_kernels.unsupported(jnp.shape(x), jnp.result_type(x), activation_type)
+    if reason is None and out_dtype is not None:  # the FP8-output variants
+        reason = unsupported_fp8_dtype(out_dtype)
+    return reason
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10,
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), unsupported=_kernel_unsupported, prefer=too_small, priority=10,
                single_device=True)
 
 

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 
 from mtjax import backend
 from mtjax.kernels import flash_attention
-from mtjax.kernels._common import dropout_keep
-from mtjax.kernels._common import interpret as kernel_interpret
-from mtjax.ops._checks import check_choice, check_float, check_rank
+from mtjax.kernels.common import dropout_keep
+from mtjax.kernels.common import interpret as kernel_interpret
+from mtjax.ops.checks import check_choice, check_float, check_rank
 from mtjax.ops.softmax import causal_mask, masked_softmax
 
 MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal")
@@ -61,7 +61,7 @@ def combined_mask(q_len, kv_len, *, mask, q_segment_ids, kv_segment_ids, mask_ty
 def dropout_rows(batch: int, heads: int, q_len: int) -> jax.Array:
     """``[batch, heads, q_len, 1]`` row counters of the dropout hash: ``(b * heads + h) * q_len + i``.
 
-    With the key index as column, `mtjax.kernels._common.dropout_keep` of these draws the attention
+    With the key index as column, `mtjax.kernels.common.dropout_keep` of these draws the attention
     dropout mask; kernels recompute it tile by tile instead of storing it.
     """
     b = jnp.arange(batch, dtype=jnp.uint32)[:, None, None, None]
@@ -140,7 +140,8 @@ def attention(
         check_rank(op, name, x, 4)
     batch, q_len, heads, head_dim = query.shape
     if key.shape != value.shape[:3] + (key.shape[3],) or key.shape[0] != batch:
-        raise ValueError(f"{op}: key {key.shape} and value {value.shape} must share [batch, kv_len, kv_heads] with batch {batch}")
+        raise ValueError(f"{op}: key {key.shape} and value {value.shape} must share [batch, kv_len, kv_heads] with "
+                         f"batch {batch}")
     if key.shape[3] != head_dim:
         raise ValueError(f"{op}: key head_dim {key.shape[3]} differs from query head_dim {head_dim}")
     kv_len, kv_heads = key.shape[1], key.shape[2]
@@ -160,13 +161,14 @@ def attention(
                 f"{op}: q_segment_ids {q_segment_ids.shape} / kv_segment_ids {kv_segment_ids.shape}; "
                 f"expected ({batch}, {q_len}) / ({batch}, {kv_len})"
             )
-        if not jnp.issubdtype(q_segment_ids.dtype, jnp.integer) or not jnp.issubdtype(kv_segment_ids.dtype, jnp.integer):
+        if not all(jnp.issubdtype(ids.dtype, jnp.integer) for ids in (q_segment_ids, kv_segment_ids)):
             raise TypeError(f"{op}: segment ids must be integers")
     if mask_type in ("padding", "padding_causal") and q_segment_ids is None and mask is None:
         raise ValueError(f"{op}: mask_type={mask_type!r} needs q/kv_segment_ids, q/kv_seqlens or mask")
     if mask is not None:
         if jnp.result_type(mask) != jnp.bool_ or jnp.ndim(mask) != 4:
-            raise ValueError(f"{op}: mask must be bool [batch|1, heads|1, q_len, kv_len]; got {jnp.result_type(mask)} {jnp.shape(mask)}")
+            raise ValueError(f"{op}: mask must be bool [batch|1, heads|1, q_len, kv_len]; got {jnp.result_type(mask)} "
+                             f"{jnp.shape(mask)}")
         try:
             jnp.broadcast_shapes(mask.shape, (batch, heads, q_len, kv_len))
         except ValueError:
@@ -178,7 +180,8 @@ def attention(
         try:
             jnp.broadcast_shapes(jnp.shape(bias), (batch, heads, q_len, kv_len))
         except ValueError:
-            raise ValueError(f"{op}: bias of shape {jnp.shape(bias)} does not broadcast to {(batch, heads, q_len, kv_len)}") from None
+            raise ValueError(f"{op}: bias of shape {jnp.shape(bias)} does not broadcast to "
+                             f"{(batch, heads, q_len, kv_len)}") from None
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"{op}: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
     if dropout_rate > 0.0 and dropout_rng is None:
@@ -199,9 +202,9 @@ def attention(
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernels. Priorities from the H200 measurements (`python -m mtjax.bench.attention`, README table):
-# cuDNN beat the Triton kernel at every benchmarked shape (ours 0.72-0.94x), so cuDNN (20) goes first
-# where it applies; the kernel (10) takes what cuDNN declines and every Triton-capable plugin platform.
+# Kernels. Priorities follow the attention benchmark (`mtjax bench attention`, docs/performance.md):
+# cuDNN was faster than the Triton kernel at every benchmarked shape, so cuDNN (20) goes first where
+# it applies; the kernel (10) takes what cuDNN declines and every Triton-capable plugin platform.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -221,7 +224,7 @@ def _pallas_triton_unsupported(query, key, value, bias, mask, q_segment_ids, kv_
 
 
 @backend.register("attention", "pallas_triton", requires=(backend.PALLAS_TRITON,),
-                  supports=_pallas_triton_unsupported, priority=10, single_device=True)
+                  unsupported=_pallas_triton_unsupported, priority=10, single_device=True)
 def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                              mask_type, scale, dropout_rate, window_size, logits_soft_cap):
     return flash_attention.flash_attention(
@@ -256,7 +259,7 @@ def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_
 
 
 @backend.register("attention", "cudnn", requires=(backend.CUDNN_ATTENTION,), platforms=("cuda",),
-                  supports=_cudnn_unsupported, priority=20)
+                  unsupported=_cudnn_unsupported, priority=20)
 def _attention_cudnn(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                      mask_type, scale, dropout_rate, window_size, logits_soft_cap):
     return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=_is_causal(mask_type),

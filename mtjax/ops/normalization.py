@@ -4,15 +4,16 @@
 applied as ``1 + gamma``), which keeps weight decay from pulling the scale towards zero.
 
 - `layernorm`, `rmsnorm`: the norms (forward and backward).
-- `layernorm_fp8`: the norm with its output quantized for an FP8 GEMM (``q = saturate_cast(y * scale)``,
+- `norm_fp8`: the norm with its output quantized for an FP8 GEMM (``q = saturate_cast(y * scale)``,
   plus ``amax = max |y|`` before scaling), forward only: the FP8 GEMM consuming ``q`` owns the
   backward pass, which is `layernorm`/`rmsnorm`'s.
-- `residual_norm`: ``new_residual = dropout(x) + residual`` and ``norm(new_residual)`` together.
+- `residual_norm`: ``new_residual = dropout(x) + residual`` and ``norm(new_residual)`` together, returned
+  as ``(normalized, new_residual)``: the output first, the residual stream second, as the modules do.
 - `Norm`: a norm with its parameters bound, as one value (a pytree) that a fused consumer such as
   `mtjax.fp8.fp8_dot_general` can apply, quantize (`Norm.fp8`) and differentiate.
 
 Each has a ``"pallas_triton"`` kernel (kernels/layer_norm.py, kernels/residual_norm.py) that the
-automatic selection picks only for the shapes where it measured at least as fast as XLA.
+automatic selection picks only for the shapes where the norm benchmark found it at least as fast as XLA.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from jax.typing import DTypeLike
 from mtjax import backend
 from mtjax.kernels import layer_norm as norm_kernels
 from mtjax.kernels import residual_norm as residual_norm_kernels
-from mtjax.kernels._common import dropout_keep, saturate_cast, too_small, unsupported
-from mtjax.ops._checks import check_choice, check_float, check_fp8_output, check_shape
+from mtjax.kernels.common import dropout_keep, saturate_cast, too_small, unsupported_array, unsupported_fp8_dtype
+from mtjax.ops.checks import check_choice, check_float, check_fp8_output, check_shape
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -142,18 +143,18 @@ def _norm_reference(x, gamma, beta, layernorm_type: str, epsilon: float, zero_ce
     return layernorm_reference(x, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
 
 
-@backend.register("layernorm_fp8", backend.REFERENCE)
-def layernorm_fp8_reference(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, scale: jax.Array, *,
+@backend.register("norm_fp8", backend.REFERENCE)
+def norm_fp8_reference(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, scale: jax.Array, *,
                             layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
                             out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
-    """The ``"xla"`` implementation of `layernorm_fp8` (``scale`` a float32 scalar of shape ``()``)."""
+    """The ``"xla"`` implementation of `norm_fp8` (``scale`` a float32 scalar of shape ``()``)."""
     # normalize in float32 and quantize that, not a rounded copy
     y = _norm_reference(x.astype(jnp.float32), gamma, beta, layernorm_type, epsilon, zero_centered_gamma)
     amax = jnp.max(jnp.abs(y))
     return saturate_cast(y * scale.astype(jnp.float32), out_dtype), amax
 
 
-def layernorm_fp8(
+def norm_fp8(
     x: jax.Array,
     gamma: jax.Array,
     beta: jax.Array | None,
@@ -176,7 +177,7 @@ def layernorm_fp8(
       ``y_fp8 [..., hidden]`` in ``out_dtype`` and the float32 scalar amax of ``|y|`` before scaling.
       Forward only (not differentiable): the FP8 GEMM that consumes ``y_fp8`` owns the backward.
     """
-    op = "layernorm_fp8"
+    op = "norm_fp8"
     _check_typed(op, layernorm_type, x, gamma, beta, epsilon)
     check_fp8_output(op, scale, out_dtype)
     return backend.dispatch(
@@ -217,13 +218,13 @@ class Norm:
         return layernorm(x, self.gamma, self.beta, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
     def with_residual(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """`residual_norm`: ``(x + residual, norm(x + residual))`` in one pass."""
+        """`residual_norm`: ``(norm(x + residual), x + residual)`` in one pass."""
         return residual_norm(x, residual, self.gamma, self.beta, layernorm_type=self.layernorm_type,
                              epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
     def fp8(self, x: jax.Array, scale: jax.Array, out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
-        """`layernorm_fp8` of ``x``: ``(saturate_cast(norm(x) * scale, out_dtype), max |norm(x)|)``."""
-        return layernorm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,
+        """`norm_fp8` of ``x``: ``(saturate_cast(norm(x) * scale, out_dtype), max |norm(x)|)``."""
+        return norm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,
                              epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma, out_dtype=out_dtype)
 
 
@@ -241,7 +242,7 @@ def residual_norm_reference(x: jax.Array, residual: jax.Array, gamma: jax.Array,
     new_residual = (h + residual.astype(jnp.float32)).astype(residual.dtype)
     normalized = _norm_reference(new_residual.astype(jnp.float32), gamma, beta, layernorm_type, epsilon,
                                  zero_centered_gamma)
-    return new_residual, normalized.astype(x.dtype)
+    return normalized.astype(x.dtype), new_residual
 
 
 def residual_norm(
@@ -257,7 +258,7 @@ def residual_norm(
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``new_residual = dropout(x) + residual``; returns ``(new_residual, norm(new_residual))``.
+    """``new_residual = dropout(x) + residual``; returns ``(norm(new_residual), new_residual)``.
 
     The pre-norm Transformer's "add the sublayer output to the stream, normalize for the next
     sublayer", in one pass over memory forward and one backward.
@@ -271,7 +272,7 @@ def residual_norm(
       dropout_rng: a PRNG key, needed when ``dropout_rate > 0``. The mask is a counter-based hash of
         (a 32-bit seed drawn from the key, row, column), identical in every implementation.
     Returns:
-      ``(new_residual [residual.dtype], normalized [x.dtype])``.
+      ``(normalized [x.dtype], new_residual [residual.dtype])``.
     """
     op = "residual_norm"
     _check_typed(op, layernorm_type, x, gamma, beta, epsilon)
@@ -291,29 +292,33 @@ def residual_norm(
 
 
 # --------------------------------------------------------------------------------------------------
-# Pallas Triton kernels: `supports` declines what they cannot compute, `prefer` (automatic
-# selection only) the shapes where XLA measured as fast (H200, mtjax/bench/norm.py, README table).
-# LayerNorm is picked on forward+backward speed (training): 1.5x-2.1x XLA from 2048x4096 up, while
-# its forward alone is within ~10 % of XLA's either way.
+# Pallas Triton kernels: `unsupported` declines what they cannot compute, `prefer` (automatic
+# selection only) the shapes where XLA is as fast (`mtjax bench norm`, docs/performance.md).
+# LayerNorm is picked on forward+backward speed (training), where the kernels win on large arrays;
+# its forward alone is close to XLA's either way.
 # --------------------------------------------------------------------------------------------------
 
-# RMSNorm above this hidden size: XLA's own fusion was faster forward+backward (0.75 vs 0.98 ms at
-# 16384x12288); up to it the persistent kernels were 1.04x-1.35x faster (0.464 vs 0.627 ms at 16384x8192).
+# RMSNorm above this hidden size: XLA's own fusion is faster forward+backward; up to it the
+# persistent kernels are faster (`mtjax bench norm --sweep`).
 RMSNORM_MAX_KERNEL_HIDDEN = 8192
 
 
-def _kernel_supports(x, *_, **__) -> str | None:
-    return unsupported(jnp.shape(x), jnp.result_type(x))
+def _kernel_unsupported(x, *_, **__) -> str | None:
+    return unsupported_array(jnp.shape(x), jnp.result_type(x))
+
+
+def _fp8_kernel_unsupported(x, *_, out_dtype, **__) -> str | None:
+    return unsupported_array(jnp.shape(x), jnp.result_type(x)) or unsupported_fp8_dtype(out_dtype)
 
 
 def _rms_kernel_preferred(x, *_, **__) -> str | None:
     hidden = jnp.shape(x)[-1]
     if hidden > RMSNORM_MAX_KERNEL_HIDDEN:
-        return f"hidden size {hidden} > {RMSNORM_MAX_KERNEL_HIDDEN}: XLA measured faster for RMSNorm"
+        return f"hidden size {hidden} > {RMSNORM_MAX_KERNEL_HIDDEN}: XLA's fusion is faster for RMSNorm"
     return too_small(x)
 
 
-_KERNEL = dict(requires=(backend.PALLAS_TRITON,), supports=_kernel_supports, prefer=too_small, priority=10,
+_KERNEL = dict(requires=(backend.PALLAS_TRITON,), unsupported=_kernel_unsupported, prefer=too_small, priority=10,
                single_device=True)
 
 
@@ -327,9 +332,9 @@ def _rmsnorm_pallas(x, gamma, *, epsilon: float, zero_centered_gamma: bool):
     return norm_kernels.rms_norm(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
 
 
-# One pass instead of XLA's norm then quantize: 0.34 against 0.68 ms at 16384x8192, for both norm types.
-@backend.register("layernorm_fp8", "pallas_triton", **_KERNEL)
-def _layernorm_fp8_pallas(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float,
+# One pass over memory instead of XLA's norm then quantize, for both norm types.
+@backend.register("norm_fp8", "pallas_triton", **{**_KERNEL, "unsupported": _fp8_kernel_unsupported})
+def _norm_fp8_pallas(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float,
                           zero_centered_gamma: bool, out_dtype):
     return norm_kernels.norm_fp8(x, gamma, beta, scale, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
                                  zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)

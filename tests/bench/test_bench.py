@@ -96,7 +96,8 @@ def test_row_and_report_validate_input():
 
 
 def test_complete_fills_ratios():
-    rows = [timing.row("s", "c", "a", timing.Timing(2e-3, 2e-3, 2e-3, 1), flops=2e12, peer="b", ceiling="bf16_gemm_tflops"),
+    rows = [timing.row("s", "c", "a", timing.Timing(2e-3, 2e-3, 2e-3, 1), flops=2e12, peer="b",
+                       ceiling="bf16_gemm_tflops"),
             timing.row("s", "c", "b", timing.Timing(4e-3, 4e-3, 4e-3, 1), flops=2e12, ceiling="bf16_gemm_tflops")]
     a, b = report.complete(rows, {"bf16_gemm_tflops": 2000.0}, 1000.0)
     assert a["speedup_vs_peer"] == pytest.approx(2.0) and b["speedup_vs_peer"] is None
@@ -116,7 +117,8 @@ def test_profile_summary_of_a_gpu_trace():
         {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "dur": 1000.0, "args": {"hlo_op": "add_fusion"}},
         {"ph": "X", "pid": 1, "tid": 7, "name": "cudnn_fmha_fwd", "dur": 2000.0, "args": {}},
         {"ph": "X", "pid": 1, "tid": 7, "name": "Memset 3", "dur": 200.0, "args": {"hlo_op": "custom-call.2"}},
-        {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90_tst_256x128", "dur": 800.0, "args": {"hlo_op": "custom-call.2"}},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90_tst_256x128", "dur": 800.0,
+         "args": {"hlo_op": "custom-call.2"}},
         {"ph": "X", "pid": 1, "tid": 8, "name": "dot.1", "dur": 3000.0, "args": {}},
         {"ph": "X", "pid": 2, "tid": 1, "name": "host work", "dur": 9000.0, "args": {}},
     ]}
@@ -146,7 +148,8 @@ def test_profile_by_source_folds_layers():
         {"ph": "X", "pid": 1, "tid": 7, "name": "nvjet_sm90", "dur": 2000.0, "args": {"hlo_op": "dot.3"}},
     ]}
     summary = profile.summarize(trace, steps=1, sources=sources)
-    assert summary["by_source_ms"] == pytest.approx({"jit(step)/layers_*/mlp/add": 4.0, "jit(step)/head/dot_general": 2.0})
+    assert summary["by_source_ms"] == pytest.approx({"jit(step)/layers_*/mlp/add": 4.0,
+                                                     "jit(step)/head/dot_general": 2.0})
     assert list(summary["by_source_ms"]) == ["jit(step)/layers_*/mlp/add", "jit(step)/head/dot_general"]
     assert "layers_*/mlp/add" in profile.format_summary("step", summary)
 

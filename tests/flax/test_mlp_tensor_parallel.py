@@ -14,9 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtjax.axes import BATCH_LENGTH_EMBED
 from mtjax.flax import LayerNormMLP
-from mtjax.flax._params import BATCH_LENGTH_EMBED
-from mtjax.sharding import MeshConfig, jit_sharded, logical_axis_rules, logical_shardings, named_sharding, shard_variables
+from mtjax.sharding import (
+    MeshConfig,
+    jit_sharded,
+    logical_axis_rules,
+    logical_shardings,
+    named_sharding,
+    shard_variables,
+)
 
 MLP = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), use_bias=True, intermediate_dropout_rate=0.0)
 X = jax.random.normal(jax.random.key(0), (4, 8, 16))

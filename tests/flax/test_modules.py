@@ -11,8 +11,16 @@ from flax.core import meta
 
 from mtjax import ops
 from mtjax.flax import (
-    DenseGeneral, DotProductAttention, Embed, LayerNorm, LayerNormDenseGeneral, LayerNormMLP, MultiHeadAttention,
-    RelativePositionBiases, TransformerLayer, TransformerLayerType,
+    DenseGeneral,
+    DotProductAttention,
+    Embed,
+    LayerNorm,
+    LayerNormDenseGeneral,
+    LayerNormMLP,
+    MultiHeadAttention,
+    RelativePositionBiases,
+    TransformerLayer,
+    TransformerLayerType,
 )
 
 RTOL = ATOL = 1e-5
@@ -200,7 +208,8 @@ def test_mha_fused_qkv_equals_separate_projections():
     split = fused.clone(fuse_qkv_params=False)
     p = init_params(fused, x, deterministic=True)
     qkv = p["qkv"]
-    sp = {"query": {"kernel": qkv["kernel"][:, 0], "bias": qkv["bias"][0], "scale": qkv["scale"], "ln_bias": qkv["ln_bias"]},
+    sp = {"query": {"kernel": qkv["kernel"][:, 0], "bias": qkv["bias"][0], "scale": qkv["scale"],
+                    "ln_bias": qkv["ln_bias"]},
           "key": {"kernel": qkv["kernel"][:, 1], "bias": qkv["bias"][1]},
           "value": {"kernel": qkv["kernel"][:, 2], "bias": qkv["bias"][2]}, "out": p["out"]}
     close(fused.apply({"params": p}, x, deterministic=True)[0], split.apply({"params": sp}, x, deterministic=True)[0])
@@ -228,9 +237,11 @@ def test_dot_product_attention_options_match_op():
     q, k, v = rand(0, (2, 5, 4, 8)), rand(1, (2, 5, 2, 8)), rand(2, (2, 5, 2, 8))
     bias = rand(3, (1, 4, 5, 5))
     dpa = DotProductAttention(head_dim=8, num_attention_heads=4, num_gqa_groups=2, attn_mask_type="causal",
-                              attn_bias_type="pre_scale_bias", scale_factor=0.5, window_size=(2, 0), logits_soft_cap=3.0)
+                              attn_bias_type="pre_scale_bias", scale_factor=0.5, window_size=(2, 0),
+                              logits_soft_cap=3.0)
     out = dpa.apply({}, q, k, v, None, bias, deterministic=True)
-    ref = ops.attention(q, k, v, bias=bias * 0.5, mask_type="causal", scale=0.5, window_size=(2, 0), logits_soft_cap=3.0)
+    ref = ops.attention(q, k, v, bias=bias * 0.5, mask_type="causal", scale=0.5, window_size=(2, 0),
+                        logits_soft_cap=3.0)
     close(out, ref)
     sbhd = dpa.clone(transpose_batch_sequence=True).apply(
         {}, *(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), None, bias, deterministic=True)
@@ -290,7 +301,8 @@ def test_transformer_layer_wiring(post_ln):
     out = layer.apply({"params": p}, x, segment_ids=seg, deterministic=True)
     mha = MultiHeadAttention(head_dim=4, num_attention_heads=4, input_layernorm=not post_ln, use_bias=post_ln,
                              attn_mask_type="padding" if post_ln else "causal")
-    mlp = LayerNormMLP(intermediate_dim=32, intermediate_dropout_rate=0.0, use_bias=post_ln, return_layernorm_output=True)
+    mlp = LayerNormMLP(intermediate_dim=32, intermediate_dropout_rate=0.0, use_bias=post_ln,
+                       return_layernorm_output=True)
     a, _ = mha.apply(_sub(p, "self_attention"), x, q_segment_ids=seg, deterministic=True)
     x1 = x + a
     m, ln = mlp.apply(_sub(p, "mlp"), x1, deterministic=True)

@@ -92,7 +92,8 @@ def _reference_mha(p, x, *, heads, groups, head_dim, layernorm_type, input_layer
 
 
 @given(
-    batch=st.integers(1, 2), length=st.sampled_from([1, 5]), groups=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 2]),
+    batch=st.integers(1, 2), length=st.sampled_from([1, 5]), groups=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2]),
     head_dim=st.sampled_from([2, 4]), mask_type=st.sampled_from(["no_mask", "causal", "padding", "padding_causal"]),
     fuse=st.booleans(), input_layernorm=st.booleans(), layernorm_type=st.sampled_from(["layernorm", "rmsnorm"]),
     rope=st.sampled_from([None, "consecutive", "alternate"]), seed=st.integers(0, 100),

@@ -4,7 +4,6 @@ FP8 output gradient (`ops.activation_grad_fp8`): the same numbers as the two GEM
 import functools
 import importlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +61,7 @@ def test_fused_mlp_matches_the_gemms_one_at_a_time(activation, with_norm, implem
     quantizes with calibrated scales."""
     x, w1, w2, dy, act, norm = mlp_inputs(activation, with_norm)
     results = {}
-    kernels = ("activation", "activation_fp8", "activation_grad_fp8", "layernorm", "layernorm_fp8")
+    kernels = ("activation", "activation_fp8", "activation_grad_fp8", "layernorm", "norm_fp8")
     with override(implementations={op: implementation for op in kernels}):
         for fused in (True, False):
             metas = (fp8.init_meta(4), fp8.init_meta(4))

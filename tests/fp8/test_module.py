@@ -30,7 +30,8 @@ def test_meta_variables_created_inside_autocast():
     meta = variables[fp8.FP8_COLLECTION]
     assert set(meta) == {"Dense_0", "Dense_1"}
     assert jax.tree.map(jnp.shape, meta["Dense_0"]["DotGeneral_0"]) == {
-        f"{role}_{field}": shape for role in fp8.ROLES for field, shape in (("amax_history", (HISTORY,)), ("scale", ()))}
+        f"{role}_{field}": shape
+        for role in fp8.ROLES for field, shape in (("amax_history", (HISTORY,)), ("scale", ()))}
     # The same variables run outside autocast as a plain bf16 model (the meta is ignored).
     assert MLP(32, 8).apply(variables, X).shape == (8, 8)
     with fp8.fp8_autocast(recipe=fp8.CurrentScaling()):
@@ -43,7 +44,8 @@ def test_missing_or_mismatched_meta_is_an_error():
         MLP(32, 8).apply(variables, X)
     with fp8.fp8_autocast(recipe=DELAYED):
         variables = MLP(32, 8).init(jax.random.key(1), X)
-    with fp8.fp8_autocast(recipe=fp8.DelayedScaling(amax_history_len=8)), pytest.raises(ValueError, match="amax_history_len"):
+    with (fp8.fp8_autocast(recipe=fp8.DelayedScaling(amax_history_len=8)),
+          pytest.raises(ValueError, match="amax_history_len")):
         MLP(32, 8).apply(variables, X)
 
 
@@ -84,7 +86,8 @@ def test_scan_gives_meta_a_leading_layer_axis():
 def test_meta_across_data_parallel_shards(mesh_axes, check_vma, shared):
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     model = MLP(32, 8, dtype=jnp.float32)
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((64, 16), np.float32) * np.arange(1, 65)[:, None])  # shards differ
+    rows = np.random.default_rng(3).standard_normal((64, 16), np.float32)
+    x = jnp.asarray(rows * np.arange(1, 65)[:, None])  # shards differ
     with fp8.fp8_autocast(recipe=DELAYED):
         variables = model.init(jax.random.key(1), x)
 

@@ -12,6 +12,7 @@ import pytest
 from mtjax import fp8, ops
 from mtjax.config import override
 from mtjax.flax import LayerNormDenseGeneral, LayerNormMLP
+from mtjax.fp8 import dot_general
 from mtjax.ops import normalization
 
 activation_ops = importlib.import_module("mtjax.ops.activation")  # the module (mtjax.ops.activation is also a function)
@@ -66,7 +67,7 @@ def test_fused_norm_gemm_matches_norm_then_gemm(layernorm_type, implementation, 
     to the last bits of the norm's statistics (an element on a rounding boundary may round the
     other way: hence 1e-4, not exact); the meta, amaxes included, is the same."""
     x, w, dy, norm = inputs(layernorm_type)
-    with override(implementations={"layernorm_fp8": implementation, "layernorm": implementation,
+    with override(implementations={"norm_fp8": implementation, "layernorm": implementation,
                                    "rmsnorm": implementation}):
         results = run_both(x, w, dy, norm)
     (y, dx, dnorm, dw, meta), (y_ref, dx_ref, dnorm_ref, dw_ref, meta_ref) = results[True], results[False]
@@ -122,7 +123,7 @@ def test_lhs_prologue_validation():
 @pytest.fixture
 def fused_calls(spy):
     """Counts the calls of the fused norm + FP8 cast op while the modules are traced."""
-    return spy(normalization, "layernorm_fp8", lambda args, kwargs: kwargs.get("layernorm_type"))
+    return spy(normalization, "norm_fp8", lambda args, kwargs: kwargs.get("layernorm_type"))
 
 
 X = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 32), np.float32))
@@ -139,7 +140,7 @@ def test_layernorm_dense_general_feeds_the_gemm_from_the_fused_norm(fused_calls,
                                       return_layernorm_output=return_layernorm_output)
         with fp8.fp8_autocast(recipe=recipe):
             variables = model.init(jax.random.key(0), X)
-            loss = lambda v: jnp.sum(jnp.sin(model.apply(v, X)[0]))  # noqa: E731
+            loss = lambda v: jnp.sum(jnp.sin(model.apply(v, X)[0]))
             for _ in range(2):
                 grads = jax.grad(loss)(variables)
                 variables = {**variables, **({fp8.FP8_COLLECTION: grads[fp8.FP8_COLLECTION]} if fused else {})}
@@ -192,7 +193,8 @@ def test_layernorm_mlp_fc2_takes_its_input_from_the_fused_activation(spy, monkey
     assert calls == ["swiglu"] * 3  # init, gradient, apply
     with monkeypatch.context() as patch:  # the same module, one GEMM at a time, each prologue applied first
         patch.setattr(fp8, "fuses_mlp", lambda *arrays: False)
-        patch.setattr(fp8, "_fp8_prologue_matmul", lambda x, p, w, meta, spec: fp8._fp8_matmul(p(x), w, meta, spec))
+        patch.setattr(dot_general, "_fp8_prologue_matmul",
+                      lambda x, p, w, meta, spec: dot_general._fp8_matmul(p(x), w, meta, spec))
         out_ref, _ = run()
     assert rel_err(out, out_ref) < 1e-4
     calls.clear()

@@ -74,7 +74,8 @@ def test_four_micro_batches_equal_one_batch_of_four_times():
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6), acc[fp8.FP8_COLLECTION],
                  big[fp8.FP8_COLLECTION])
     summed = jax.tree.map(lambda *g: sum(g), *[acc[fp8.FP8_COLLECTION]] * 4)
-    assert not np.allclose(jax.tree.leaves(summed)[0], jax.tree.leaves(big[fp8.FP8_COLLECTION])[0])  # a sum would not do
+    # a sum would not do
+    assert not np.allclose(jax.tree.leaves(summed)[0], jax.tree.leaves(big[fp8.FP8_COLLECTION])[0])
     for got, want in zip(jax.tree.leaves(acc["params"]), jax.tree.leaves(big["params"])):
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
 
@@ -106,7 +107,8 @@ def train_losses(enabled, x, y):
 
             def step(carry, batch):
                 variables, opt_state = carry
-                loss, grads = jax.value_and_grad(squared_error_sum, argnums=1)(model, variables, *batch, y.shape[1] * y.shape[2])
+                loss, grads = jax.value_and_grad(squared_error_sum, argnums=1)(model, variables, *batch,
+                                                                              y.shape[1] * y.shape[2])
                 return opt.apply_gradients(variables, grads, opt_state), loss
 
             return lax.scan(step, (variables, opt.init(variables)), (x, y))[1]

@@ -51,7 +51,7 @@ def test_errors_name_the_argument():
         fp8.cast_transpose(jnp.ones((4, 4)), 1.0, jnp.bfloat16)
     with pytest.raises(ValueError, match="at least 2 axes"):
         fp8.cast_transpose(jnp.ones((4,)), 1.0, jnp.float8_e4m3fn)
-    assert "rank 3" in quantize_kernels.supported((2, 3, 4), jnp.bfloat16, jnp.float8_e4m3fn)
+    assert "rank 3" in quantize_kernels.unsupported((2, 3, 4), jnp.bfloat16, jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="unsupported input"):
         quantize_kernels.cast_transpose(jnp.ones((2, 3, 4)), jnp.float32(1.0), jnp.float8_e4m3fn)
 
@@ -82,8 +82,8 @@ def test_kernel_lowers_for_cuda():
 
     for shape in ((4096, 2048), (4000, 2050)):  # exact tiles and masked tails
         with backend.abstract_gpu():
-            text = jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16),
-                                     jax.ShapeDtypeStruct((), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+            traced = jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.float32))
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 

@@ -104,8 +104,8 @@ def test_norm_kernels_on_exact_tiles(kind):
                      (x, gamma), (0, 1), jnp.float32)
     fp8_args = (x, gamma, beta if kind == "layernorm" else None, jnp.float32(100.0))
     with override(pallas_interpret=True):
-        q, amax = ops.layernorm_fp8(*fp8_args, layernorm_type=kind, implementation="pallas_triton")
-    q_ref, amax_ref = ops.layernorm_fp8(*fp8_args, layernorm_type=kind, implementation="xla")
+        q, amax = ops.norm_fp8(*fp8_args, layernorm_type=kind, implementation="pallas_triton")
+    q_ref, amax_ref = ops.norm_fp8(*fp8_args, layernorm_type=kind, implementation="xla")
     np.testing.assert_allclose(amax, amax_ref, rtol=1e-6)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
 
@@ -161,7 +161,7 @@ def test_norm_fp8_matches_reference(kind, out_dtype):
     scale = jnp.float32(jnp.finfo(out_dtype).max / 2)  # the largest |y| (> 2) saturate
 
     def fn(*args, implementation):
-        return ops.layernorm_fp8(*args, layernorm_type=kind, out_dtype=out_dtype, implementation=implementation)
+        return ops.norm_fp8(*args, layernorm_type=kind, out_dtype=out_dtype, implementation=implementation)
 
     with override(pallas_interpret=True):
         q, amax = fn(x, gamma, beta, scale, implementation="pallas_triton")
@@ -194,7 +194,7 @@ def test_residual_norm_matches_reference(kind, x_dtype, residual_dtype, dropout_
 
     check_kernel(fn, (x, residual, gamma, beta), (0, 1, 2, 3) if beta is not None else (0, 1, 2), x_dtype)
     if dropout_rate:
-        new_residual, _ = fn(x, residual, gamma, beta, implementation="xla")
+        _, new_residual = fn(x, residual, gamma, beta, implementation="xla")
         dropped = np.mean(np.asarray(new_residual == residual.astype(residual_dtype)))
         assert abs(dropped - dropout_rate) < 0.05
 
@@ -285,7 +285,8 @@ def test_softmax_kernel_matches_reference(lead, q_len, kv_len, mask_kind, causal
 def test_softmax_kernel_declines_masks_it_cannot_read_as_rows():
     logits = jax.ShapeDtypeStruct((2, 3, 4, 8), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 3, 1, 8), jnp.bool_)  # varies along heads but not batch
-    impl, why = backend.select("softmax", platform_name="cuda", args=(logits, mask), static={"scale": 1.0, "causal": False})
+    impl, why = backend.select("softmax", platform_name="cuda", args=(logits, mask),
+                               static={"scale": 1.0, "causal": False})
     assert impl.name == "xla" and "mask" in why
 
 
@@ -316,7 +317,7 @@ def test_every_kernel_lowers_for_cuda():
             args = (x, g, b) if kind == "layernorm" else (x, g)
             y, vjp = jax.vjp(lambda *a: norm(*a, zero_centered_gamma=True, implementation=impl), *args)
             out += [y, vjp(y)]
-            out.append(ops.layernorm_fp8(x, g, beta, scale, layernorm_type=kind, implementation=impl))
+            out.append(ops.norm_fp8(x, g, beta, scale, layernorm_type=kind, implementation=impl))
             res, vjp = jax.vjp(lambda x, r: ops.residual_norm(x, r, g, beta, layernorm_type=kind, dropout_rate=0.1,
                                                                   dropout_rng=key, implementation=impl), x, r)
             out += [res, vjp(res)]
@@ -366,14 +367,15 @@ def test_norm_kernels_on_gpu(shape, dtype):
     residual = _random(3, shape, jnp.float32)
     check_kernel(lambda x, g, b, implementation: ops.layernorm(x, g, b, implementation=implementation),
                  (x, gamma, beta), (0, 1, 2), dtype, interpret=False)
-    check_kernel(lambda x, g, implementation: ops.rmsnorm(x, g, zero_centered_gamma=True, implementation=implementation),
+    check_kernel(lambda x, g, implementation: ops.rmsnorm(x, g, zero_centered_gamma=True,
+                                                          implementation=implementation),
                  (x, gamma), (0, 1), dtype, interpret=False)
     check_kernel(lambda x, r, g, b, implementation: ops.residual_norm(
         x, r, g, b, dropout_rate=0.1, dropout_rng=jax.random.key(5), implementation=implementation),
         (x, residual, gamma, beta), (0, 1, 2, 3), dtype, interpret=False)
     scale = jnp.float32(100.0)
-    q, amax = ops.layernorm_fp8(x, gamma, beta, scale, implementation="pallas_triton")
-    q_ref, amax_ref = ops.layernorm_fp8(x, gamma, beta, scale, implementation="xla")
+    q, amax = ops.norm_fp8(x, gamma, beta, scale, implementation="pallas_triton")
+    q_ref, amax_ref = ops.norm_fp8(x, gamma, beta, scale, implementation="xla")
     np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
 
@@ -397,7 +399,8 @@ def test_activation_kernels_on_gpu(activation):
         got = ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1e3), implementation="pallas_triton")
         want = ops.activation_grad_fp8(x, dy, activation, bias, scale=jnp.float32(1e3), implementation="xla")
         assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
-        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32).reshape(rows, -1).T)
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32),
+                                      np.asarray(got[0], np.float32).reshape(rows, -1).T)
         np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
         np.testing.assert_allclose(got[3], want[3], rtol=1e-3, atol=1e-3 * float(np.max(np.abs(want[3]))))
 

@@ -107,7 +107,8 @@ def test_residual_adds_across_layers_change_no_result(tiny, scan_layers):
 
     grads, grads_ref = (jax.jit(jax.grad(loss(m)))(params) for m in (fused, plain))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, grads_ref)
-    cache = jax.jit(functools.partial(fused.init, decode=True))(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    cache = jax.jit(functools.partial(fused.init, decode=True))(jax.random.key(0),
+                                                                jnp.zeros((2, 8), jnp.int32))["cache"]
     step = jax.jit(lambda c, t: fused.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
     first, mutated = step(cache, toks[:, :4])
     second, _ = step(mutated["cache"], toks[:, 4:5])
@@ -157,7 +158,8 @@ def test_kv_cache_decoding_matches_full_forward(tiny):
     model = GPT(dataclasses.replace(TINY, window_size=(3, 0)))  # sliding window: the cache mask keeps it
     toks = tokens(5, (2, 6))
     full = model.apply({"params": params}, toks)
-    cache = jax.jit(functools.partial(model.init, decode=True))(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))["cache"]
+    cache = jax.jit(functools.partial(model.init, decode=True))(jax.random.key(0),
+                                                                jnp.zeros((2, 8), jnp.int32))["cache"]
     step = jax.jit(lambda c, t: model.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
     logits, mutated = step(cache, toks[:, :2])  # a 2-token prompt, then one token at a time
     outs = [logits]

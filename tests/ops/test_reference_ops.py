@@ -85,7 +85,8 @@ def test_activation_matches_numpy(name, rows, half, with_bias, seed):
     directional_derivative_check(f, fn, [x], 0, seed, rtol=5e-3)
 
 
-@pytest.mark.parametrize("te_tuple,name", [(("silu", "linear"), "swiglu"), (("gelu",), "gelu"), (("gelu", "linear"), "geglu")])
+@pytest.mark.parametrize("te_tuple,name",
+                         [(("silu", "linear"), "swiglu"), (("gelu",), "gelu"), (("gelu", "linear"), "geglu")])
 def test_activation_accepts_te_tuples(te_tuple, name):
     x = _rand(0, (2, 2, 8))
     np.testing.assert_array_equal(ops.activation(x, te_tuple), ops.activation(x, name))
@@ -140,7 +141,8 @@ def test_attention_matches_numpy(case):
         q_seg = rng.integers(0, 3, size=(b, t)).astype(np.int32)
         kv_seg = rng.integers(0, 3, size=(b, s)).astype(np.int32)
         kwargs.update(q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg))
-        keep &= ((q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0) & (kv_seg[:, None, :] != 0))[:, None]
+        same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0) & (kv_seg[:, None, :] != 0)
+        keep &= same[:, None]
     if c["mask_type"] in ("causal", "padding_causal"):
         keep &= npref.causal(t, s)
     if c["window"] is not None:
@@ -203,9 +205,9 @@ def test_gqa_does_not_repeat_kv_in_the_jaxpr():
     (lambda: ops.activation(jnp.ones((3, 2, 4)), "geglu", jnp.ones(8)), r"bias.*expected \(2, 4\)"),
     (lambda: ops.softmax(jnp.ones((2, 4)), jnp.ones((2, 4))), "mask"),
     (lambda: ops.attention(jnp.ones((1, 2, 3, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4))), "multiple"),
-    (lambda: ops.attention(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), mask_type="full"), "mask_type"),
-    (lambda: ops.attention(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), mask_type="padding"), "padding"),
-    (lambda: ops.attention(jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), jnp.ones((1, 2, 2, 4)), dropout_rate=0.1), "dropout_rng"),
+    (lambda: ops.attention(*[jnp.ones((1, 2, 2, 4))] * 3, mask_type="full"), "mask_type"),
+    (lambda: ops.attention(*[jnp.ones((1, 2, 2, 4))] * 3, mask_type="padding"), "padding"),
+    (lambda: ops.attention(*[jnp.ones((1, 2, 2, 4))] * 3, dropout_rate=0.1), "dropout_rng"),
     (lambda: ops.attention(jnp.ones((2, 4)), jnp.ones((2, 4)), jnp.ones((2, 4))), "rank 4"),
 ])
 def test_bad_input_names_the_argument(call, match):

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from mtjax.models import GPT, gpt_config
-from mtjax.sharding import MeshConfig, jit_sharded, logical_axis_rules, logical_shardings, named_sharding, shard_variables
+from mtjax.sharding import (
+    MeshConfig,
+    jit_sharded,
+    logical_axis_rules,
+    logical_shardings,
+    named_sharding,
+    shard_variables,
+)
 
 CONFIG = gpt_config("tiny", vocab_size=64, hidden_size=32, mlp_dim=64, max_seq_len=16)  # 4 heads, 2 kv heads
 MODEL = GPT(CONFIG)
@@ -64,7 +71,8 @@ def _collectives(mesh_config, boxed):
     mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
     forward = jit_sharded(lambda v, t: MODEL.apply(v, t), mesh=mesh, rules=rules)
     hlo = forward.lower(shard_variables(boxed, mesh, rules), TOKENS[:, :-1]).compile().as_text()
-    return [line for line in hlo.splitlines() if re.search(r"= \S+ (all-reduce|reduce-scatter|all-gather)(-start)?\(", line)]
+    collective = re.compile(r"= \S+ (all-reduce|reduce-scatter|all-gather)(-start)?\(")
+    return [line for line in hlo.splitlines() if collective.search(line)]
 
 
 def test_sequence_parallel_collectives(boxed):

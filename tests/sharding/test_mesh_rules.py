@@ -46,7 +46,7 @@ def test_mesh_config_rejects_bad_sizes(kwargs):
 
 def test_default_rules_megatron_layout():
     rules = logical_axis_rules(MeshConfig(dp=2, fsdp=2, tp=2, sp=True))
-    to_mesh = lambda *names: nn.logical_to_mesh_axes(names, rules)  # noqa: E731
+    to_mesh = lambda *names: nn.logical_to_mesh_axes(names, rules)
     # Residual stream: batch over both data axes, sequence over tp (sequence parallelism).
     assert to_mesh("activation_batch", "activation_length", "activation_embed") == P(("dp", "fsdp"), "tp", None)
     # Inside attention / the MLP, tp splits heads or columns and the sequence is whole.

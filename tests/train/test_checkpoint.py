@@ -14,7 +14,7 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 from mtjax.sharding import MeshConfig, logical_axis_rules
-from mtjax.train.checkpoint import CheckpointError, Checkpointer, NonFiniteStateError
+from mtjax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
 from mtjax.train.data import DataIterator, PackedDataset
 from mtjax.train.state import abstract_train_state, init_train_state
 from mtjax.train.step import make_optimizer, make_train_step
@@ -105,7 +105,7 @@ def test_the_compute_copy_is_not_saved_and_is_rebuilt_on_restore(tmp_path, setup
 def test_resume_is_exact(tmp_path, setup, dataset):
     model, optimizer = setup
     mesh, rules, abstract, step = _sharded(model, optimizer, MeshConfig(dp=2, tp=2))
-    fresh = lambda: init_train_state(model, optimizer, jax.random.PRNGKey(7), (BATCH, SEQ), mesh=mesh, rules=rules)  # noqa: E731
+    fresh = lambda: init_train_state(model, optimizer, jax.random.PRNGKey(7), (BATCH, SEQ), mesh=mesh, rules=rules)
 
     _, straight = _train(fresh(), step, DataIterator(dataset, BATCH), 20)
 
@@ -241,7 +241,8 @@ def test_restore_newest_skips_damaged_steps_with_a_warning(tmp_path, setup):
         assert (step, meta) == (1, {"data": {"position": 1}})
         assert warnings[0] == (f"checkpoint {tmp_path}/3 is incomplete: state, meta, _CHECKPOINT_METADATA missing; "
                                "trying step 2")
-        assert warnings[1].startswith(f"checkpoint {tmp_path}/2: its meta cannot be read") and "trying step 1" in warnings[1]
+        assert warnings[1].startswith(f"checkpoint {tmp_path}/2: its meta cannot be read")
+        assert warnings[1].endswith("trying step 1")
         with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/2: its meta cannot be read"):
             checkpointer.verify(2)
         assert checkpointer.set_aside([2, 3]) == [f"{tmp_path}/2.unusable", f"{tmp_path}/3.unusable"]

@@ -69,7 +69,8 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     assert f"--resume with --steps {stopped_at + 2}" in capsys.readouterr().err
     # Resume on dp=8: the checkpoint is laid out onto the new mesh.
     assert main([*args, "--steps", str(stopped_at + 2), "--resume", "--override", "--eval-batches", "0"]) == 2
-    assert f"--warmup-steps 40 (the checkpoint's) must be fewer than --steps {stopped_at + 2}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--warmup-steps 40 (the checkpoint's) must be fewer than --steps {stopped_at + 2}" in err
     assert main([*args, "--steps", str(stopped_at + 2), "--warmup-steps", "1", "--resume", "--override",
                  "--eval-batches", "0"]) == 0
     assert [r["step"] for r in _records(workdir) if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]

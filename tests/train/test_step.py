@@ -121,7 +121,7 @@ def test_fp8_meta_is_updated_and_accumulated_by_max(batches):
         results = [make_train_step(model, optimizer, grad_accum_steps=n, donate=False)(initial, batches[0])
                    for n in (1, 4)]
     (full, full_metrics), (accumulated, accumulated_metrics) = results
-    history = lambda s: s.fp8_meta["DotGeneral_0"]["input_amax_history"]  # noqa: E731
+    history = lambda s: s.fp8_meta["DotGeneral_0"]["input_amax_history"]
     assert float(history(full)[0]) > 0 and not np.array_equal(history(full), history(initial))
     # Forward amaxes: the amax of the whole batch is the max over its micro-batches, so combining
     # by max gives the full batch's meta exactly. Gradient amaxes are 4x the full batch's: each

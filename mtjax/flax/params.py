@@ -1,4 +1,5 @@
-"""Helpers shared by the modules: parameters with logical axes, GEMMs through `mtjax.fp8.DotGeneral`."""
+"""Helpers shared by the modules (and by code building its own on `mtjax.flax`, such as `mtjax.models`):
+parameters with logical axes, GEMMs through `mtjax.fp8.DotGeneral`."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ import jax.numpy as jnp
 Initializer = Callable[..., jax.Array]
 Dtype = Any
 AxisNames = tuple[str | None, ...]
-
-# Logical names of the [batch, length, embed] activations every layer reads and writes.
-BATCH_LENGTH_EMBED: AxisNames = ("activation_batch", "activation_length", "activation_embed")
 
 
 def canonical_tuple(value: int | Sequence[int]) -> tuple[int, ...]:

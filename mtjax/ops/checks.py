@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mtjax.kernels._common import FP8_DTYPES
+from mtjax.dtypes import FP8_DTYPES
 
 
 def check_float(op: str, name: str, x: Any) -> None:
@@ -19,7 +19,8 @@ def check_float(op: str, name: str, x: Any) -> None:
 def check_rank(op: str, name: str, x: Any, ranks: Iterable[int] | int) -> None:
     ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
     if jnp.ndim(x) not in ranks:
-        raise ValueError(f"{op}: {name} has shape {jnp.shape(x)} (rank {jnp.ndim(x)}); expected rank {' or '.join(map(str, ranks))}")
+        raise ValueError(f"{op}: {name} has shape {jnp.shape(x)} (rank {jnp.ndim(x)}); expected rank "
+                         f"{' or '.join(map(str, ranks))}")
 
 
 def check_shape(op: str, name: str, x: Any, shape: Sequence[int | None]) -> None:
@@ -40,4 +41,4 @@ def check_fp8_output(op: str, scale: Any, out_dtype: Any) -> None:
     check_float(op, "scale", scale)
     if jnp.size(scale) != 1:
         raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar")
-    check_choice(op, "out_dtype", jnp.dtype(out_dtype), [jnp.dtype(d) for d in FP8_DTYPES])
+    check_choice(op, "out_dtype", jnp.dtype(out_dtype), FP8_DTYPES)

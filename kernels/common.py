@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax.config import config
+from mtjax.dtypes import OCP_FP8_DTYPES, fp8_max
 
 MAX_ELEMENTS = 2**31 - 1
 # The widest row a kernel keeps in registers (f32 elements per row tile).
 MAX_ROW = 16384
-FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+# The FP8 dtypes the kernels write (`mtjax.dtypes`); the fnuz ones go to the references.
+KERNEL_FP8_DTYPES = OCP_FP8_DTYPES
 
 
 def interpret() -> bool:
@@ -28,9 +30,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-# Arrays of at most this many elements run as fast through XLA's fusions (launch-bound): on the H200
-# LayerNorm fwd+bwd at 2048x2048 took 0.096 ms in the kernels against 0.068 ms in XLA, at 2048x1024
-# both 0.07 ms, while from 2048x4096 up the kernels won (1.4x-2.1x). Automatic selection uses XLA there.
+# Arrays of at most this many elements run as fast through XLA's fusions: their time is launch
+# overhead, not memory traffic, so a kernel's single pass gains nothing (`mtjax bench norm`, the
+# crossover in docs/performance.md). Automatic selection uses XLA there.
 SMALL_ELEMENTS = 2**22
 
 
@@ -40,14 +42,14 @@ def too_small(x, *_, **__) -> str | None:
     predicate in `mtjax.backend.register`."""
     size = int(np.prod(jnp.shape(x)))
     if size <= SMALL_ELEMENTS:
-        return f"{size} elements <= {SMALL_ELEMENTS}: XLA measured as fast on arrays this small"
+        return f"{size} elements <= {SMALL_ELEMENTS}: XLA is as fast on arrays this small"
     return None
 
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def unsupported(shape, dtype, max_row: int | None = MAX_ROW) -> str | None:
+def unsupported_array(shape, dtype, max_row: int | None = MAX_ROW) -> str | None:
     """Why a row-wise kernel cannot take an array of ``shape``/``dtype`` (rows of at most ``max_row``), or ``None``."""
     row = shape[-1] if shape else 0
     if max_row is not None and not 0 < row <= max_row:
@@ -65,24 +67,27 @@ def check_size(name: str, x: jax.Array) -> None:
         raise ValueError(f"{name}: {x.size} elements; the kernel indexes with int32 and takes at most {MAX_ELEMENTS}")
 
 
-def fp8_max(dtype) -> float:
-    return float(jnp.finfo(dtype).max)
-
-
 def reduce_tile_maxima(tile_maxima: jax.Array) -> jax.Array:
     """The max of a kernel's per-tile (or per-program) maxima: an FP8 cast's amax, as its own reduction.
 
     The barrier keeps XLA from fusing this scalar reduce into its consumer (delayed scaling's amax
-    history roll, a concatenate), whose loop emitter then walks every tile maximum in one thread: on
-    the H200 that took 0.11 ms for the 8192 tiles of a 16384x2048 cast, 18 ms of the 1.3B GPT's FP8 step.
+    history roll, a concatenate), whose loop emitter then walks every tile maximum in one thread: a
+    serial loop per cast, repeated for every FP8 GEMM operand of a step.
     """
     return jax.lax.optimization_barrier(jnp.max(tile_maxima))
 
 
-def check_fp8_dtype(op: str, out_dtype) -> None:
-    """Raise ``ValueError`` naming ``op`` unless ``out_dtype`` is one of `FP8_DTYPES`."""
-    if jnp.dtype(out_dtype) not in [jnp.dtype(d) for d in FP8_DTYPES]:
-        raise ValueError(f"{op}: out_dtype={out_dtype}; accepted: float8_e4m3fn, float8_e5m2")
+def unsupported_fp8_dtype(out_dtype) -> str | None:
+    """Why a kernel cannot write ``out_dtype`` (it is not one of `KERNEL_FP8_DTYPES`), or ``None``."""
+    if jnp.dtype(out_dtype) not in KERNEL_FP8_DTYPES:
+        return f"out_dtype {jnp.dtype(out_dtype)} ({', '.join(d.name for d in KERNEL_FP8_DTYPES)} only)"
+    return None
+
+
+def check_kernel_fp8_dtype(op: str, out_dtype) -> None:
+    """Raise ``ValueError`` naming ``op`` unless ``out_dtype`` is one of `KERNEL_FP8_DTYPES`."""
+    if unsupported_fp8_dtype(out_dtype) is not None:
+        raise ValueError(f"{op}: out_dtype={out_dtype}; accepted: {', '.join(d.name for d in KERNEL_FP8_DTYPES)}")
 
 
 def saturate_cast(x: jax.Array, dtype) -> jax.Array:

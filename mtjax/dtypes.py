@@ -1,0 +1,39 @@
+"""The FP8 dtypes and their largest finite values, defined once for the kernels, the ops and the recipes.
+
+``float8_e4m3fn`` and ``float8_e5m2`` are the OCP formats (NVIDIA Hopper and Blackwell, AMD MI350);
+``float8_e4m3fnuz`` and ``float8_e5m2fnuz`` the variants AMD MI300 computes in (no negative zero, one
+NaN, a larger exponent bias, hence different maxima).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+FP8_DTYPES = (
+    jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2),
+    jnp.dtype(jnp.float8_e4m3fnuz), jnp.dtype(jnp.float8_e5m2fnuz),
+)
+# The formats of the Open Compute Project's FP8 specification (what the Pallas Triton kernels write).
+OCP_FP8_DTYPES = FP8_DTYPES[:2]
+
+
+def is_fp8(dtype: Any) -> bool:
+    """Whether ``dtype`` is one of `FP8_DTYPES`."""
+    try:
+        return jnp.dtype(dtype) in FP8_DTYPES
+    except TypeError:
+        return False
+
+
+def check_fp8_dtype(fn: str, dtype: Any, name: str = "dtype") -> Any:
+    """``jnp.dtype(dtype)``, or `TypeError` naming ``fn``, ``name`` and the accepted dtypes."""
+    if not is_fp8(dtype):
+        raise TypeError(f"{fn}({name}={dtype}): expected one of {[d.name for d in FP8_DTYPES]}")
+    return jnp.dtype(dtype)
+
+
+def fp8_max(dtype: Any) -> float:
+    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2, 240 for E4M3 fnuz)."""
+    return float(jnp.finfo(check_fp8_dtype("fp8_max", dtype)).max)

@@ -1,0 +1,76 @@
+"""FP8 training: formats, recipes, delayed-scaling state as Flax variables, the FP8 GEMM.
+
+Every mtjax GEMM runs in a `DotGeneral` submodule, called like ``lax.dot_general``. Outside
+`fp8_autocast` it is exactly that; inside, both operands are quantized to FP8 and the GEMM and its
+two backward GEMMs (dgrad, wgrad) run on FP8 tensor cores::
+
+    with fp8_autocast(recipe=DelayedScaling()):
+        variables = model.init(key, x)                 # {"params": ..., "fp8_meta": ...}
+        grads = jax.grad(loss_fn)(variables, x)        # grads["fp8_meta"] is the NEXT step's meta
+    params_and_meta, opt_state = Optimizer(optax.adamw(1e-3)).apply_gradients(variables, grads, opt_state)
+
+`fp8_autocast` is read when a function is traced: enter it inside the function you `jax.jit` (or
+around its first call); a function traced outside it stays a plain-precision function.
+
+Scale convention (as TransformerEngine): ``q = saturate_cast(x * scale)``, ``x ≈ q * scale_inv``,
+``scale = (fp8_max / amax) / 2**margin``.
+
+Delayed-scaling state ("meta"): for each GEMM and each tensor role (``input``, ``kernel``,
+``output_grad``) an ``amax_history`` (float32 ``[amax_history_len]``, most recent first) and a
+``scale`` (float32 ``[]``, the scale the last step quantized with). A step derives its scale from
+the history and the last scale (`compute_scale`), quantizes with it, and hands back as the meta's
+cotangent ("overwrite with gradient") the history rolled with this step's amax, plus the scale it
+used. Deriving the scale at the start of the step (the same number TransformerEngine computes at the
+end of the previous one) means all micro-batches of a step quantize with one scale, so
+`accumulate_gradients` combines their meta exactly by an elementwise max.
+
+Each GEMM operand is cast once with its transpose and amax (`mtjax.ops.cast_transpose`, a Pallas
+kernel on GPUs), and the dequantization scales ride into cuBLASLt's FP8 GEMM (`mtjax.ops.fp8_gemm`). A norm or an
+activation in front of a GEMM writes its FP8 input directly (``lhs_prologue``), and an MLP's two
+GEMMs run as one op (`fp8_mlp`) whose activation backward writes fc1's FP8 output gradient. On CUDA,
+compile FP8 steps with `compiler_options()` (Triton GEMM fusions off: every FP8 GEMM stays on cuBLASLt).
+
+Limitation: one `DotGeneral` instance must run once per differentiated function (``nn.scan`` and
+``nn.remat`` are fine): cotangents of a meta read twice would be summed.
+
+The package: `mtjax.fp8.recipes` (formats and recipes), `mtjax.fp8.scaling` (the state and the scale
+math), `mtjax.fp8.autocast`, `mtjax.fp8.dot_general` (the FP8 GEMM and `DotGeneral`), `mtjax.fp8.mlp` (the
+fused FP8 MLP) and
+`mtjax.fp8.gradients` (the meta on gradients and optimizers). The FP8 dtypes are `mtjax.dtypes`'; the
+quantize, cast_transpose and FP8 GEMM ops are `mtjax.ops`', re-exported here.
+"""
+
+from mtjax.dtypes import FP8_DTYPES, fp8_max
+from mtjax.fp8.autocast import Autocast, current_autocast, fp8_autocast
+from mtjax.fp8.dot_general import DotGeneral, Prologue, compiler_options, fp8_dot_general
+from mtjax.fp8.gradients import (
+                                 Optimizer,
+                                 accumulate_gradients,
+                                 finalize_accumulated,
+                                 map_param_gradients,
+                                 split_gradients,
+)
+from mtjax.fp8.mlp import fp8_mlp, fuses_mlp
+from mtjax.fp8.recipes import AMAX_COMPUTE_ALGOS, RECIPE_TYPES, CurrentScaling, DelayedScaling, Format, Recipe
+from mtjax.fp8.scaling import (
+                                 FP8_COLLECTION,
+                                 META_KEYS,
+                                 ROLES,
+                                 amax,
+                                 compute_scale,
+                                 history_amax,
+                                 init_meta,
+                                 roll_amax_history,
+)
+from mtjax.ops.gemm import fp8_gemm, fp8_gemm_reference
+from mtjax.ops.quantization import cast_transpose, cast_transpose_reference, dequantize, quantize
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS", "FP8_COLLECTION", "FP8_DTYPES", "META_KEYS", "RECIPE_TYPES", "ROLES",
+    "Autocast", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer", "Prologue", "Recipe",
+    "accumulate_gradients", "amax", "cast_transpose", "cast_transpose_reference", "compiler_options",
+    "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
+    "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
+    "map_param_gradients", "quantize",
+    "roll_amax_history", "split_gradients",
+]

@@ -1,0 +1,95 @@
+"""FP8 recipes: which dtypes and which scales the FP8 GEMMs use.
+
+`DelayedScaling` (scales from past steps' amaxes, TransformerEngine's default) and `CurrentScaling`
+(each tensor's own amax) are per-tensor recipes. A recipe is a frozen dataclass checked on
+construction; `RECIPE_TYPES` lists them, so a new recipe (e.g. block scaling, with one scale per
+block of a tensor) is added here and where `mtjax.fp8.dot_general` dispatches on the recipe type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax.numpy as jnp
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+class Format(enum.Enum):
+    """Which FP8 dtypes a recipe uses: forward operands (input, kernel) and output gradients."""
+
+    E4M3 = "E4M3"  # both E4M3 (3 mantissa bits, |x| <= 448)
+    E5M2 = "E5M2"  # both E5M2 (2 mantissa bits, |x| <= 57344); E5M2 x E5M2 has no FP8 tensor-core GEMM
+    HYBRID = "HYBRID"  # E4M3 forward, E5M2 gradients (which need range more than precision)
+
+    def dtypes(self, fnuz: bool = False) -> tuple[Any, Any]:
+        """``(forward dtype, gradient dtype)``; ``fnuz=True`` gives the variants ROCm MI300 computes in."""
+        e4m3 = jnp.float8_e4m3fnuz if fnuz else jnp.float8_e4m3fn
+        e5m2 = jnp.float8_e5m2fnuz if fnuz else jnp.float8_e5m2
+        return {Format.E4M3: (e4m3, e4m3), Format.E5M2: (e5m2, e5m2), Format.HYBRID: (e4m3, e5m2)}[self]
+
+
+def _check_int(owner: str, field: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}({field}={value!r}): expected an int >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{owner}({field}={value!r}): expected an int >= {minimum}")
+
+
+def _check_format(owner: str, value: Any) -> None:
+    if not isinstance(value, Format):
+        raise TypeError(f"{owner}(fp8_format={value!r}): expected one of {[f'Format.{f.name}' for f in Format]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Per-tensor scales from the amaxes of past steps (TransformerEngine's delayed scaling).
+
+    Attributes:
+      margin: ``scale = (fp8_max / amax) / 2**margin``; each unit halves the scale, leaving headroom.
+      amax_history_len: how many steps' amaxes each tensor keeps.
+      amax_compute_algo: ``"max"`` of the history or its ``"most_recent"`` entry.
+      fp8_format: a `Format`; ``HYBRID`` is E4M3 forward and E5M2 gradients.
+      reduce_amax: max-reduce each amax over `fp8_autocast`'s ``mesh_axes`` so replicas share a scale.
+        (Inside ``shard_map`` amaxes are always reduced over the axes the data varies over and the meta
+        does not: replicated meta must stay replicated.)
+    """
+
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    fp8_format: Format = Format.HYBRID
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("DelayedScaling", "margin", self.margin, 0)
+        _check_int("DelayedScaling", "amax_history_len", self.amax_history_len, 1)
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"DelayedScaling(amax_compute_algo={self.amax_compute_algo!r}): accepted: {AMAX_COMPUTE_ALGOS}"
+            )
+        _check_format("DelayedScaling", self.fp8_format)
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"DelayedScaling(reduce_amax={self.reduce_amax!r}): expected True or False")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Per-tensor scales from each tensor's own amax in the same step (no state, one extra pass).
+
+    Attributes:
+      fp8_format: a `Format`.
+    """
+
+    fp8_format: Format = Format.HYBRID
+
+    def __post_init__(self) -> None:
+        _check_format("CurrentScaling", self.fp8_format)
+
+
+Recipe = DelayedScaling | CurrentScaling
+
+# Every recipe type `fp8_autocast` and `fp8_dot_general` accept.
+RECIPE_TYPES = (DelayedScaling, CurrentScaling)
