@@ -551,6 +551,12 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         nonlocal skipped_steps
         values = jax.device_get(metrics)
         loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+        jump = float(values.get("fp8_amax_jump", 0.0))
+        if jump >= fp8.AMAX_JUMP_FACTOR:
+            _note(f"warning: step {checked_step}: an FP8 amax jumped {jump:.3g}x above every earlier one in its "
+                  f"history; with delayed scaling that tensor's scale stays about as much smaller (coarser FP8 "
+                  f"values) for up to amax_history_len steps (an outlier batch? DelayedScaling(amax_compute_algo="
+                  f"'most_recent') recovers at once)")
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return
         where = (f"step {checked_step}: loss {loss}, gradient norm {grad_norm}")

@@ -3,7 +3,8 @@
 ``make_train_step`` returns ``step(state, batch) -> (state, metrics)`` where ``batch`` is
 ``{"inputs": int32[batch, seq], "targets": int32[batch, seq]}`` (global arrays when sharded) and
 ``metrics`` holds device scalars ``loss``, ``grad_norm`` and ``learning_rate`` (and ``skipped``, 1
-where a non-finite loss or gradient norm made the step skip its update, with ``skip_nonfinite``).
+where a non-finite loss or gradient norm made the step skip its update, with ``skip_nonfinite``;
+``fp8_amax_jump``, `mtjax.fp8.amax_jump` of the new FP8 meta, when the state carries one).
 Token ids are checked against the vocabulary: host (numpy) batches on every call, device arrays
 inside the step with ``debug_checks`` (`jax.experimental.checkify`). Wall-clock figures
 (tokens/s, model TFLOP/s, MFU) are computed on the host by `throughput`, since they need the time
@@ -197,6 +198,8 @@ def make_train_step(
             opt_state=opt_state,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm}
+        if state.fp8_meta:  # the newest amaxes against their histories: one scalar for the host to watch
+            metrics["fp8_amax_jump"] = fp8.amax_jump(applied[fp8.FP8_COLLECTION])
         if skip_nonfinite:
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             kept = {name: getattr(state, name) for name in updated}

@@ -51,12 +51,24 @@ from mtjax.fp8.gradients import (
                                  split_gradients,
 )
 from mtjax.fp8.mlp import fp8_mlp, fuses_mlp
-from mtjax.fp8.recipes import AMAX_COMPUTE_ALGOS, RECIPE_TYPES, CurrentScaling, DelayedScaling, Format, Recipe
+from mtjax.fp8.recipes import (
+    AMAX_COMPUTE_ALGOS,
+    RECIPE_TYPES,
+    CurrentScaling,
+    DelayedScaling,
+    Format,
+    Recipe,
+    max_margin,
+)
 from mtjax.fp8.scaling import (
+                                 AMAX_JUMP_FACTOR,
                                  FP8_COLLECTION,
+                                 MAX_SCALE,
                                  META_KEYS,
+                                 MIN_SCALE,
                                  ROLES,
                                  amax,
+                                 amax_jump,
                                  compute_scale,
                                  history_amax,
                                  init_meta,
@@ -66,11 +78,12 @@ from mtjax.ops.gemm import fp8_gemm, fp8_gemm_reference
 from mtjax.ops.quantization import cast_transpose, cast_transpose_reference, dequantize, quantize
 
 __all__ = [
-    "AMAX_COMPUTE_ALGOS", "FP8_COLLECTION", "FP8_DTYPES", "META_KEYS", "RECIPE_TYPES", "ROLES",
+    "AMAX_COMPUTE_ALGOS", "AMAX_JUMP_FACTOR", "FP8_COLLECTION", "FP8_DTYPES", "MAX_SCALE", "META_KEYS", "MIN_SCALE",
+    "RECIPE_TYPES", "ROLES",
     "Autocast", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer", "Prologue", "Recipe",
-    "accumulate_gradients", "amax", "cast_transpose", "cast_transpose_reference", "compiler_options",
+    "accumulate_gradients", "amax", "amax_jump", "cast_transpose", "cast_transpose_reference", "compiler_options",
     "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
-    "map_param_gradients", "quantize",
+    "map_param_gradients", "max_margin", "quantize",
     "roll_amax_history", "split_gradients",
 ]

@@ -212,3 +212,18 @@ def test_make_optimizer_rejects_nonfinite_settings():
                    dict(clip_norm=float("nan"))):
         with pytest.raises(ValueError, match="make_optimizer"):
             make_optimizer(**{"learning_rate": 1e-3, "total_steps": 10, **kwargs})
+
+
+def test_an_fp8_amax_jump_is_reported(batches):
+    """Issue 27 defect 5: one huge amax shrinks a delayed scale for the whole history, unannounced."""
+    model, optimizer = TinyLM(dropout_rate=0.0), optax.sgd(0.0)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+        step = make_train_step(model, optimizer, donate=False)
+        state, first = step(state, batches[0])
+        state, second = step(state, batches[1])
+        outlier = state.replace(params={**state.params, "w1": state.params["w1"] * 1e5})
+        _, jumped = step(outlier, batches[2])
+    assert float(first["fp8_amax_jump"]) == 0.0  # no earlier amax yet
+    assert float(second["fp8_amax_jump"]) < 10
+    assert float(jumped["fp8_amax_jump"]) >= 1e4  # the kernel's amax
