@@ -20,7 +20,13 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
-    return 0 if text == "0" else positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -31,4 +37,15 @@ def positive_float(text: str) -> float:
         value = 0.0
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value

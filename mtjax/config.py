@@ -7,6 +7,8 @@ Environment variables only provide the starting values (read once, at import):
 - ``MTJAX_PALLAS_INTERPRET=1``: run Pallas kernels in interpret mode (lets them run on the CPU).
 - ``MTJAX_CUDA_COMPUTE_CAPABILITY=9.0``: the CUDA device assumed when lowering for ``cuda`` on a
   machine without one (e.g. ``jax.export`` on a CPU-only host).
+- ``MTJAX_DEBUG_CHECKS=1``: value checks inside jitted code that cost time (token ids in range in the
+  train step, through `jax.experimental.checkify`).
 - ``MTJAX_PJRT_PLUGINS=name=/path/libpjrt_x.so,...``: PJRT plugins loaded when mtjax is imported.
 
 `mtjax info` prints the values in force and where they came from.
@@ -48,11 +50,14 @@ class Config:
         no ``implementation=``.
       pallas_interpret: run Pallas kernels with ``interpret=True`` (CPU testing and debugging).
       cuda_compute_capability: the device assumed when lowering for ``cuda`` without a CUDA device.
+      debug_checks: check values that only the device sees (token ids against the vocabulary) inside
+        jitted steps built afterwards, raising ValueError; each checked step waits for its result.
     """
 
     implementations: dict[str, str] = dataclasses.field(default_factory=dict)
     pallas_interpret: bool = False
     cuda_compute_capability: str = "9.0"
+    debug_checks: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -61,6 +66,7 @@ class Config:
             implementations=_env_implementations(environ),
             pallas_interpret=_env_flag(environ, "MTJAX_PALLAS_INTERPRET"),
             cuda_compute_capability=environ.get("MTJAX_CUDA_COMPUTE_CAPABILITY", "9.0"),
+            debug_checks=_env_flag(environ, "MTJAX_DEBUG_CHECKS"),
         )
 
 

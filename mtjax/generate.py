@@ -41,13 +41,14 @@ def load_checkpoint(checkpoint: str, step: int | None = None) -> tuple[Any, Any,
 
     Raises:
       FileNotFoundError: no such folder, or no checkpoint in it.
+      ValueError: a damaged checkpoint, one without a run configuration, or NaN/Inf parameters.
     """
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
     from mtjax.models import GPT
-    from mtjax.train import Checkpointer, load_tokenizer
+    from mtjax.train import Checkpointer, CheckpointError, load_tokenizer
     from mtjax.train.cli import RunConfig
 
     directory = checkpoint
@@ -56,15 +57,25 @@ def load_checkpoint(checkpoint: str, step: int | None = None) -> tuple[Any, Any,
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--checkpoint {checkpoint!r}: no such folder")
     with Checkpointer(directory) as checkpointer:
-        meta = checkpointer.restore_meta(step)
-        run_config = RunConfig(**meta["run"])
+        try:
+            meta = checkpointer.restore_meta(step)
+            run_config = RunConfig(**meta["run"])
+        except CheckpointError as err:
+            raise ValueError(str(err)) from None
+        except (KeyError, TypeError):
+            raise ValueError(f"the checkpoint in {directory} holds no run configuration") from None
         model = GPT(run_config.model_config())
         tokenizer = load_tokenizer(run_config.tokenizer)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
         abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                                        nn.meta.unbox(shapes["params"]))
-        params = checkpointer.restore_params(abstract_params, step)
+        try:
+            params = checkpointer.restore_params(abstract_params, step)
+        except CheckpointError as err:
+            raise ValueError(str(err)) from None
+    if not all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(params)):
+        raise ValueError(f"the checkpoint in {directory} holds NaN or Inf parameters")
     return model, params, tokenizer
 
 
@@ -77,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model, params, tokenizer = load_checkpoint(args.checkpoint, args.step)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         return fail(err)
     prompts = [tokenizer.encode(text) for text in args.prompt]
     if any(len(p) == 0 for p in prompts):

@@ -11,18 +11,25 @@ Typical use (what ``mtjax train`` does, see `mtjax.train.cli`)::
     state, metrics = step(state, {"inputs": tokens, "targets": next_tokens})
 """
 
-from mtjax.train.checkpoint import Checkpointer, PreemptionWatcher
+from mtjax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, PreemptionWatcher
 from mtjax.train.data import DataIterator, PackedDataset, default_corpus
 from mtjax.train.distributed import global_batch, initialize, process_rows
 from mtjax.train.state import TrainState, abstract_train_state, batch_sharding, init_train_state
-from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, next_token_loss, throughput
+from mtjax.train.step import (
+    check_token_ids,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    next_token_loss,
+    throughput,
+)
 from mtjax.train.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
-    "Checkpointer", "PreemptionWatcher",
+    "CheckpointError", "Checkpointer", "NonFiniteStateError", "PreemptionWatcher",
     "DataIterator", "PackedDataset", "default_corpus",
     "global_batch", "initialize", "process_rows",
     "TrainState", "abstract_train_state", "batch_sharding", "init_train_state",
-    "make_eval_step", "make_optimizer", "make_train_step", "next_token_loss", "throughput",
+    "check_token_ids", "make_eval_step", "make_optimizer", "make_train_step", "next_token_loss", "throughput",
     "ByteTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
 ]

@@ -5,7 +5,11 @@
     mtjax train --resume                          # continue from the latest checkpoint in --workdir
 
 Writes into ``--workdir`` (default ``runs/<preset>``): ``checkpoints/``, ``metrics.jsonl`` (one JSON
-object per logged step) and ``loss.png`` (with matplotlib). SIGTERM saves a checkpoint and exits 0.
+object per logged step) and ``loss.png`` (with matplotlib). SIGTERM and Ctrl-C save a checkpoint and
+exit 0 (a second Ctrl-C exits at once). A non-finite loss or gradient norm stops the run without
+saving (``--on-nonfinite skip`` skips such steps instead). Exit status: 0 done or stopped by a
+signal, 1 the run failed (diverged, a save or metrics write failed, a peer process died), 2 an
+unusable configuration. docs/reliability.md lists what is guaranteed on each fault.
 """
 
 from __future__ import annotations
@@ -13,16 +17,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import math
 import os
 import sys
 import time
 from typing import Any
 
-from mtjax.cli_args import non_negative_int, positive_float, positive_int
+from mtjax.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
 from mtjax.train.presets import PRESETS, TrainPreset, peak_tflops
 
 # Model vocabularies are padded to a multiple of this, so the vocab axis splits over tp.
 VOCAB_MULTIPLE = 128
+
+
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,17 +45,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--steps", type=positive_int, help="optimizer steps")
     run.add_argument("--batch-size", type=positive_int, help="global batch size in sequences")
     run.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
-    run.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    run.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (default 1)")
     run.add_argument("--lr", type=positive_float, help="peak learning rate")
-    run.add_argument("--warmup-steps", type=non_negative_int, help="linear warmup steps")
-    run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    run.add_argument("--warmup-steps", type=non_negative_int, help="linear warmup steps (fewer than --steps)")
+    run.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
     run.add_argument("--clip-norm", type=positive_float, default=1.0, help="gradient global-norm clip (default 1)")
-    run.add_argument("--seed", type=int, default=0, help="initialisation, dropout and data order (default 0)")
+    run.add_argument("--seed", type=non_negative_int, help="initialisation, dropout and data order (default 0)")
     run.add_argument("--fp8", action="store_true", help="FP8 GEMMs with delayed scaling (mtjax.fp8)")
     run.add_argument("--remat", choices=sorted(REMAT_POLICIES), help="rematerialisation policy of the layers")
+    run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES, default="stop",
+                     help="a NaN/Inf loss or gradient norm: stop without saving (default), or skip that "
+                          "step's update and count it")
+    run.add_argument("--max-skipped-steps", type=non_negative_int, default=10,
+                     help="with --on-nonfinite skip: stop once more steps than this were skipped (default 10)")
+    run.add_argument("--debug-checks", action="store_true",
+                     help="check token ids inside the jitted step too (slower; mtjax.config.debug_checks)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", nargs="+", metavar="PATH",
                       help="text files or folders (default: the Python standard library's source)")
+    data.add_argument("--data-errors", choices=("strict", "replace"), default="strict",
+                      help="a --data file that is not UTF-8: an error (default), or read its bad bytes as U+FFFD")
     data.add_argument("--tokenizer", default="byte", help="'byte' (default) or 'sentencepiece:MODEL_FILE'")
     data.add_argument("--eval-batches", type=non_negative_int, default=4,
                       help="held-out batches per evaluation (0: no evaluation; default 4)")
@@ -60,12 +78,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hosts = parser.add_argument_group("multi-host (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
     hosts.add_argument("--num-processes", type=positive_int)
-    hosts.add_argument("--process-id", type=int)
+    hosts.add_argument("--process-id", type=non_negative_int)
+    hosts.add_argument("--peer-timeout", type=positive_int, default=60, metavar="SECONDS",
+                       help="a peer process silent this long is taken as dead and every process stops (default 60)")
     hosts.add_argument("--xla-preset", choices=sorted(XLA_PRESETS),
                        help="add XLA flag presets for multi-GPU runs to XLA_FLAGS (mtjax info lists them)")
     out = parser.add_argument_group("output")
     out.add_argument("--workdir", help="checkpoints, metrics.jsonl and loss.png (default: runs/<preset>)")
-    out.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
+    out.add_argument("--resume", action="store_true",
+                     help="continue from the newest usable checkpoint in --workdir; flags left out take the "
+                          "checkpoint's values")
+    out.add_argument("--resume-step", type=non_negative_int, metavar="N",
+                     help="with --resume: continue from checkpoint N (newer ones are set aside)")
+    out.add_argument("--override", action="store_true",
+                     help="with --resume: accept --steps/--batch-size/--seq-len/--lr/--warmup-steps/--seed values "
+                          "that differ from the checkpoint's run (logged)")
     out.add_argument("--save-every", type=non_negative_int,
                      help="checkpoint interval in steps; 0: none, not even at the end (SIGTERM still saves)")
     out.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept (default 3)")
@@ -104,48 +131,151 @@ class RunConfig:
         return gpt_config(self.model, **self.model_overrides)
 
 
-def _resolve(args: argparse.Namespace, tokenizer) -> tuple[RunConfig, TrainPreset]:
+# RunConfig fields the saved state's structure depends on: a resume must match them.
+STATE_FIELDS = ("model", "model_overrides", "tokenizer", "fp8")
+# RunConfig fields that change what a resumed run computes, and their flags.
+RUN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len",
+             "learning_rate": "--lr", "warmup_steps": "--warmup-steps", "seed": "--seed"}
+_ARG_NAMES = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len", "learning_rate": "lr",
+              "warmup_steps": "warmup_steps", "seed": "seed", "grad_accum": "grad_accum"}
+
+
+def _note(text: str) -> None:
+    print(f"mtjax train: {text}", file=sys.stderr, flush=True)
+
+
+def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None,
+             workdir: str = "") -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
+    """The run's settings: flags, else the checkpoint's run (``saved``), else the preset.
+
+    Returns (config, preset, overridden): ``overridden`` maps each `RUN_FLAGS` field whose flag
+    differs from ``saved`` to (saved value, new value); that is an error unless ``--override``.
+
+    Raises:
+      ValueError: an unusable combination, or a model/tokenizer/FP8 setting (`STATE_FIELDS`)
+        that differs from ``saved`` (the saved state would not fit).
+    """
     from mtjax.models import gpt_config
 
     preset = PRESETS[args.preset]
-    pick = lambda flag, default: default if flag is None else flag
-    seq_len = pick(args.seq_len, preset.seq_len)
+    defaults = dict(steps=preset.steps, batch_size=preset.batch_size, seq_len=preset.seq_len,
+                    learning_rate=preset.learning_rate, warmup_steps=preset.warmup_steps, seed=0, grad_accum=1)
+    if saved is not None:  # a resumed run keeps its settings; grad_accum is a memory knob of this mesh
+        defaults.update({name: getattr(saved, name) for name in RUN_FLAGS})
+    values = {name: defaults[name] if getattr(args, arg) is None else getattr(args, arg)
+              for name, arg in _ARG_NAMES.items()}
+    overridden = {name: (getattr(saved, name), values[name]) for name in RUN_FLAGS
+                  if saved is not None and getattr(args, _ARG_NAMES[name]) is not None
+                  and values[name] != getattr(saved, name)}
+    seq_len = values["seq_len"]
     base = gpt_config(preset.model)
     overrides: dict[str, Any] = {}
     if tokenizer.vocab_size > base.vocab_size:
         overrides["vocab_size"] = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if seq_len > base.max_seq_len:
         overrides["max_seq_len"] = seq_len
-    if args.remat is not None:
-        overrides["remat_policy"] = args.remat
-    steps = pick(args.steps, preset.steps)
+    remat = args.remat if args.remat is not None or saved is None else saved.model_overrides.get("remat_policy")
+    if remat is not None:
+        overrides["remat_policy"] = remat
     run = RunConfig(
         preset=args.preset, model=preset.model, model_overrides=overrides, tokenizer=tokenizer.spec,
-        batch_size=pick(args.batch_size, preset.batch_size), seq_len=seq_len, steps=steps,
-        learning_rate=pick(args.lr, preset.learning_rate),
-        warmup_steps=min(pick(args.warmup_steps, preset.warmup_steps), steps - 1),
-        grad_accum=args.grad_accum, seed=args.seed, fp8=args.fp8)
+        batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],
+        learning_rate=values["learning_rate"], warmup_steps=values["warmup_steps"],
+        grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8)
+    if saved is not None and any(getattr(saved, name) != getattr(run, name) for name in STATE_FIELDS):
+        raise ValueError(f"the checkpoint in {workdir} was written with "
+                         f"{ {name: getattr(saved, name) for name in STATE_FIELDS} }; this run asks for "
+                         f"{ {name: getattr(run, name) for name in STATE_FIELDS} }")
+    if overridden and not args.override:
+        asked = ", ".join(f"{RUN_FLAGS[n]} {new}" for n, (_, new) in overridden.items())
+        had = ", ".join(f"{n}={old}" for n, (old, _) in overridden.items())
+        raise ValueError(f"--resume with {asked}, but the checkpoint's run has {had}: that changes the run. "
+                         "Leave those flags out to continue it as it was, or pass --override")
+    if run.warmup_steps >= run.steps:
+        if args.warmup_steps is not None or saved is not None:
+            whose = "" if args.warmup_steps is not None else " (the checkpoint's)"
+            raise ValueError(f"--warmup-steps {run.warmup_steps}{whose} must be fewer than --steps {run.steps}")
+        _note(f"the {args.preset} preset's {run.warmup_steps} warmup steps are not fewer than --steps "
+              f"{run.steps}: warming up for {run.steps - 1}")
+        run = dataclasses.replace(run, warmup_steps=run.steps - 1)
     if run.batch_size % run.grad_accum:
         raise ValueError(f"--batch-size {run.batch_size} is not divisible by --grad-accum {run.grad_accum}")
     run.model_config()  # validates the overrides
-    return run, preset
+    return run, preset, overridden
+
+
+def _check_tensor_parallel(model_config: Any, tp: int) -> None:
+    """The model dimensions split over ``tp`` (Megatron: heads, KV heads, MLP columns, vocabulary)."""
+    if tp == 1:
+        return
+    dims = {"query heads": model_config.num_heads, "key/value heads": model_config.resolved_num_kv_heads,
+            "MLP width": model_config.mlp_dim, "vocabulary": model_config.vocab_size}
+    bad = {name: size for name, size in dims.items() if size % tp}
+    if bad:
+        accepted = sorted(d for d in range(1, max(dims.values()) + 1) if all(v % d == 0 for v in dims.values()))
+        raise ValueError(f"--tp {tp} must divide the model's {', '.join(f'{n} ({v})' for n, v in bad.items())}; "
+                         f"accepted: {', '.join(map(str, accepted[:8]))}")
+
+
+class MetricsWriteError(RuntimeError):
+    """Writing ``metrics.jsonl`` failed (the message names the file and the OS error)."""
 
 
 class _MetricsLog:
-    """``metrics.jsonl`` (appended to on resume) and the loss curve drawn from it at the end."""
+    """``metrics.jsonl`` (appended to, after dropping the records past the step the run starts from) and
+    the loss curve drawn from it at the end. A failed write raises `MetricsWriteError` once; later
+    writes and `close` do nothing."""
 
-    def __init__(self, path: str, enabled: bool):
+    def __init__(self, path: str, enabled: bool, resumed_step: int | None = None):
         self.path, self.enabled = path, enabled
-        self._file = open(path, "a") if enabled else None
+        self._file = None
+        if not enabled:
+            return
+        try:
+            if resumed_step is not None and os.path.isfile(path):  # not a device or a pipe
+                self._truncate(resumed_step)
+            self._file = open(path, "a")
+        except OSError as err:
+            raise MetricsWriteError(f"{path}: cannot be written: {err.strerror or err}") from None
+
+    def _truncate(self, step: int) -> None:
+        """Keep the records of steps up to ``step``: the ones after it belong to the run being replaced."""
+        with open(self.path) as f:
+            lines = f.readlines()
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(json.dumps(record) + "\n")
+        temporary = self.path + ".tmp"
+        with open(temporary, "w") as f:
+            f.writelines(kept)
+        os.replace(temporary, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file:
+        if self._file is None:
+            return
+        try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        except OSError as err:
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:
+                pass
+            raise MetricsWriteError(f"writing {self.path} failed: {err.strerror or err}") from None
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        if self._file is not None:
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as err:
+                raise MetricsWriteError(f"writing {self.path} failed: {err.strerror or err}") from None
 
     def plot(self, png_path: str) -> bool:
         """Draw train and eval loss against the step; False when matplotlib is missing."""
@@ -173,9 +303,9 @@ class _MetricsLog:
         return True
 
 
-def _fail(message: str) -> int:
-    print(f"mtjax train: error: {message}", file=sys.stderr)
-    return 2
+def _fail(message: str, status: int = 2) -> int:
+    print(f"mtjax train: error: {message}", file=sys.stderr, flush=True)
+    return status
 
 
 @dataclasses.dataclass
@@ -190,7 +320,36 @@ class _Setup:
     eval_data: Any
     workdir: str
     checkpointer: Any
-    resume_from: int | None
+    resume_candidates: list[int] | None  # steps to try, newest first (None: a fresh run)
+    overridden: dict[str, tuple[Any, Any]]
+
+
+def _resume_candidates(checkpointer: Any, args: argparse.Namespace) -> tuple[list[int], RunConfig | None]:
+    """Steps to resume from (newest first) and the run config of the newest whose meta reads."""
+    from mtjax.train.checkpoint import CheckpointError
+
+    steps = checkpointer.all_steps()
+    if args.resume_step is not None:
+        if args.resume_step not in steps:
+            raise ValueError(f"--resume-step {args.resume_step}: no such checkpoint in {checkpointer.directory} "
+                             f"(steps: {', '.join(map(str, steps)) or 'none'})")
+        steps = [args.resume_step]
+    candidates = sorted(steps, reverse=True)
+    for i, step in enumerate(candidates):
+        try:
+            meta = checkpointer.verify(step)
+            return candidates[i:], RunConfig(**meta["run"])
+        except (CheckpointError, KeyError, TypeError) as err:
+            reason = err if isinstance(err, CheckpointError) else f"checkpoint {checkpointer.step_path(step)}: " \
+                                                                  f"its meta holds no run configuration"
+            if args.resume_step is not None:
+                raise ValueError(f"--resume-step {step}: {reason}") from None
+            nxt = f"trying step {candidates[i + 1]}" if i + 1 < len(candidates) else "no older checkpoint left"
+            _note(f"warning: {reason}; {nxt}")
+    if candidates:
+        raise ValueError(f"no usable checkpoint in {checkpointer.directory} (steps {', '.join(map(str, steps))} "
+                         "cannot be read); move them away or use another --workdir")
+    return [], None
 
 
 def _setup(args: argparse.Namespace) -> _Setup:
@@ -202,51 +361,77 @@ def _setup(args: argparse.Namespace) -> _Setup:
     from mtjax.train.data import PackedDataset, default_corpus
     from mtjax.train.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer)
-    config, preset = _resolve(args, tokenizer)
-    other = args.fsdp * args.tp * args.ep
-    dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
-    mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep)
-    mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
-    num_experts = config.model_config().num_experts
-    if args.ep > 1 and (not num_experts or num_experts % args.ep):
-        raise ValueError(f"--ep {args.ep} needs a mixture-of-experts preset whose num_experts "
-                         f"({num_experts}) it divides")
-    batch_ways = dp * args.fsdp * args.ep
-    if config.batch_size % (batch_ways * config.grad_accum):
-        raise ValueError(f"--batch-size {config.batch_size} must be divisible by dp * fsdp * ep * grad-accum "
-                         f"= {batch_ways * config.grad_accum}")
-    dataset = PackedDataset.from_paths(args.data or default_corpus(), tokenizer, config.seq_len, seed=config.seed)
-    eval_sequences = args.eval_batches * config.batch_size
-    train_data, eval_data = dataset, None
-    if eval_sequences:
-        if eval_sequences * 10 > dataset.num_sequences:
-            raise ValueError(f"--data holds {dataset.num_sequences} sequences of {config.seq_len} tokens: too few to "
-                             f"hold {eval_sequences} out for evaluation (use --eval-batches 0 or more data)")
-        train_data, eval_data = dataset.split(eval_sequences)
+    if args.resume_step is not None and not args.resume:
+        raise ValueError("--resume-step needs --resume")
+    if args.override and not args.resume:
+        raise ValueError("--override needs --resume")
     workdir = os.path.abspath(args.workdir or os.path.join("runs", args.preset))
-    save_every = preset.save_every if args.save_every is None else args.save_every or None
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=save_every, keep=args.keep)
-    latest = checkpointer.latest_step()
-    if latest is not None and not args.resume:
+    for path in (workdir, os.path.join(workdir, "checkpoints")):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"--workdir {args.workdir or workdir}: {path} is a file, not a folder")
+    tokenizer = load_tokenizer(args.tokenizer)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=args.keep)
+    try:
+        saved, candidates = None, None
+        if checkpointer.all_steps() and not args.resume:
+            raise ValueError(f"{workdir} already holds checkpoints (latest: step {checkpointer.latest_step()}); pass "
+                             "--resume to continue that run, or --workdir for a new one")
+        if args.resume:
+            candidates, saved = _resume_candidates(checkpointer, args)
+            if saved is None:
+                _note(f"no checkpoint in {workdir} yet; starting from scratch")
+                candidates = None
+        config, preset, overridden = _resolve(args, tokenizer, saved, workdir)
+        _check_tensor_parallel(config.model_config(), args.tp)
+        other = args.fsdp * args.tp * args.ep
+        dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
+        mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep)
+        mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
+        num_experts = config.model_config().num_experts
+        if args.ep > 1 and (not num_experts or num_experts % args.ep):
+            raise ValueError(f"--ep {args.ep} needs a mixture-of-experts preset whose num_experts "
+                             f"({num_experts}) it divides")
+        batch_ways = dp * args.fsdp * args.ep
+        if config.batch_size % (batch_ways * config.grad_accum):
+            raise ValueError(f"--batch-size {config.batch_size} must be divisible by dp * fsdp * ep * grad-accum "
+                             f"= {batch_ways * config.grad_accum}")
+        errors = args.data_errors if args.data else "skip"  # the default corpus holds a few legacy-encoded tests
+        dataset = PackedDataset.from_paths(args.data or default_corpus(), tokenizer, config.seq_len,
+                                           seed=config.seed, errors=errors,
+                                           vocab_size=config.model_config().vocab_size)
+        eval_sequences = args.eval_batches * config.batch_size
+        train_data, eval_data = dataset, None
+        if eval_sequences:
+            if eval_sequences * 10 > dataset.num_sequences:
+                raise ValueError(f"--data holds {dataset.num_sequences} sequences of {config.seq_len} tokens: too few "
+                                 f"to hold {eval_sequences} out for evaluation (use --eval-batches 0 or more data)")
+            train_data, eval_data = dataset.split(eval_sequences)
+        checkpointer.save_every = preset.save_every if args.save_every is None else args.save_every or None
+    except BaseException:
         checkpointer.close()
-        raise ValueError(f"{workdir} already holds checkpoints (latest: step {latest}); pass --resume to continue "
-                         "that run, or --workdir for a new one")
-    if latest is not None:
-        saved = RunConfig(**checkpointer.restore_meta(latest)["run"])
-        kept = ("model", "model_overrides", "tokenizer", "fp8")  # what the saved state's structure depends on
-        if any(getattr(saved, name) != getattr(config, name) for name in kept):
-            checkpointer.close()
-            raise ValueError(f"the checkpoint in {workdir} was written with "
-                             f"{ {name: getattr(saved, name) for name in kept} }; this run asks for "
-                             f"{ {name: getattr(config, name) for name in kept} }")
-    if args.resume and latest is None:
-        print(f"mtjax train: no checkpoint in {workdir} yet; starting from scratch", file=sys.stderr)
-    return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, latest)
+        raise
+    return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, candidates, overridden)
+
+
+class Diverged(RuntimeError):
+    """The loss or gradient norm went NaN/Inf (the message names the step and the last good checkpoint)."""
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; returns the exit status (0, or 2 with a message for an unusable configuration)."""
+    """Train; returns the exit status (0 done or stopped by a signal, 1 the run failed, 2 an unusable
+    configuration), printing one line that says why for 1 and 2."""
+    from mtjax.train.checkpoint import PreemptionWatcher
+
+    watcher = PreemptionWatcher()  # first: a signal during the slow set-up below must not kill the run
+    try:
+        return _run(args, watcher)
+    finally:
+        watcher.close()
+
+
+def _run(args: argparse.Namespace, watcher: Any) -> int:
+    from mtjax.config import config as mtjax_config
+    from mtjax.config import override
     from mtjax.fp8 import fp8_autocast
     from mtjax.train import distributed
     from mtjax.xla_flags import apply_xla_flags
@@ -254,24 +439,29 @@ def run(args: argparse.Namespace) -> int:
     if args.xla_preset:
         apply_xla_flags(args.xla_preset)  # before jax creates its backends
     try:
-        spec = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        spec = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                      heartbeat_timeout_seconds=args.peer_timeout)
         print(f"mtjax train: {distributed.topology(spec)}", file=sys.stderr, flush=True)
         setup = _setup(args)
     except ValueError as err:
         return _fail(str(err))
+    if watcher.requested:
+        setup.checkpointer.close()
+        print(f"mtjax train: {watcher.signal_name} before the first step: nothing trained, nothing saved")
+        return 0
     # FP8 is decided when the functions are traced: creating the state and the first step.
-    with fp8_autocast(enabled=setup.config.fp8):
-        return _train(args, setup)
+    with fp8_autocast(enabled=setup.config.fp8), override(debug_checks=args.debug_checks or mtjax_config.debug_checks):
+        return _train(args, setup, watcher)
 
 
-def _train(args: argparse.Namespace, setup: _Setup) -> int:
+def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     import jax
     from tqdm import tqdm
 
     from mtjax import fp8
     from mtjax.models import GPT
     from mtjax.sharding import tree_shardings
-    from mtjax.train.checkpoint import PreemptionWatcher
+    from mtjax.train.checkpoint import CheckpointError, NonFiniteStateError
     from mtjax.train.data import DataIterator
     from mtjax.train.distributed import global_batch, process_rows
     from mtjax.train.state import abstract_train_state, batch_sharding, compute_dtype_for, init_train_state
@@ -279,6 +469,7 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
 
     run_config, preset, mesh, rules = setup.config, setup.preset, setup.mesh, setup.rules
     checkpointer = setup.checkpointer
+    is_main = jax.process_index() == 0
     config = run_config.model_config()
     model = GPT(config)
     optimizer, schedule = make_optimizer(run_config.learning_rate, total_steps=run_config.steps,
@@ -288,18 +479,41 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     compute_dtype = compute_dtype_for(config.dtype, config.param_dtype)
     abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules,
                                     compute_dtype=compute_dtype)
-    if setup.resume_from is not None:
-        state, meta = checkpointer.restore(abstract, setup.resume_from)
-        position = meta["data"]["position"]
-    else:
-        state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
-                                 mesh=mesh, rules=rules, compute_dtype=compute_dtype)
-        position = 0
+    resumed_step = None
+    try:
+        if setup.resume_candidates:
+            def accept(step: int, meta: dict[str, Any]) -> None:
+                saved = meta.get("run", {})
+                if any(saved.get(name) != getattr(run_config, name) for name in STATE_FIELDS):
+                    raise CheckpointError(f"checkpoint {checkpointer.step_path(step)} holds another model "
+                                          f"({ {name: saved.get(name) for name in STATE_FIELDS} })")
+
+            state, meta, resumed_step = checkpointer.restore_newest(
+                abstract, setup.resume_candidates, accept=accept, warn=lambda text: _note(f"warning: {text}"))
+            position = meta["data"]["position"]
+            if resumed_step >= run_config.steps:
+                checkpointer.close()
+                return _fail(f"--steps {run_config.steps}: the checkpoint is at step {resumed_step} already; nothing "
+                             "to train (ask for more steps, with --override)")
+            newer = [s for s in checkpointer.all_steps() if s > resumed_step]
+            if newer:
+                moved = checkpointer.set_aside(newer)
+                _note(f"resuming from step {resumed_step}; set aside the newer checkpoint(s) {', '.join(moved)}")
+            else:
+                _note(f"resuming from step {resumed_step}")
+        else:
+            state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
+                                     mesh=mesh, rules=rules, compute_dtype=compute_dtype)
+            position = 0
+    except CheckpointError as err:
+        checkpointer.close()
+        return _fail(f"{err} (use another --workdir, or move the damaged checkpoints away)")
     state_sharding = tree_shardings(abstract)
     options = fp8.compiler_options() if run_config.fp8 else None
+    skip_nonfinite = args.on_nonfinite == "skip"
     train_step = make_train_step(model, optimizer, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                  grad_accum_steps=run_config.grad_accum, learning_rate=schedule,
-                                 compiler_options=options,
+                                 compiler_options=options, skip_nonfinite=skip_nonfinite,
                                  expert_bias_update_rate=(config.expert_bias_update_rate if config.use_expert_bias
                                                           else 0.0))
     eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding, compiler_options=options)
@@ -318,9 +532,14 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
     def meta() -> dict[str, Any]:
         return {"data": batches.state(), "run": dataclasses.asdict(run_config)}
 
-    is_main = jax.process_index() == 0
-    os.makedirs(setup.workdir, exist_ok=True)
-    log = _MetricsLog(os.path.join(setup.workdir, "metrics.jsonl"), enabled=is_main)
+    try:
+        os.makedirs(setup.workdir, exist_ok=True)
+        # Records past the step this run starts from belong to a run that is being replaced.
+        log = _MetricsLog(os.path.join(setup.workdir, "metrics.jsonl"), enabled=is_main,
+                          resumed_step=resumed_step or 0)
+    except (OSError, MetricsWriteError) as err:
+        checkpointer.close()
+        return _fail(str(err), 1)
     peak = args.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
     log_every, eval_every = args.log_every or preset.log_every, args.eval_every or preset.eval_every
     tokens_per_step = run_config.batch_size * run_config.seq_len
@@ -331,19 +550,64 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
               f"{', FP8' if run_config.fp8 else ''}) on {jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"mesh {dict(mesh.shape)}; {setup.train_data.num_sequences} training sequences of "
               f"{run_config.seq_len} tokens; steps {step}..{run_config.steps}; writing to {setup.workdir}", flush=True)
+    if setup.overridden:
+        changes = {name: {"checkpoint": old, "now": new} for name, (old, new) in setup.overridden.items()}
+        _note(f"--override: continuing step {step} with changed settings {changes}")
+        log.write({"step": step, "override": changes})
 
-    watcher = PreemptionWatcher()
+    skipped_steps = 0
+    last_good = {"step": resumed_step}  # the newest checkpoint known to be good
+
+    def last_good_text() -> str:
+        if last_good["step"] is None:
+            return f"no checkpoint saved in {checkpointer.directory}"
+        return f"the last good checkpoint is step {last_good['step']} in {checkpointer.directory}"
+
+    def check(checked_step: int, metrics: dict[str, Any]) -> None:
+        """Stop on (or count) a non-finite loss or gradient norm of step ``checked_step``."""
+        nonlocal skipped_steps
+        values = jax.device_get(metrics)
+        loss, grad_norm = float(values["loss"]), float(values["grad_norm"])
+        jump = float(values.get("fp8_amax_jump", 0.0))
+        if jump >= fp8.AMAX_JUMP_FACTOR:
+            _note(f"warning: step {checked_step}: an FP8 amax jumped {jump:.3g}x above every earlier one in its "
+                  f"history; with delayed scaling that tensor's scale stays about as much smaller (coarser FP8 "
+                  f"values) for up to amax_history_len steps (an outlier batch? DelayedScaling(amax_compute_algo="
+                  f"'most_recent') recovers at once)")
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        where = (f"step {checked_step}: loss {loss}, gradient norm {grad_norm}")
+        good = last_good_text()
+        if skip_nonfinite:
+            skipped_steps += 1
+            _note(f"warning: {where}: update skipped ({skipped_steps} skipped so far, "
+                  f"--max-skipped-steps {args.max_skipped_steps})")
+            log.write({"step": checked_step, "skipped_steps": skipped_steps})
+            if skipped_steps > args.max_skipped_steps:
+                raise Diverged(f"{where}: {skipped_steps} steps skipped for a non-finite loss or gradient, more than "
+                               f"--max-skipped-steps {args.max_skipped_steps}; stopping without saving; {good}")
+            return
+        raise Diverged(f"{where}: the run diverged; stopping without saving; {good} (lower --lr, raise "
+                       "--warmup-steps, or pass --on-nonfinite skip to skip such steps)")
+
     progress = tqdm(total=run_config.steps, initial=step, disable=args.no_progress or not is_main, unit="step",
                     dynamic_ncols=True)
     timer_start, timer_step, stopped = None, step, False
+    pending = None  # (step, metrics) of the last step whose finiteness is not checked yet
+    status, failure = 0, None
     try:
         while step < run_config.steps and not stopped:
             state, metrics = train_step(state, to_global(next(batches)))
             step += 1
+            if pending is not None:  # the previous step: checked while this one runs
+                check(*pending)
+            pending = (step, metrics)
             if timer_start is None:  # time from the end of the first step on: it compiled
                 jax.block_until_ready(metrics)
                 timer_start, timer_step = time.perf_counter(), step
             if step % log_every == 0 or step == run_config.steps:
+                check(*pending)
+                pending = None
                 # Scalars as numbers, per-expert vectors (moe_expert_load) as lists.
                 record = {"step": step, **{k: v.tolist() for k, v in jax.device_get(metrics).items()}}
                 now = time.perf_counter()
@@ -364,15 +628,47 @@ def _train(args: argparse.Namespace, setup: _Setup) -> int:
             progress.update(1)
             stopped = watcher.should_stop(step)
             final = step == run_config.steps and checkpointer.save_every is not None
-            checkpointer.save(step, state, meta(), force=stopped or final)
+            force = stopped or final
+            if force or (checkpointer.save_every is not None and step % checkpointer.save_every == 0):
+                if pending is not None:  # never save a step that is not known to be finite
+                    check(*pending)
+                    pending = None
+                if checkpointer.save(step, state, meta(), force=force):
+                    last_good["step"] = step
+            checkpointer.poll()  # a background save that failed stops the run at once
+        if pending is not None:
+            check(*pending)
+            pending = None
+    except (Diverged, CheckpointError, NonFiniteStateError, MetricsWriteError) as err:
+        status, failure = 1, str(err)
+        if isinstance(err, CheckpointError):
+            # The failed write's abandoned asyncio tasks would print the same error again at exit.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    except jax.errors.JaxRuntimeError as err:
+        if jax.process_count() == 1:
+            raise
+        # A collective failed: a peer died or hangs. Waiting for saves or jax's shutdown barrier would
+        # hang on it or abort in C++, so say why and leave at once (the last complete checkpoint stays).
+        _fail(f"step {step + 1} failed on process {jax.process_index()}: a peer process died or became "
+              f"unreachable ({str(err).splitlines()[0][:300]}); {last_good_text()}", 1)
+        sys.stdout.flush()
+        os._exit(1)
     finally:
         progress.close()
-        watcher.close()
-        checkpointer.close()
-        log.close()
+        for close in (checkpointer.close, log.close):
+            try:
+                close()
+            except (CheckpointError, MetricsWriteError) as err:
+                if failure is None:
+                    status, failure = 1, str(err)
+    if failure is not None:
+        return _fail(failure, status)
     if is_main:
+        if skipped_steps:
+            _note(f"{skipped_steps} step(s) skipped for a non-finite loss or gradient norm")
         if stopped:
-            print(f"mtjax train: SIGTERM: saved step {step} in {checkpointer.directory}; continue with --resume")
+            print(f"mtjax train: {watcher.signal_name or 'preemption'}: saved step {step} in {checkpointer.directory}; "
+                  "continue with --resume")
         elif log.plot(os.path.join(setup.workdir, "loss.png")):
             print(f"mtjax train: done; loss curve in {os.path.join(setup.workdir, 'loss.png')}")
         else:

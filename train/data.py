@@ -48,14 +48,41 @@ def list_text_files(paths: Iterable[str], suffixes: Sequence[str] = TEXT_SUFFIXE
     return files
 
 
-def tokenize_files(files: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
-    """One token stream: every file's tokens followed by ``tokenizer.eos_id``."""
+DATA_ERRORS = ("strict", "replace", "skip")
+
+
+def tokenize_files(files: Iterable[str], tokenizer: Tokenizer, *, errors: str = "strict") -> np.ndarray:
+    """One token stream: every file's tokens followed by ``tokenizer.eos_id``.
+
+    Args:
+      errors: what to do with a file that is not UTF-8: ``"strict"`` raises, ``"replace"`` reads
+        its bad bytes as U+FFFD (the tokenizer then sees replacement characters), ``"skip"`` leaves
+        the file out (``mtjax train``'s default corpus does: the standard library's tests hold a
+        few files in legacy encodings on purpose).
+
+    Raises:
+      ValueError: a file is not UTF-8 text (with ``errors="strict"``), or cannot be read.
+    """
+    files = list(files)
+    if errors not in DATA_ERRORS:
+        raise ValueError(f"tokenize_files(errors={errors!r}): accepted: {', '.join(DATA_ERRORS)}")
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     pieces = []
     for name in files:
-        with open(name, encoding="utf-8", errors="replace") as f:
-            pieces.append(tokenizer.encode(f.read()).astype(dtype))
+        try:
+            with open(name, encoding="utf-8", errors="replace" if errors == "replace" else "strict") as f:
+                text = f.read()
+        except UnicodeDecodeError as err:
+            if errors == "skip":
+                continue
+            raise ValueError(f"--data {name}: not UTF-8 text (byte {err.start}: {err.reason}); leave it out, or "
+                             "pass --data-errors replace (errors='replace') to read bad bytes as U+FFFD") from None
+        except OSError as err:
+            raise ValueError(f"--data {name}: cannot be read: {err.strerror or err}") from None
+        pieces.append(tokenizer.encode(text).astype(dtype))
         pieces.append(np.asarray([tokenizer.eos_id], dtype=dtype))
+    if not pieces:
+        raise ValueError(f"--data: none of the {len(files)} files is UTF-8 text")
     return np.concatenate(pieces)
 
 
@@ -71,11 +98,19 @@ class PackedDataset:
       seq_len: tokens per training sequence.
       seed: seeds the per-epoch permutations.
       shuffle: whether epochs are permuted.
+
+    ``vocab_size``: when given, every token must be in ``[0, vocab_size)`` (checked once, here).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0, shuffle: bool = True):
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, seed: int = 0, shuffle: bool = True,
+                 vocab_size: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: expected a positive integer")
+        if vocab_size is not None and len(tokens):
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= vocab_size:
+                raise ValueError(f"the token stream holds id {low if low < 0 else high}, outside "
+                                 f"[0, vocab_size={vocab_size}): the tokenizer does not fit the model's vocabulary")
         if tokens.ndim != 1 or len(tokens) < seq_len + 1:
             raise ValueError(
                 f"the corpus has {len(tokens)} tokens, fewer than one sequence of seq_len + 1 = {seq_len + 1}"
@@ -89,9 +124,11 @@ class PackedDataset:
 
     @classmethod
     def from_paths(cls, paths: Iterable[str], tokenizer: Tokenizer, seq_len: int, *, seed: int = 0,
-                   suffixes: Sequence[str] = TEXT_SUFFIXES) -> PackedDataset:
-        """Read and tokenize the text files in ``paths`` (files or folders)."""
-        return cls(tokenize_files(list_text_files(paths, suffixes), tokenizer), seq_len, seed=seed)
+                   suffixes: Sequence[str] = TEXT_SUFFIXES, errors: str = "strict",
+                   vocab_size: int | None = None) -> PackedDataset:
+        """Read and tokenize the text files in ``paths`` (files or folders); ``errors`` as `tokenize_files`'s."""
+        return cls(tokenize_files(list_text_files(paths, suffixes), tokenizer, errors=errors), seq_len, seed=seed,
+                   vocab_size=vocab_size)
 
     def split(self, eval_sequences: int) -> tuple[PackedDataset, PackedDataset]:
         """(train, eval): the last ``eval_sequences`` sequences of the stream are held out, unshuffled."""

@@ -74,6 +74,11 @@ def _coordinator_port() -> str | None:
     return None if port is None else str(port)
 
 
+# Seconds a process may go without a heartbeat before the coordination service declares it dead
+# and every other process stops (jax's own default is 100).
+HEARTBEAT_TIMEOUT_SECONDS = 60
+
+
 def _from_jax_cluster(name: str, cluster) -> ProcessSpec | None:
     """The settings jax's own cluster detection reads (``jax._src.clusters``), or None if absent."""
     if not cluster.is_env_present():
@@ -150,6 +155,10 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     """The `ProcessSpec` of this process: each argument given wins over what the environment says
     (`detect_launcher`; ``JAX_*`` variables fill gaps too); None for a single-process run.
 
+    ``heartbeat_timeout_seconds`` bounds how long the others wait for a process that died or hangs:
+    after it, the coordination service reports the missing process to every other one, which stops
+    (jax terminates it with a message naming the task) instead of waiting in a collective forever.
+
     Raises:
       ValueError: only some of the three are known, or they are inconsistent.
     """
@@ -184,12 +193,18 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> ProcessSpec | None:
+               process_id: int | None = None, *,
+               heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT_SECONDS) -> ProcessSpec | None:
     """Join a multi-process run (`resolve` says how); returns its `ProcessSpec`, or None when the
     run is single-process (nothing given or detected, or a launcher with one process).
 
-    Must be called before jax creates its backends (before any array).
+    Must be called before jax creates its backends (before any array). A process that misses its
+    heartbeats for ``heartbeat_timeout_seconds`` is declared dead and the others stop.
     """
+    if isinstance(heartbeat_timeout_seconds, bool) or not isinstance(heartbeat_timeout_seconds, int) \
+            or heartbeat_timeout_seconds < 1:
+        raise ValueError(f"distributed.initialize(heartbeat_timeout_seconds={heartbeat_timeout_seconds!r}): "
+                         "expected a positive int")
     spec = resolve(coordinator_address, num_processes, process_id)
     if spec is None or spec.num_processes == 1:
         return None
@@ -199,7 +214,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # Everything is resolved here (with jax's cluster classes where they exist), so jax's own
     # detection is off: it would give a process of a one-process-per-node SLURM job only GPU 0.
     jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id,
-                               local_device_ids=spec.local_device_ids(), cluster_detection_method="deactivate")
+                               local_device_ids=spec.local_device_ids(), cluster_detection_method="deactivate",
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     return spec
 
 

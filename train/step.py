@@ -4,7 +4,11 @@
 ``{"inputs": int32[batch, seq], "targets": int32[batch, seq]}`` (global arrays when sharded) and
 ``metrics`` holds device scalars ``loss``, ``grad_norm`` and ``learning_rate`` (and for a
 mixture-of-experts model the auxiliary losses and expert loads of `mtjax.flax.moe_metrics`; ``loss``
-stays the task loss, the gradient is that of ``loss + moe_aux_loss``). Wall-clock figures
+stays the task loss, the gradient is that of ``loss + moe_aux_loss``; ``skipped``, 1
+where a non-finite loss or gradient norm made the step skip its update, with ``skip_nonfinite``;
+``fp8_amax_jump``, `mtjax.fp8.amax_jump` of the new FP8 meta, when the state carries one).
+Token ids are checked against the vocabulary: host (numpy) batches on every call, device arrays
+inside the step with ``debug_checks`` (`jax.experimental.checkify`). Wall-clock figures
 (tokens/s, model TFLOP/s, MFU) are computed on the host by `throughput`, since they need the time
 between steps, which the jitted step cannot see.
 
@@ -25,11 +29,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
+from jax.experimental import checkify
 from jax.sharding import Mesh
 
 from mtjax import axes, fp8, ops
+from mtjax.config import config as mtjax_config
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, moe_aux_loss, moe_metrics
 from mtjax.sharding import LogicalRules, jit_sharded
 from mtjax.train.state import TrainState, batch_sharding, cast_like
@@ -58,6 +65,41 @@ def _micro_batches(batch: Batch, count: int) -> Batch:
     return jax.tree.map(split, dict(batch))
 
 
+def model_vocab_size(model: nn.Module) -> int | None:
+    """``model.config.vocab_size`` or ``model.vocab_size``, whichever the model has (None: neither)."""
+    for owner in (getattr(model, "config", None), model):
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def check_token_ids(batch: Batch, vocab_size: int) -> None:
+    """Raise ValueError if a host (numpy) array of ``batch`` holds an id outside ``[0, vocab_size)``.
+
+    Device arrays are left alone (reading them would wait for the device); the train step's
+    ``debug_checks`` checks those.
+    """
+    for name in ("inputs", "targets"):
+        ids = batch.get(name)
+        if not isinstance(ids, np.ndarray) or ids.size == 0:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"batch[{name!r}] holds token id {bad}, outside [0, vocab_size={vocab_size}) of the "
+                             "model: the tokenizer's vocabulary does not fit the model's")
+
+
+def _debug_check_token_ids(batch: Batch, vocab_size: int) -> None:
+    for name in ("inputs", "targets"):
+        if name in batch:
+            ids = batch[name]
+            checkify.check(jnp.all((ids >= 0) & (ids < vocab_size)),
+                           f"batch[{name!r}] holds a token id outside [0, vocab_size={vocab_size}): "
+                           "min {low}, max {high}", low=jnp.min(ids), high=jnp.max(ids))
+
+
 def _check_sharding_args(owner: str, mesh: Mesh | None, rules: LogicalRules | None,
                          state_sharding: TrainState | None) -> None:
     if (mesh is None) != (rules is None) or (mesh is not None and state_sharding is None):
@@ -77,6 +119,9 @@ def make_train_step(
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
     expert_bias_update_rate: float = 0.0,
+    skip_nonfinite: bool = False,
+    vocab_size: int | None = None,
+    debug_checks: bool | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """A jitted ``step(state, batch) -> (state, metrics)``.
 
@@ -99,16 +144,32 @@ def make_train_step(
 
     The model's auxiliary losses (the ``MOE_LOSSES`` collection a `mtjax.flax.MoEBlock` sows,
     already weighted) are added to ``loss_fn``'s loss before differentiating.
+      skip_nonfinite: when the loss or the gradient norm is NaN or Inf, keep the parameters,
+        optimizer state and FP8 meta as they were (the step counter and RNG still advance) and
+        report ``metrics["skipped"] = 1``; the caller counts and decides when to give up. Without
+        it a non-finite step updates the state like any other: the caller stops on it.
+      vocab_size: token ids must be in ``[0, vocab_size)`` (default: the model's
+        ``config.vocab_size`` or ``vocab_size``); numpy batches are checked on every call.
+      debug_checks: also check device batches, inside the jitted step (`jax.experimental.checkify`;
+        each call then waits for its step). Default: ``mtjax.config.debug_checks``.
+
+    Raises (from the returned step):
+      ValueError: a token id outside ``[0, vocab_size)``.
     """
     if not expert_bias_update_rate >= 0:
         raise ValueError(f"make_train_step(expert_bias_update_rate={expert_bias_update_rate!r}): expected >= 0")
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
         raise ValueError(f"make_train_step(grad_accum_steps={grad_accum_steps!r}): expected a positive int")
     _check_sharding_args("make_train_step", mesh, rules, state_sharding)
+    vocab_size = model_vocab_size(model) if vocab_size is None else vocab_size
+    debug_checks = mtjax_config.debug_checks if debug_checks is None else debug_checks
     # The optimizer updates the parameters; the FP8 meta on the gradients replaces the old meta.
     fp8_optimizer = fp8.Optimizer(optimizer, collection="params")
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        if debug_checks and vocab_size is not None:
+            _debug_check_token_ids(batch, vocab_size)
+
         def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[Any, Any]:
             def loss_of(variables: dict[str, Any]) -> tuple[jax.Array, Any]:
                 logits, sown = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng},
@@ -144,31 +205,55 @@ def make_train_step(
             loss, aux, loads = jax.tree.map(lambda x: x / grad_accum_steps, out_sum)
             grads = fp8.finalize_accumulated(acc, grad_accum_steps)
         master = {"params": state.params, **({fp8.FP8_COLLECTION: state.fp8_meta} if state.fp8_meta else {})}
-        updated, opt_state = fp8_optimizer.apply_gradients(master, grads, state.opt_state)
-        params = updated["params"]
+        applied, opt_state = fp8_optimizer.apply_gradients(master, grads, state.opt_state)
+        params = applied["params"]
         param_grads = fp8.split_gradients(grads)[0]["params"]
         if expert_bias_update_rate:
             params = _update_expert_biases(params, loads, expert_bias_update_rate)
-        new_state = state.replace(
-            step=state.step + 1,
+        grad_norm = optax.tree.norm(param_grads)
+        updated = dict(
             params=params,
             compute_params=None if state.compute_params is None else cast_like(params, state.compute_params),
-            fp8_meta=updated.get(fp8.FP8_COLLECTION, state.fp8_meta),
+            fp8_meta=applied.get(fp8.FP8_COLLECTION, state.fp8_meta),
             opt_state=opt_state,
-            rng=rng,
         )
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(param_grads), **aux}
+        metrics = {"loss": loss, "grad_norm": grad_norm, **aux}
+        if state.fp8_meta:  # the newest amaxes against their histories: one scalar for the host to watch
+            metrics["fp8_amax_jump"] = fp8.amax_jump(applied[fp8.FP8_COLLECTION])
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            kept = {name: getattr(state, name) for name in updated}
+            updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, kept)
+            metrics["skipped"] = (~finite).astype(jnp.int32)
+        new_state = state.replace(step=state.step + 1, rng=rng, **updated)
         if learning_rate is not None:
             metrics["learning_rate"] = (learning_rate(state.step) if callable(learning_rate)
                                         else jnp.asarray(learning_rate, jnp.float32))
         return new_state, metrics
 
     jit_kwargs = dict(donate_argnums=(0,) if donate else (), compiler_options=dict(compiler_options or {}) or None)
+    traced = checkify.checkify(step, errors=checkify.user_checks) if debug_checks else step
     if mesh is None:
-        return jax.jit(step, **jit_kwargs)
-    return jit_sharded(step, mesh=mesh, rules=rules, **jit_kwargs,
-                       in_shardings=(state_sharding, batch_sharding(mesh, rules)),
-                       out_shardings=(state_sharding, None))
+        jitted = jax.jit(traced, **jit_kwargs)
+    else:
+        outputs = (state_sharding, None)
+        jitted = jit_sharded(traced, mesh=mesh, rules=rules, **jit_kwargs,
+                             in_shardings=(state_sharding, batch_sharding(mesh, rules)),
+                             out_shardings=(None, outputs) if debug_checks else outputs)
+
+    def checked_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        if vocab_size is not None:
+            check_token_ids(batch, vocab_size)
+        if not debug_checks:
+            return jitted(state, batch)
+        error, result = jitted(state, batch)
+        try:
+            error.throw()
+        except checkify.JaxRuntimeError as err:
+            raise ValueError(str(err).splitlines()[0]) from None
+        return result
+
+    return checked_step
 
 
 def _expert_loads(sown: Any) -> dict[tuple[str, ...], jax.Array]:
@@ -241,11 +326,16 @@ def make_optimizer(
     Weight decay applies to matrices only, not to biases and norm scales (the GPT-2/3 convention):
     by name (`decays`), since a scanned stack's stacked norm scales are matrices by shape.
     """
-    if learning_rate <= 0 or not 0 <= warmup_steps < total_steps:
+    if not 0 < learning_rate < float("inf") or not 0 <= warmup_steps < total_steps:
         raise ValueError(
             f"make_optimizer(learning_rate={learning_rate}, total_steps={total_steps}, "
-            f"warmup_steps={warmup_steps}): expected learning_rate > 0 and 0 <= warmup_steps < total_steps"
+            f"warmup_steps={warmup_steps}): expected a finite learning_rate > 0 and 0 <= warmup_steps < total_steps"
         )
+    if not 0 <= weight_decay < float("inf"):
+        raise ValueError(f"make_optimizer(weight_decay={weight_decay}): expected a finite number >= 0")
+    if clip_norm is not None and not 0 <= clip_norm < float("inf"):
+        raise ValueError(f"make_optimizer(clip_norm={clip_norm}): expected a finite number >= 0 "
+                         "(0 or None: no clipping)")
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
         decay_steps=total_steps, end_value=learning_rate * min_learning_rate_ratio)

@@ -13,7 +13,10 @@ from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 class Embed(nn.Module):
     """An embedding table ``[num_embeddings, features]``.
 
-    ``__call__(inputs)``: integer ids ``[...]`` -> ``[..., features]`` in ``dtype``.
+    ``__call__(inputs)``: integer ids ``[...]`` -> ``[..., features]`` in ``dtype``; an id outside
+    ``[0, num_embeddings)`` (negative ones included) gives NaN rather than another row, so a bad id
+    shows up in the loss instead of training silently on the wrong token (`mtjax.train` checks ids
+    before they reach the device).
     ``attend(query, preferred_element_type=None)``: ``query [..., features]`` -> logits ``[..., num_embeddings]``
     (the tied output layer), a GEMM through the ``attend_dot_general`` `mtjax.fp8.DotGeneral`.
 
@@ -44,7 +47,9 @@ class Embed(nn.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise TypeError(f"Embed: inputs has dtype {inputs.dtype}; expected integer ids")
-        return jnp.take(self.embedding.astype(self.dtype), inputs, axis=0)
+        # jnp.take wraps negative ids around (numpy's rule): send them out of range, where "fill" gives NaN.
+        ids = jnp.where(inputs < 0, self.num_embeddings, inputs)
+        return jnp.take(self.embedding.astype(self.dtype), ids, axis=0, mode="fill", fill_value=jnp.nan)
 
     def attend(self, query: jax.Array, preferred_element_type: Dtype | None = None) -> jax.Array:
         if query.shape[-1] != self.features:

@@ -20,9 +20,35 @@ def canonical_tuple(value: int | Sequence[int]) -> tuple[int, ...]:
     return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
+# What a module's ``dtype`` (compute) and ``param_dtype`` may be: integer or boolean weights would
+# silently truncate (a DenseGeneral computing in int32 returns zeros) and FP8 is a recipe, not a dtype.
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+def check_float_dtype(owner: str, name: str, dtype: Dtype) -> None:
+    """Raise TypeError unless ``dtype`` is one of `FLOAT_DTYPES`."""
+    try:
+        ok = jnp.dtype(dtype) in [jnp.dtype(d) for d in FLOAT_DTYPES]
+    except TypeError:
+        ok = False
+    if not ok:
+        raise TypeError(f"{owner}: {name}={dtype!r} is not supported; accepted: "
+                        f"{', '.join(jnp.dtype(d).name for d in FLOAT_DTYPES)} (FP8 comes from fp8_autocast)")
+
+
+def check_module_dtypes(module: nn.Module) -> None:
+    """`check_float_dtype` of the module's ``dtype`` and ``param_dtype`` attributes (where it has them)."""
+    for name in ("dtype", "param_dtype"):
+        if hasattr(module, name):
+            check_float_dtype(type(module).__name__, name, getattr(module, name))
+
+
 def param_with_axes(module: nn.Module, name: str, init: Initializer, shape: Sequence[int], dtype: Dtype,
                     axes: AxisNames) -> jax.Array:
-    """``module.param`` carrying logical axis names (none when ``axes`` is empty)."""
+    """``module.param`` carrying logical axis names (none when ``axes`` is empty); the module's
+    ``dtype``/``param_dtype`` and ``dtype`` itself must be float dtypes (`check_float_dtype`)."""
+    check_module_dtypes(module)
+    check_float_dtype(type(module).__name__, f"the dtype of parameter {name!r}", dtype)
     shape = tuple(shape)
     if axes:
         if len(axes) != len(shape):

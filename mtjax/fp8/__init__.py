@@ -62,12 +62,17 @@ from mtjax.fp8.recipes import (
     DelayedScaling,
     Format,
     Recipe,
+    max_margin,
 )
 from mtjax.fp8.scaling import (
+                                 AMAX_JUMP_FACTOR,
                                  FP8_COLLECTION,
+                                 MAX_SCALE,
                                  META_KEYS,
+                                 MIN_SCALE,
                                  ROLES,
                                  amax,
+                                 amax_jump,
                                  compute_scale,
                                  history_amax,
                                  init_meta,
@@ -77,12 +82,13 @@ from mtjax.ops.gemm import fp8_gemm, fp8_gemm_reference
 from mtjax.ops.quantization import cast_transpose, cast_transpose_reference, dequantize, quantize
 
 __all__ = [
-    "AMAX_COMPUTE_ALGOS", "FP8_COLLECTION", "FP8_DTYPES", "META_KEYS", "RECIPE_TYPES", "ROLES",
+    "AMAX_COMPUTE_ALGOS", "AMAX_JUMP_FACTOR", "FP8_COLLECTION", "FP8_DTYPES", "MAX_SCALE", "META_KEYS", "MIN_SCALE",
+    "RECIPE_TYPES", "ROLES",
     "BLOCK_SIZE", "Autocast", "BlockScaling", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer",
-    "Prologue", "Recipe", "accumulate_gradients", "amax", "block_fp8_matmul", "cast_transpose",
+    "Prologue", "Recipe", "accumulate_gradients", "amax", "amax_jump", "block_fp8_matmul", "cast_transpose",
     "cast_transpose_reference", "compiler_options",
     "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
-    "map_param_gradients", "quantize",
+    "map_param_gradients", "max_margin", "quantize",
     "roll_amax_history", "split_gradients",
 ]

@@ -33,6 +33,18 @@ class Format(enum.Enum):
         return {Format.E4M3: (e4m3, e4m3), Format.E5M2: (e5m2, e5m2), Format.HYBRID: (e4m3, e5m2)}[self]
 
 
+def max_margin(fp8_format: Format) -> int:
+    """The largest ``DelayedScaling.margin`` that keeps every scaled tensor of ``fp8_format`` representable.
+
+    A margin of ``m`` maps a tensor's amax to ``fp8_max / 2**m``; beyond the number of binades
+    between the format's largest value and its smallest normal one, every value would quantize to
+    zero or a subnormal and the GEMM output to (almost) zero. The bound holds for the OCP and the
+    fnuz variants of the format's dtypes.
+    """
+    dtypes = (*fp8_format.dtypes(), *fp8_format.dtypes(fnuz=True))
+    return min(int(math.floor(math.log2(float(jnp.finfo(d).max) / float(jnp.finfo(d).tiny)))) for d in dtypes)
+
+
 def _check_int(owner: str, field: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}({field}={value!r}): expected an int >= {minimum}")
@@ -51,6 +63,7 @@ class DelayedScaling:
 
     Attributes:
       margin: ``scale = (fp8_max / amax) / 2**margin``; each unit halves the scale, leaving headroom.
+        At most `max_margin` of the format (14 for E4M3 and HYBRID, 29 for E5M2).
       amax_history_len: how many steps' amaxes each tensor keeps.
       amax_compute_algo: ``"max"`` of the history or its ``"most_recent"`` entry.
       fp8_format: a `Format`; ``HYBRID`` is E4M3 forward and E5M2 gradients.
@@ -73,6 +86,11 @@ class DelayedScaling:
                 f"DelayedScaling(amax_compute_algo={self.amax_compute_algo!r}): accepted: {AMAX_COMPUTE_ALGOS}"
             )
         _check_format("DelayedScaling", self.fp8_format)
+        limit = max_margin(self.fp8_format)
+        if self.margin > limit:
+            raise ValueError(f"DelayedScaling(margin={self.margin}): expected an int in [0, {limit}] for "
+                             f"fp8_format=Format.{self.fp8_format.name}: a larger margin scales the largest value "
+                             "below the format's smallest normal number, so the GEMM outputs would be zeros")
         if not isinstance(self.reduce_amax, bool):
             raise TypeError(f"DelayedScaling(reduce_amax={self.reduce_amax!r}): expected True or False")
 

@@ -18,6 +18,7 @@ from mtjax import axes, ops
 from mtjax.flax import DenseGeneral, Embed, LayerNorm, MoEBlock, TransformerLayerType
 from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, PagedKV, check_heads
 from mtjax.flax.normalization import LAYERNORM_TYPES
+from mtjax.flax.params import check_float_dtype
 from mtjax.models._stack import apply_layers, check_stack_config
 from mtjax.ops import CONTEXT_PARALLEL_STRATEGIES
 from mtjax.sharding.context import (
@@ -170,6 +171,8 @@ class GPTConfig:
             raise ValueError(f"{owner}: hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} "
                              f"(or set head_dim)")
         check_heads(owner, self.resolved_head_dim, self.num_heads, self.num_kv_heads)
+        check_float_dtype(owner, "dtype", self.dtype)
+        check_float_dtype(owner, "param_dtype", self.param_dtype)
         for name, accepted in (("layernorm_type", LAYERNORM_TYPES), ("position_embedding", POSITION_EMBEDDINGS),
                                ("rope_group_method", ROTARY_GROUP_METHODS)):
             if getattr(self, name) not in accepted:
@@ -247,8 +250,9 @@ class GPTConfig:
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    # For CPU tests and `mtjax train`: every Llama feature (RMSNorm, SwiGLU, RoPE, GQA) at toy size.
-    "tiny": dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
+    # For CPU tests and `mtjax train`: every Llama feature (RMSNorm, SwiGLU, RoPE, GQA) at toy size; the
+    # vocabulary holds the byte tokenizer's 257 ids, padded to a multiple of 128 (splits over tp).
+    "tiny": dict(vocab_size=384, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
                  max_seq_len=128, activations=("silu", "linear"), layernorm_type="rmsnorm"),
     "gpt-125m": dict(vocab_size=32768, hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072,
                      max_seq_len=2048, dtype=jnp.bfloat16),
@@ -333,6 +337,9 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: logits_index has shape {logits_index.shape}; expected [batch] = ({batch},)")
         if paged_kv is not None and not paged_kv.prefill and positions is None:
             raise ValueError("GPT: paged_kv with prefill=False needs positions (each token's position in its sequence)")
+        if cfg.position_embedding == "learned" and seq > cfg.max_seq_len:
+            raise ValueError(f"GPT: tokens has {seq} positions, more than max_seq_len={cfg.max_seq_len} of the "
+                             "learned position table; use at most max_seq_len tokens or a larger max_seq_len")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
             if decode:

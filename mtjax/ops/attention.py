@@ -169,7 +169,12 @@ def attention(
         if jnp.result_type(mask) != jnp.bool_ or jnp.ndim(mask) != 4:
             raise ValueError(f"{op}: mask must be bool [batch|1, heads|1, q_len, kv_len]; got {jnp.result_type(mask)} "
                              f"{jnp.shape(mask)}")
-        jnp.broadcast_shapes(mask.shape, (batch, heads, q_len, kv_len))
+        try:
+            jnp.broadcast_shapes(mask.shape, (batch, heads, q_len, kv_len))
+        except ValueError:
+            raise ValueError(f"{op}: mask has shape {tuple(mask.shape)}, which does not broadcast to "
+                             f"[batch, heads, q_len, kv_len] = {(batch, heads, q_len, kv_len)}; expected "
+                             f"[{batch}|1, {heads}|1, {q_len}, {kv_len}]") from None
     if bias is not None:
         check_float(op, "bias", bias)
         try:

@@ -21,8 +21,9 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def _forward(logits, labels):
     logits_f32 = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits_f32, axis=-1)
-    label_logits = jnp.take_along_axis(logits_f32, labels[..., None], axis=-1)[..., 0]
-    return lse - label_logits, (logits, labels, lse)
+    valid = (labels >= 0) & (labels < logits.shape[-1])
+    label_logits = jnp.take_along_axis(logits_f32, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, lse - label_logits, jnp.nan), (logits, labels, lse)
 
 
 def _backward(saved, g):
@@ -45,7 +46,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       labels: integer ``[...]`` with values in ``[0, vocab)``.
 
     Returns:
-      float32 ``[...]``, the same values as ``optax.softmax_cross_entropy_with_integer_labels``.
+      float32 ``[...]``, the same values as ``optax.softmax_cross_entropy_with_integer_labels``;
+      NaN where a label is outside ``[0, vocab)`` (rather than another class's loss).
     """
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise TypeError(f"softmax_cross_entropy: logits.dtype={logits.dtype}; accepted: a float dtype")

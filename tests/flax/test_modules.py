@@ -460,3 +460,28 @@ def test_attention_bad_config():
         LayerNorm(layernorm_type="scalenorm").init(jax.random.key(0), jnp.ones((2, 4)))
     with pytest.raises(ValueError, match="axis"):
         DenseGeneral(3, axis=2).init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+def test_embed_ids_outside_the_table_give_nan():
+    """Issue 27 defect 5: id -1 wrapped around to the last row."""
+    embed = Embed(10, 4)
+    v = embed.init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
+    out = embed.apply(v, jnp.array([-1, 10, 3]))
+    assert np.isnan(out[:2]).all() and np.isfinite(out[2]).all()
+
+
+@pytest.mark.parametrize("module", [DenseGeneral(4, dtype=jnp.int32), DenseGeneral(4, param_dtype=jnp.int8),
+                                    Embed(10, 4, param_dtype=jnp.int32), LayerNorm(dtype=jnp.bool_)])
+def test_modules_accept_float_dtypes_only(module):
+    """Issue 27 defect 5: DenseGeneral(dtype=int32) returned zeros."""
+    x = jnp.zeros((2,), jnp.int32) if isinstance(module, Embed) else jnp.ones((2, 4))
+    with pytest.raises(TypeError, match=f"{type(module).__name__}: .*is not supported; accepted: float32"):
+        module.init(jax.random.key(0), x)
+
+
+def test_a_mask_that_does_not_broadcast_is_named():
+    """Issue 27 defect 6: 'Incompatible shapes for broadcasting' did not name the mask."""
+    q = rand(0, (2, 3, 2, 4))
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 1, 3, 5\), which does not broadcast to \[batch, heads, "
+                                         r"q_len, kv_len\] = \(2, 2, 3, 3\)"):
+        ops.attention(q, q, q, mask=jnp.ones((2, 1, 3, 5), bool))

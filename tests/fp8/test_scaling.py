@@ -116,3 +116,36 @@ def test_amax_reduced_over_bound_mesh_axes():
     assert float(local[1]) == 52.0 and np.all(np.asarray(reduced) == 60.0)
     # Unbound axes (plain jit over a sharded array) are skipped: jnp.max is already global there.
     assert float(jax.jit(lambda s: fp8.amax(s, ("dp",)))(xs)) == 60.0
+
+
+@pytest.mark.parametrize("fp8_format, limit", [(fp8.Format.HYBRID, 14), (fp8.Format.E4M3, 14), (fp8.Format.E5M2, 29)])
+def test_margin_is_bounded_by_the_format(fp8_format, limit):
+    """Issue 27 defect 5: margin >= ~30 zeroed the outputs, >= ~80 gave NaN, 10**6 raised OverflowError."""
+    assert fp8.max_margin(fp8_format) == limit
+    fp8.DelayedScaling(margin=limit, fp8_format=fp8_format)
+    with pytest.raises(ValueError, match=rf"margin={limit + 1}\): expected an int in \[0, {limit}\]"):
+        fp8.DelayedScaling(margin=limit + 1, fp8_format=fp8_format)
+    with pytest.raises(ValueError, match=r"margin=1000000\)"):
+        fp8.DelayedScaling(margin=10**6, fp8_format=fp8_format)
+
+
+@pytest.mark.parametrize("amax, scale, margin", [
+    (3e38, 1.0, 29),     # the formula underflows to 0
+    (1e-30, 1.0, 0),     # 448 / 1e-30 is finite, but its inverse would be a float32 denormal
+    (0.0, 0.0, 0),       # no amax yet, and a zero previous scale
+    (np.nan, -2.0, 0),   # a negative previous scale
+    (1.0, 1.0, 10**6),   # a margin no recipe allows, called directly
+])
+def test_compute_scale_is_never_zero_or_inf(amax, scale, margin):
+    got = float(fp8.compute_scale(jnp.float32(amax), jnp.float32(scale), 448.0, margin))
+    assert fp8.MIN_SCALE <= got <= fp8.MAX_SCALE and np.isfinite(1.0 / np.float32(got))
+
+
+def test_amax_jump_is_the_newest_amax_over_the_largest_earlier_one():
+    """Issue 27 defect 5: one huge amax silently shrinks a delayed scale for the whole history."""
+    history = jnp.array([5e3, 2.0, 4.0, 0.0], jnp.float32)
+    meta = {"layer": {"dot_general": {"input_amax_history": history, "input_scale": jnp.float32(1.0),
+                                      "kernel_amax_history": jnp.stack([history, history / 100])}},
+            "fresh": {"input_amax_history": jnp.array([3.0, 0.0, 0.0, 0.0])}}
+    assert float(fp8.amax_jump(meta)) == 1250.0
+    assert float(fp8.amax_jump({})) == 0.0

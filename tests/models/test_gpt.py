@@ -258,3 +258,24 @@ def test_training_gradient_lowers_for_cuda(use_fp8):
             text = jax.jit(jax.grad(loss)).trace(variables, toks).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
     assert ("f8E4M3FN" in text) == use_fp8
+
+
+def test_learned_positions_past_max_seq_len_are_an_error():
+    """Issue 27 defect 5: a learned-position GPT on a longer sequence gave NaN logits."""
+    model = GPT(dataclasses.replace(TINY, position_embedding="learned", max_seq_len=8))
+    with pytest.raises(ValueError, match="tokens has 9 positions, more than max_seq_len=8"):
+        jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 9), jnp.int32))
+    jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["dtype", "param_dtype"])
+def test_integer_dtypes_are_refused(name):
+    """Issue 27 defects 5/6: param_dtype=int32 / dtype=int32 gave unclear errors or zeros."""
+    with pytest.raises(TypeError, match=f"GPTConfig: {name}=<class 'jax.numpy.int32'> is not supported; accepted: "
+                                        "float32, bfloat16"):
+        dataclasses.replace(TINY, **{name: jnp.int32})
+
+
+def test_the_tiny_preset_fits_the_byte_tokenizer():
+    """Issue 19 item 6: the byte tokenizer emits ids up to 256."""
+    assert gpt_config("tiny").vocab_size >= 257

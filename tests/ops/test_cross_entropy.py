@@ -49,3 +49,11 @@ def test_backward_has_no_scatter():
 def test_bad_input(logits, labels, error, match):
     with pytest.raises(error, match=match):
         ops.softmax_cross_entropy(logits, labels)
+
+
+def test_labels_outside_the_vocabulary_give_nan():
+    """Issue 27 defect 5: label -1 returned the last class's loss; labels >= vocab must not pass silently."""
+    logits = jax.random.normal(jax.random.key(0), (2, 5))
+    losses = ops.softmax_cross_entropy(logits, jnp.array([-1, 2]))
+    assert np.isnan(losses[0]) and np.isfinite(losses[1])
+    assert np.isnan(ops.softmax_cross_entropy(logits, jnp.array([1, 5]))[1])

@@ -1,17 +1,20 @@
 """Checkpoints: restore onto other meshes, exact resume, retention, and a save killed midway."""
 
+import errno
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from orbax.checkpoint._src.path import atomicity
 
 from mtjax.sharding import MeshConfig, logical_axis_rules
-from mtjax.train.checkpoint import Checkpointer
+from mtjax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError
 from mtjax.train.data import DataIterator, PackedDataset
 from mtjax.train.state import abstract_train_state, init_train_state
 from mtjax.train.step import make_optimizer, make_train_step
@@ -154,3 +157,93 @@ def test_a_save_killed_midway_leaves_the_last_complete_checkpoint(tmp_path):
         assert checkpointer.all_steps() == [1]
         state, meta = checkpointer.restore(abstract_train_state(TinyLM(), optax.adam(1e-3), (2, 8)))
     assert int(state.step) == 0 and meta == {"data": {"position": 1}}
+
+
+def test_a_nonfinite_state_is_refused_and_the_good_checkpoint_kept(tmp_path, setup):
+    """Issue 27 defect 1: a diverged run never writes (nor rotates in) a NaN checkpoint."""
+    model, optimizer = setup
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    nan_state = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
+    with Checkpointer(tmp_path, save_every=1, keep=1) as checkpointer:
+        checkpointer.save(1, state, {})
+        with pytest.raises(NonFiniteStateError, match=r"step 2: .* NaN or Inf; not saving .*latest: step 1"):
+            checkpointer.save(2, nan_state, {})
+        assert checkpointer.all_steps() == [1]
+
+
+def _fail_commit(monkeypatch, step, error):
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self, *args, **kwargs):
+        if self._final_path.name == str(step):
+            raise error
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+
+
+def test_a_failed_background_save_surfaces_at_the_next_poll_in_one_line(tmp_path, setup, monkeypatch):
+    """Defect 2: the failure of an async save is reported at once (``poll``), naming the folder and the OS error."""
+    model, optimizer = setup
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    _fail_commit(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
+    checkpointer = Checkpointer(tmp_path, save_every=1)
+    checkpointer.save(1, state, {})
+    checkpointer.save(2, state, {})
+    while checkpointer._manager.is_saving_in_progress():
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError) as failure:
+        checkpointer.poll()
+    message = str(failure.value)
+    assert message.startswith(f"saving checkpoint step 2 to {tmp_path}/2 failed: [Errno 28] No space left on device")
+    assert "\n" not in message and "keep=3 needs" in message
+    checkpointer.poll()  # reported once
+    checkpointer.close()
+    with Checkpointer(tmp_path) as reopened:
+        assert reopened.all_steps() == [1]
+
+
+def test_rotation_deletes_the_oldest_before_writing(tmp_path, setup, monkeypatch):
+    """Defect 2: with keep=2 at most two checkpoints (one complete, one being written) are on disk."""
+    model, optimizer = setup
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    on_disk = []
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self, *args, **kwargs):
+        if str(self._final_path.parent) == str(tmp_path):  # the step folder's commit (not its items')
+            on_disk.append(sorted(name.split(".")[0] for name in os.listdir(tmp_path)))
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    with Checkpointer(tmp_path, save_every=1, keep=2) as checkpointer:
+        for step in range(1, 5):
+            checkpointer.save(step, state, {})
+        checkpointer.wait()
+        assert checkpointer.all_steps() == [3, 4]
+    assert on_disk == [["1"], ["1", "2"], ["2", "3"], ["3", "4"]]
+
+
+def test_restore_newest_skips_damaged_steps_with_a_warning(tmp_path, setup):
+    """Defect 3: an empty or garbled newest step is skipped (named), and the intact older one restored."""
+    model, optimizer = setup
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    abstract = abstract_train_state(model, optimizer, (BATCH, SEQ))
+    with Checkpointer(tmp_path, save_every=1) as checkpointer:
+        checkpointer.save(1, state, {"data": {"position": 1}})
+        checkpointer.save(2, state, {"data": {"position": 2}})
+    with open(tmp_path / "2" / "meta" / "metadata", "wb") as f:
+        f.write(b"\x80\xff not json")
+    os.mkdir(tmp_path / "3")
+    warnings = []
+    with Checkpointer(tmp_path) as checkpointer:
+        _, meta, step = checkpointer.restore_newest(abstract, warn=warnings.append)
+        assert (step, meta) == (1, {"data": {"position": 1}})
+        assert warnings[0] == (f"checkpoint {tmp_path}/3 is incomplete: state, meta, _CHECKPOINT_METADATA missing; "
+                               "trying step 2")
+        assert warnings[1].startswith(f"checkpoint {tmp_path}/2: its meta cannot be read")
+        assert warnings[1].endswith("trying step 1")
+        with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/2: its meta cannot be read"):
+            checkpointer.verify(2)
+        assert checkpointer.set_aside([2, 3]) == [f"{tmp_path}/2.unusable", f"{tmp_path}/3.unusable"]
+        assert checkpointer.all_steps() == [1]

@@ -65,8 +65,14 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     assert "--resume" in capsys.readouterr().err
     assert main([*args[:-1], "--steps", str(stopped_at + 2), "--resume"]) == 2  # FP8 state, run without --fp8
     assert "'fp8': True" in capsys.readouterr().err
+    assert main([*args, "--steps", str(stopped_at + 2), "--resume"]) == 2  # another schedule: only with --override
+    assert f"--resume with --steps {stopped_at + 2}" in capsys.readouterr().err
     # Resume on dp=8: the checkpoint is laid out onto the new mesh.
-    assert main([*args, "--steps", str(stopped_at + 2), "--resume", "--eval-batches", "0"]) == 0
+    assert main([*args, "--steps", str(stopped_at + 2), "--resume", "--override", "--eval-batches", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"--warmup-steps 40 (the checkpoint's) must be fewer than --steps {stopped_at + 2}" in err
+    assert main([*args, "--steps", str(stopped_at + 2), "--warmup-steps", "1", "--resume", "--override",
+                 "--eval-batches", "0"]) == 0
     assert [r["step"] for r in _records(workdir) if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
     assert str(stopped_at + 2) in os.listdir(os.path.join(workdir, "checkpoints"))
     assert os.path.getsize(os.path.join(workdir, "loss.png")) > 0
@@ -84,7 +90,14 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     (["--steps", "0"], "--steps: expected a positive integer"),
     (["--preset", "gpt-9"], "invalid choice"),
     (["--lr", "-1"], "--lr: expected a positive number"),
-    (["--tp", "3"], "MeshConfig"),
+    (["--tp", "3"], "--tp 3 must divide the model's query heads (4), key/value heads (2)"),
+    (["--tp", "4"], "--tp 4 must divide the model's key/value heads (2)"),  # not jax's IndivisibleError
+    (["--seed", "-1"], "--seed: expected an integer >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay: expected a finite number >= 0"),
+    (["--weight-decay", "-5"], "--weight-decay: expected a finite number >= 0"),
+    (["--steps", "5", "--warmup-steps", "10"], "--warmup-steps 10 must be fewer than --steps 5"),
+    (["--resume-step", "3"], "--resume-step needs --resume"),
+    (["--override"], "--override needs --resume"),
     (["--batch-size", "4"], "divisible by dp * fsdp"),
     (["--data", "/no/such/folder"], "no such file or folder"),
     (["--tokenizer", "bpe"], "--tokenizer"),
@@ -99,3 +112,22 @@ def test_bad_flags_get_a_clear_message(flags, message, corpus, tmp_path, capsys)
         status = exit_.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_workdir_that_is_a_file_is_named(corpus, tmp_path, capsys):
+    """Issue 27 defect 6: --workdir pointing at a file gave a NotADirectoryError traceback."""
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    assert main(["train", "--data", corpus, "--workdir", str(path), *SMALL]) == 2
+    assert f"--workdir {path}: {path} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_data_that_is_not_utf8_is_an_error_unless_replace_is_asked(corpus, tmp_path, capsys):
+    """Issue 27 defect 7: a Latin-1 --data file trained on U+FFFD without a word."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "latin1.txt").write_bytes(("caf\u00e9 " * 5000).encode("latin-1"))
+    argv = ["train", "--data", str(data), "--workdir", str(tmp_path / "run"), *SMALL]
+    assert main(argv) == 2
+    assert "latin1.txt: not UTF-8 text (byte 3" in capsys.readouterr().err
+    assert main([*argv, "--data-errors", "replace", "--steps", "1", "--save-every", "0"]) == 0

@@ -129,3 +129,26 @@ def test_a_user_tokenizer_plugs_into_the_dataset(tmp_path):
     assert data.num_sequences == (60 + 1 - 1) // 6
     batch = data.batch(0, 2)
     assert tok.decode(batch["inputs"][0]).split()[0] in {"the", "cat", "sat", "on", "mat"}
+
+
+def test_files_that_are_not_utf8_are_an_error_unless_asked(tmp_path):
+    """Issue 27 defect 7: a Latin-1 or binary file was read as U+FFFD without a word."""
+    good, bad = tmp_path / "good.txt", tmp_path / "latin1.txt"
+    good.write_text("plain text\n")
+    bad.write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--data .*latin1.txt: not UTF-8 text \(byte 3: .*--data-errors replace"):
+        tokenize_files([str(good), str(bad)], ByteTokenizer())
+    replaced = tokenize_files([str(good), str(bad)], ByteTokenizer(), errors="replace")
+    assert "\ufffd" in ByteTokenizer().decode(replaced)
+    skipped = tokenize_files([str(good), str(bad)], ByteTokenizer(), errors="skip")
+    assert ByteTokenizer().decode(skipped) == "plain text\n"
+    with pytest.raises(ValueError, match="errors='ignore'"):
+        tokenize_files([str(good)], ByteTokenizer(), errors="ignore")
+
+
+def test_a_token_stream_outside_the_vocabulary_is_refused():
+    """Issue 19 item 6: the byte tokenizer's EOS (256) does not fit a 256-word model."""
+    tokens = np.asarray([1, 2, 256, 3] * 10, np.int32)
+    with pytest.raises(ValueError, match=r"id 256, outside \[0, vocab_size=256\)"):
+        PackedDataset(tokens, 4, vocab_size=256)
+    assert PackedDataset(tokens, 4, vocab_size=257).num_sequences == 9

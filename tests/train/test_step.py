@@ -171,3 +171,59 @@ def test_throughput_figures():
     assert throughput(1000, 2.0) == {"tokens_per_s": 500.0}
     metrics = throughput(1000, 2.0, flops_per_token=6e9, num_devices=2, peak_tflops=1.0)
     assert metrics["model_tflops"] == pytest.approx(1.5) and metrics["mfu"] == pytest.approx(1.5)
+
+
+def test_a_nonfinite_step_is_skipped_when_asked(batches):
+    """Defect 1 (issue 27): with skip_nonfinite a NaN loss leaves params and optimizer state as they were."""
+    model, optimizer = TinyLM(), optax.adam(1e-2)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    before = jax.device_get(state)
+    nan_loss = lambda logits, batch: jnp.nan * jnp.mean(logits)  # noqa: E731
+    step = make_train_step(model, optimizer, nan_loss, skip_nonfinite=True, donate=False)
+    after, metrics = step(state, batches[0])
+    assert int(metrics["skipped"]) == 1 and int(after.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((after.params, after.opt_state)),
+                 (before.params, before.opt_state))
+    _, metrics = make_train_step(model, optimizer, skip_nonfinite=True)(state, batches[0])
+    assert int(metrics["skipped"]) == 0
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(batches):
+    """Issue 19 item 6 / issue 27 defect 5: ids outside [0, vocab_size) raise, naming both."""
+    model, optimizer = TinyLM(vocab_size=64), optax.adam(1e-2)
+    state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+    step = make_train_step(model, optimizer, donate=False)
+    for bad in (64, -1):
+        batch = {**batches[0], "inputs": np.where(np.arange(SEQ) == 3, bad, batches[0]["inputs"] % 64)}
+        with pytest.raises(ValueError, match=rf"token id {bad}, outside \[0, vocab_size=64\)"):
+            step(state, batch)
+    ok = jax.tree.map(lambda x: jnp.asarray(x % 64), batches[0])
+    device_batch = {**ok, "targets": ok["targets"] + 64}
+    checked = make_train_step(model, optimizer, donate=False, debug_checks=True)
+    with pytest.raises(ValueError, match=r"batch\['targets'\] holds a token id outside \[0, vocab_size=64\)"):
+        checked(state, device_batch)
+    _, metrics = checked(state, ok)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_make_optimizer_rejects_nonfinite_settings():
+    """Defect 1: --weight-decay nan / -5 were accepted."""
+    for kwargs in (dict(weight_decay=float("nan")), dict(weight_decay=-5.0), dict(learning_rate=float("inf")),
+                   dict(clip_norm=float("nan"))):
+        with pytest.raises(ValueError, match="make_optimizer"):
+            make_optimizer(**{"learning_rate": 1e-3, "total_steps": 10, **kwargs})
+
+
+def test_an_fp8_amax_jump_is_reported(batches):
+    """Issue 27 defect 5: one huge amax shrinks a delayed scale for the whole history, unannounced."""
+    model, optimizer = TinyLM(dropout_rate=0.0), optax.sgd(0.0)
+    with fp8_autocast(recipe=DelayedScaling(amax_history_len=4)):
+        state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (BATCH, SEQ))
+        step = make_train_step(model, optimizer, donate=False)
+        state, first = step(state, batches[0])
+        state, second = step(state, batches[1])
+        outlier = state.replace(params={**state.params, "w1": state.params["w1"] * 1e5})
+        _, jumped = step(outlier, batches[2])
+    assert float(first["fp8_amax_jump"]) == 0.0  # no earlier amax yet
+    assert float(second["fp8_amax_jump"]) < 10
+    assert float(jumped["fp8_amax_jump"]) >= 1e4  # the kernel's amax
