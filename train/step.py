@@ -253,6 +253,8 @@ def make_train_step(
             raise ValueError(str(err).splitlines()[0]) from None
         return result
 
+    # The jitted function's ahead-of-time API (``step.lower(state, batch).compile()``), as `jax.jit` has it.
+    checked_step.lower = jitted.lower
     return checked_step
 
 
