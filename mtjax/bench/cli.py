@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gemm suite: also time each candidate tile of the block-scaled FP8 GEMM kernel")
     parser.add_argument("--profile", metavar="DIR",
                         help="train suite: write a per-op GPU-time profile of each train step into DIR")
-    from mtjax.bench import moe
+    from mtjax.bench import decode, moe
 
+    decode.add_arguments(parser.add_argument_group("decode suite"))
     moe.add_arguments(parser.add_argument_group("moe suite"))
 
 
@@ -67,7 +68,8 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
     if name == "layer":
         return module.run(args.quick, settings=settings)
     if name == "decode":
-        return module.run(args.quick, models=args.presets)
+        return module.run(args.quick, models=args.presets, batches=args.decode_batches,
+                          contexts=args.decode_contexts, parts=args.decode_parts)
     if name == "moe":
         return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
                           parts=args.moe_parts)

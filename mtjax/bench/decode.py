@@ -23,6 +23,7 @@ Rows (suite ``decode``; every one that fails records its error in the table and 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -43,7 +44,7 @@ CONTEXTS = (512, 2048, 8192)
 PAGE_SIZE = 16
 DECODE_STEPS = 8
 PREFILL = (8, 2048)  # sequences x tokens
-HF_BATCHES = (1, 8, 64)
+HF_BATCHES = (1, 32)
 # Leave this fraction of the device's memory for weights, activations and XLA's buffers.
 CACHE_MEMORY_FRACTION = 0.7
 
@@ -85,14 +86,6 @@ def guarded(name: str, implementation: str, fn: Callable[[], dict | list[dict]])
         return out if isinstance(out, list) else [out]
     except Exception as err:  # noqa: BLE001 - every failure becomes a row; the run goes on
         return [error_row(name, implementation, err)]
-
-
-def _device_memory() -> int | None:
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU backends may not report
-        return None
-    return stats.get("bytes_limit")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,7 +189,7 @@ def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
     from mtjax.inference.fp8_weights import quantize_weights
 
     rows: list[dict] = []
-    memory = _device_memory()
+    memory = timing.device_memory_bytes()
     try:
         model, params = model_and_params(model_name, max(sizes.contexts))
     except Exception as err:  # noqa: BLE001
@@ -442,7 +435,7 @@ def kernel_case_rows(batch: int, context: int, page_dtype: Any, sizes: Sizes, qu
     pages_per_seq = math.ceil(context / PAGE_SIZE)
     num_pages = batch * pages_per_seq
     kv_bytes = 2 * kv_heads * num_pages * PAGE_SIZE * head_dim * jnp.dtype(page_dtype).itemsize
-    memory = _device_memory()
+    memory = timing.device_memory_bytes()
     if memory and 3 * kv_bytes > CACHE_MEMORY_FRACTION * memory:
         return [skipped_row(name, "pallas_triton", f"{kv_bytes / 2**30:.0f} GiB of pages")]
     kq, kk, kv = jax.random.split(jax.random.key(batch * 100003 + context), 3)
@@ -478,14 +471,46 @@ def kernel_rows(sizes: Sizes, quick: bool) -> list[dict]:
     return _drop_failed_peers(rows)
 
 
-def run(quick: bool, models: Sequence[str] | None = None) -> list[dict]:
+PARTS = ("prefill", "engine", "decode", "kernel")
+
+
+def run(quick: bool, models: Sequence[str] | None = None, batches: Sequence[int] | None = None,
+        contexts: Sequence[int] | None = None, parts: Sequence[str] = PARTS) -> list[dict]:
+    """Rows of the parts asked for, per model (module docstring).
+
+    Args:
+      quick: the tiny model at toy sizes (a CPU smoke test).
+      models: GPT presets (default `MODELS`; ``tiny`` with ``quick``).
+      batches, contexts: the decode and kernel grid (default `BATCHES`, `CONTEXTS`).
+      parts: any of `PARTS`.
+    """
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"mtjax bench decode: parts={unknown}; accepted: {list(PARTS)}")
+    for label, values in (("batches", batches), ("contexts", contexts)):
+        if values is not None and (not values or any(v < 1 for v in values)):
+            raise ValueError(f"mtjax bench decode: {label}={list(values)}; accepted: positive integers")
     sizes = QUICK if quick else FULL
-    if models:
-        sizes = dataclasses.replace(sizes, models=tuple(models))
+    replace = {"models": models, "batches": batches, "contexts": contexts}
+    sizes = dataclasses.replace(sizes, **{k: tuple(v) for k, v in replace.items() if v})
     rows: list[dict] = []
     for model_name in sizes.models:
-        rows += prefill_row(model_name, sizes)
-        rows += engine_row(model_name, sizes)
-        rows += link_hf_peers(decode_rows(model_name, sizes))
-    rows += kernel_rows(sizes, quick)
+        if "prefill" in parts:
+            rows += prefill_row(model_name, sizes)
+        if "engine" in parts:
+            rows += engine_row(model_name, sizes)
+        if "decode" in parts:
+            rows += link_hf_peers(decode_rows(model_name, sizes))
+    if "kernel" in parts:
+        rows += kernel_rows(sizes, quick)
     return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """The decode suite's flags: which parts, and the batch and context grid."""
+    parser.add_argument("--decode-parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="decode suite: which parts to run (default: all)")
+    parser.add_argument("--decode-batches", nargs="+", type=int, metavar="B",
+                        help=f"decode suite: decode batch sizes (default: {' '.join(map(str, BATCHES))})")
+    parser.add_argument("--decode-contexts", nargs="+", type=int, metavar="T",
+                        help=f"decode suite: cache contexts (default: {' '.join(map(str, CONTEXTS))})")

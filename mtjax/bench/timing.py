@@ -198,3 +198,12 @@ def _plain(value: Any) -> Any:
 def random_array(key: jax.Array, shape: Sequence[int], dtype: Any, scale: float = 1.0) -> jax.Array:
     """Normal random values of ``dtype`` (never zeros: zeros can run faster than real data)."""
     return (jax.random.normal(key, tuple(shape), jax.numpy.float32) * scale).astype(dtype)
+
+
+def device_memory_bytes() -> int | None:
+    """The first device's memory limit in bytes, or None where the backend does not report it (CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU backends may not report
+        return None
+    return stats.get("bytes_limit")
