@@ -16,7 +16,7 @@ import sys
 
 import jax
 
-from mtjax.bench import ceilings, report, variants
+from mtjax.bench import ceilings, report, timing, variants
 
 # suite -> module exposing run(quick: bool) -> list[dict] (rows from mtjax.bench.timing.row)
 SUITES = {
@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"suites to run, from {list(SUITES)} (default: every one installed)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few runs: a smoke test (CPU)")
     parser.add_argument("--json", metavar="PATH", help="write {'meta': ..., 'results': [rows]} here")
+    parser.add_argument("--progress-jsonl", metavar="PATH",
+                        help="append each row as one JSON line the moment it is measured (kept if a run is cut short)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart of speed-ups here (needs matplotlib)")
     parser.add_argument("--peak-tflops", type=float, default=report.H200_BF16_PEAK_TFLOPS,
                         help="dense bf16 peak used as the MFU denominator (default: H200, %(default)s)")
@@ -98,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     suites = args.suites or [s for s in SUITES if _available(s)]
     skipped = [s for s in SUITES if s not in suites]
 
+    timing.set_progress(sys.stderr, args.progress_jsonl)
     rows, ceiling_values = ceilings.run(args.quick)
     print(report.table(report.complete(rows, ceiling_values, args.peak_tflops)), file=sys.stderr, flush=True)
     for name in suites:

@@ -156,6 +156,7 @@ def decode_rows_of_batch(model_name: str, implementation: str, model, params, ba
                          kv_dtype: Any, sizes: Sizes) -> list[dict]:
     """One row per context: a cache of ``batch`` sequences of the longest context (one compilation),
     timed with every sequence at ``context - steps`` tokens (each call rewrites the same last ``steps``)."""
+    timing.note(f"decode {model_name} b{batch} {implementation}: cache of {max(contexts)} tokens, compiling")
     cache, tables = _cache(model, params, batch, max(contexts), kv_dtype)
     steps = sizes.steps
     step = decode_loop(model, PAGE_SIZE, cache.num_pages, cache.dtype, steps)
@@ -190,6 +191,7 @@ def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
 
     rows: list[dict] = []
     memory = timing.device_memory_bytes()
+    timing.note(f"decode {model_name}: building the model")
     try:
         model, params = model_and_params(model_name, max(sizes.contexts))
     except Exception as err:  # noqa: BLE001

@@ -168,7 +168,7 @@ def run_gemm(quick: bool, tiles: GemmTiles | None = None) -> list[dict]:
                         r["extra"]["fraction_of_dense"] = times["dense"] / times[r["implementation"]]
                     if "mtjax" in times and r["implementation"] == "mtjax fp8" and "mtjax fp8" in times:
                         r["extra"]["speedup_vs_mtjax_bf16"] = times["mtjax"] / times["mtjax fp8"]
-                    if "tokamax" in times and r["implementation"] == "mtjax":
+                    if "tokamax" in times and "mtjax" in times and r["implementation"] == "mtjax":
                         r["extra"]["speedup_vs_tokamax"] = times["tokamax"] / times["mtjax"]
                 rows += shape_rows
     return rows
