@@ -44,12 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick); decode suite: "
                              "presets to decode (default: llama-1b gpt-1.3b; tiny with --quick)")
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
-                        help="layer and train suites: also run mtjax with these kernel choices (OP=IMPL) and XLA "
-                             "options (xla_...=VALUE); repeatable, one extra pair of rows each")
+                        help="layer, train and decode suites: also run mtjax with these kernel choices (OP=IMPL) and "
+                             "XLA options (xla_...=VALUE); repeatable, one extra pair of rows each")
     parser.add_argument("--sweep", action="store_true",
                         help="gemm suite: also time each candidate tile of the block-scaled FP8 GEMM kernel")
     parser.add_argument("--profile", metavar="DIR",
-                        help="train suite: write a per-op GPU-time profile of each train step into DIR")
+                        help="train and decode suites: write a per-op GPU-time profile of each step into DIR")
     from mtjax.bench import decode, moe
 
     decode.add_arguments(parser.add_argument_group("decode suite"))
@@ -71,10 +71,11 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
         return module.run(args.quick, settings=settings)
     if name == "decode":
         return module.run(args.quick, models=args.presets, batches=args.decode_batches,
-                          contexts=args.decode_contexts, parts=args.decode_parts)
+                          contexts=args.decode_contexts, parts=args.decode_parts, settings=settings,
+                          profile_dir=args.profile)
     if name == "moe":
         return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
-                          parts=args.moe_parts)
+                          parts=args.moe_parts, gemm_experts=args.moe_gemm_experts)
     if name == "gemm":
         return module.run(args.quick, sweep=args.sweep)
     return module.run(args.quick)

@@ -124,10 +124,17 @@ def _ragged_dot_buffer(m: int, n: int, g: int) -> int:
     return 4 * g * m * n
 
 
-def run_gemm(quick: bool, tiles: GemmTiles | None = None) -> list[dict]:
-    """The grouped GEMM rows (module docstring)."""
+def run_gemm(quick: bool, tiles: GemmTiles | None = None, experts: Sequence[int] | None = None) -> list[dict]:
+    """The grouped GEMM rows (module docstring); ``experts``: only the shapes with these group counts."""
+    shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
+    if experts is not None:
+        known = sorted({g for *_, g in shapes})
+        if not set(experts) <= set(known):
+            raise ValueError(f"mtjax bench moe: gemm experts {sorted(experts)}; accepted: {known}")
     rows = []
-    for index, (label, m, k, n, g) in enumerate(QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
+    for index, (label, m, k, n, g) in enumerate(shapes):
+        if experts is not None and g not in experts:
+            continue
         keys = jax.random.split(jax.random.key(index), 3)
         x = timing.random_array(keys[0], (m, k), jnp.bfloat16)
         w = timing.random_array(keys[1], (g, k, n), jnp.bfloat16, k ** -0.5)
@@ -455,7 +462,7 @@ def run_train(quick: bool, presets: Sequence[str] | None = None) -> list[dict]:
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | None = None,
-        parts: Sequence[str] = ("gemm", "layer", "train")) -> list[dict]:
+        parts: Sequence[str] = ("gemm", "layer", "train"), gemm_experts: Sequence[int] | None = None) -> list[dict]:
     """Rows of the parts asked for (``"gemm"``, ``"layer"``, ``"train"``), in that order.
 
     Args:
@@ -464,6 +471,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | No
         with ``quick``).
       tiles: forward tiles of mtjax's grouped GEMM kernel (default: `BlockSizes.default`).
       parts: which parts to run.
+      gemm_experts: the grouped GEMM shapes to run, by their number of experts (default: all of
+        `GEMM_SHAPES`).
     """
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -473,7 +482,7 @@ def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | No
         if part not in parts:
             continue
         if part == "gemm":
-            rows += run_gemm(quick, tiles)
+            rows += run_gemm(quick, tiles, gemm_experts)
         elif part == "layer":
             rows += run_layer(quick)
         else:
@@ -495,6 +504,8 @@ def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
                             help=f"moe suite: grouped GEMM forward tile {flag.replace('-', '_')}")
     parser.add_argument("--moe-parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="moe suite: which parts to run (default: all)")
+    parser.add_argument("--moe-gemm-experts", nargs="+", type=int, metavar="G",
+                        help="moe suite: grouped GEMM shapes to run, by number of experts (default: all)")
     parser.add_argument("--moe-presets", nargs="+", metavar="NAME",
                         help="moe suite: MoE presets to train (default: moe-mixtral-1b moe-deepseek-1b; "
                              "moe-tiny with --quick)")
@@ -508,7 +519,8 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     rows = report.complete(run(args.quick, presets=args.moe_presets, tiles=tiles_from_args(args),
-                               parts=args.moe_parts), {}, report.H200_BF16_PEAK_TFLOPS)
+                               parts=args.moe_parts, gemm_experts=args.moe_gemm_experts), {},
+                           report.H200_BF16_PEAK_TFLOPS)
     print(report.table(rows))
 
 
