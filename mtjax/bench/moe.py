@@ -329,15 +329,7 @@ class FlaxMoELayer(nn.Module):
         norm = functools.partial(nn.LayerNorm if self.layernorm_type == "layernorm" else nn.RMSNorm, dtype=self.dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype)
         batch, seq, _ = x.shape
-        heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
-        head_dim = self.hidden_size // heads
-        h = norm(name="ln_attention")(x)
-        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h)
-        qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
-        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                implementation=peers._attention_implementation(q.dtype))
-        x = x + dense(self.hidden_size, name="attention_out")(attended.reshape(batch, seq, self.hidden_size))
+        x = peers.attention_residual(x, self.num_heads, self.num_kv_heads or self.num_heads, norm, dense)
         h = norm(name="ln_mlp")(x).reshape(batch * seq, self.hidden_size)
         init = nn.initializers.lecun_normal()
         router = self.param("router", init, (self.hidden_size, self.num_experts))
