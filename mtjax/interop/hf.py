@@ -289,7 +289,8 @@ class _Llama(_Arch):
         if self.model_type in ("qwen2", "qwen3"):
             fields.require("use_sliding_window", (False,), False)
         if self.model_type == "mistral":
-            sliding = fields.get("sliding_window", None)
+            # null: no window (Mistral v0.2 on); left out: the class default.
+            sliding = fields.hf["sliding_window"] if "sliding_window" in fields.hf else fields.get("sliding_window")
             if sliding is not None:
                 if not isinstance(sliding, int) or sliding < 1:
                     raise _fail(fields.where, f"config.json sliding_window={sliding!r}; expected null or a "

@@ -73,9 +73,12 @@ def test_convert_fine_tune_resume_generate_and_convert_back(hf_folder, tmp_path,
     assert jax.tree.structure(out_params) == jax.tree.structure(params)
 
 
-def test_bad_conversions_and_runs_are_refused(hf_folder, tmp_path, capsys):
+def test_convert_to_bfloat16_and_bad_conversions_and_runs_are_refused(hf_folder, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
-    assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt)]) == 0
+    assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt), "--dtype", "bfloat16"]) == 0
+    model, params, _ = load_checkpoint(str(ckpt))
+    assert model.config.param_dtype == model.config.dtype == jnp.bfloat16
+    assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
     capsys.readouterr()
     cases = [
         (["convert", "--from-hf", str(hf_folder), "--to", str(ckpt)], "already holds checkpoints"),

@@ -190,6 +190,16 @@ def test_transformers_4_config_fields_give_the_same_config(name):
     assert config_from_hf(legacy_config(source)) == config_from_hf(source)
 
 
+def test_field_defaults_of_each_model_type():
+    """A config.json leaves out fields at their class defaults; Mistral's null sliding_window means none."""
+    mistral = read_hf_config(DATA / "mistral")
+    assert config_from_hf(mistral).window_size == (3, 0)
+    assert config_from_hf({**mistral, "sliding_window": None}).window_size is None
+    assert config_from_hf({k: v for k, v in mistral.items() if k != "sliding_window"}).window_size == (4095, 0)
+    gpt2 = {k: v for k, v in read_hf_config(DATA / "gpt2").items() if k not in ("n_inner", "activation_function")}
+    assert config_from_hf(gpt2).mlp_dim == 4 * 32 and config_from_hf(gpt2).activations == ("gelu",)
+
+
 def copy_fixture(name: str, tmp_path: pathlib.Path, **config_changes) -> pathlib.Path:
     folder = tmp_path / name
     shutil.copytree(DATA / name, folder)
