@@ -225,11 +225,19 @@ class _Arch:
     def check(self, config: Any) -> None:
         """ValueError naming each field of ``config`` this architecture cannot express."""
 
-    def global_to_pieces(self, read: Reader, config: Any) -> dict[str, Array]:
+    def global_names(self, config: Any) -> dict[str, str]:
+        """Global piece -> Hugging Face tensor name (after the base prefix; a leading ``/``: outside it)."""
         raise NotImplementedError
 
+    def global_to_pieces(self, read: Reader, config: Any) -> dict[str, Array]:
+        h = config.hidden_size
+        shapes = {"token_embed": (config.vocab_size, h), "lm_head": (config.vocab_size, h),
+                  "position_embed": (config.max_seq_len, h), "type_embed": (getattr(config, "type_vocab_size", 0), h),
+                  "final_norm_scale": (h,), "final_norm_bias": (h,)}
+        return {piece: read(name, shapes[piece]) for piece, name in self.global_names(config).items()}
+
     def global_from_pieces(self, pieces: Mapping[str, Array], config: Any) -> dict[str, Array]:
-        raise NotImplementedError
+        return {name: pieces[piece] for piece, name in self.global_names(config).items()}
 
     def layer_to_pieces(self, read: Reader, i: int, config: Any) -> dict[str, Array]:
         raise NotImplementedError
@@ -343,18 +351,9 @@ class _Llama(_Arch):
             fields.update(sliding_window=None if config.window_size is None else config.window_size[0] + 1)
         return fields
 
-    def global_to_pieces(self, read: Reader, config: GPTConfig) -> dict[str, Array]:
-        v, h = config.vocab_size, config.hidden_size
-        pieces = {"token_embed": read("embed_tokens.weight", (v, h)), "final_norm_scale": read("norm.weight", (h,))}
-        if not config.tie_embeddings:
-            pieces["lm_head"] = read("/lm_head.weight", (v, h))
-        return pieces
-
-    def global_from_pieces(self, pieces: Mapping[str, Array], config: GPTConfig) -> dict[str, Array]:
-        tensors = {"embed_tokens.weight": pieces["token_embed"], "norm.weight": pieces["final_norm_scale"]}
-        if not config.tie_embeddings:
-            tensors["/lm_head.weight"] = pieces["lm_head"]
-        return tensors
+    def global_names(self, config: GPTConfig) -> dict[str, str]:
+        names = {"token_embed": "embed_tokens.weight", "final_norm_scale": "norm.weight"}
+        return names if config.tie_embeddings else {**names, "lm_head": "/lm_head.weight"}
 
     def _names(self, i: int) -> dict[str, str]:
         p = f"layers.{i}."
@@ -443,21 +442,10 @@ class _GPT2(_Arch):
                     activation_function=_hf_activation(config, "gpt2"), layer_norm_epsilon=config.layernorm_epsilon,
                     tie_word_embeddings=config.tie_embeddings, scale_attn_weights=True)
 
-    def global_to_pieces(self, read: Reader, config: GPTConfig) -> dict[str, Array]:
-        v, h = config.vocab_size, config.hidden_size
-        pieces = {"token_embed": read("wte.weight", (v, h)),
-                  "position_embed": read("wpe.weight", (config.max_seq_len, h)),
-                  "final_norm_scale": read("ln_f.weight", (h,)), "final_norm_bias": read("ln_f.bias", (h,))}
-        if not config.tie_embeddings:
-            pieces["lm_head"] = read("/lm_head.weight", (v, h))
-        return pieces
-
-    def global_from_pieces(self, pieces: Mapping[str, Array], config: GPTConfig) -> dict[str, Array]:
-        tensors = {"wte.weight": pieces["token_embed"], "wpe.weight": pieces["position_embed"],
-                   "ln_f.weight": pieces["final_norm_scale"], "ln_f.bias": pieces["final_norm_bias"]}
-        if not config.tie_embeddings:
-            tensors["/lm_head.weight"] = pieces["lm_head"]
-        return tensors
+    def global_names(self, config: GPTConfig) -> dict[str, str]:
+        names = {"token_embed": "wte.weight", "position_embed": "wpe.weight", "final_norm_scale": "ln_f.weight",
+                 "final_norm_bias": "ln_f.bias"}
+        return names if config.tie_embeddings else {**names, "lm_head": "/lm_head.weight"}
 
     def layer_to_pieces(self, read: Reader, i: int, config: GPTConfig) -> dict[str, Array]:
         p, h, m, heads = f"h.{i}.", config.hidden_size, config.mlp_dim, config.num_heads
@@ -522,21 +510,10 @@ class _NeoX(_Arch):
                     rotary_emb_base=config.rope_max_timescale, use_parallel_residual=config.parallel_residual,
                     attention_bias=True, tie_word_embeddings=config.tie_embeddings, **_rope_to_hf(config))
 
-    def global_to_pieces(self, read: Reader, config: GPTConfig) -> dict[str, Array]:
-        v, h = config.vocab_size, config.hidden_size
-        pieces = {"token_embed": read("embed_in.weight", (v, h)),
-                  "final_norm_scale": read("final_layer_norm.weight", (h,)),
-                  "final_norm_bias": read("final_layer_norm.bias", (h,))}
-        if not config.tie_embeddings:
-            pieces["lm_head"] = read("/embed_out.weight", (v, h))
-        return pieces
-
-    def global_from_pieces(self, pieces: Mapping[str, Array], config: GPTConfig) -> dict[str, Array]:
-        tensors = {"embed_in.weight": pieces["token_embed"], "final_layer_norm.weight": pieces["final_norm_scale"],
-                   "final_layer_norm.bias": pieces["final_norm_bias"]}
-        if not config.tie_embeddings:
-            tensors["/embed_out.weight"] = pieces["lm_head"]
-        return tensors
+    def global_names(self, config: GPTConfig) -> dict[str, str]:
+        names = {"token_embed": "embed_in.weight", "final_norm_scale": "final_layer_norm.weight",
+                 "final_norm_bias": "final_layer_norm.bias"}
+        return names if config.tie_embeddings else {**names, "lm_head": "/embed_out.weight"}
 
     def layer_to_pieces(self, read: Reader, i: int, config: GPTConfig) -> dict[str, Array]:
         p, h, m, heads = f"layers.{i}.", config.hidden_size, config.mlp_dim, config.num_heads
@@ -601,20 +578,11 @@ class _Bert(_Arch):
                     hidden_act=_hf_activation(config, "bert"), layer_norm_eps=config.layernorm_epsilon,
                     position_embedding_type="absolute")
 
-    def global_to_pieces(self, read: Reader, config: BertConfig) -> dict[str, Array]:
-        h = config.hidden_size
-        return {"token_embed": read("embeddings.word_embeddings.weight", (config.vocab_size, h)),
-                "position_embed": read("embeddings.position_embeddings.weight", (config.max_seq_len, h)),
-                "type_embed": read("embeddings.token_type_embeddings.weight", (config.type_vocab_size, h)),
-                "final_norm_scale": read("embeddings.LayerNorm.weight", (h,)),
-                "final_norm_bias": read("embeddings.LayerNorm.bias", (h,))}
-
-    def global_from_pieces(self, pieces: Mapping[str, Array], config: BertConfig) -> dict[str, Array]:
-        return {"embeddings.word_embeddings.weight": pieces["token_embed"],
-                "embeddings.position_embeddings.weight": pieces["position_embed"],
-                "embeddings.token_type_embeddings.weight": pieces["type_embed"],
-                "embeddings.LayerNorm.weight": pieces["final_norm_scale"],
-                "embeddings.LayerNorm.bias": pieces["final_norm_bias"]}
+    def global_names(self, config: BertConfig) -> dict[str, str]:
+        return {"token_embed": "embeddings.word_embeddings.weight",
+                "position_embed": "embeddings.position_embeddings.weight",
+                "type_embed": "embeddings.token_type_embeddings.weight",
+                "final_norm_scale": "embeddings.LayerNorm.weight", "final_norm_bias": "embeddings.LayerNorm.bias"}
 
     def layer_to_pieces(self, read: Reader, i: int, config: BertConfig) -> dict[str, Array]:
         p, h, m, heads = f"encoder.layer.{i}.", config.hidden_size, config.mlp_dim, config.num_heads
