@@ -22,9 +22,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax.interop import config_from_hf, is_hf_checkpoint, load_hf_checkpoint, read_hf_config
-from mtjax.models import GPT, GPTConfig, gpt_config
-from mtjax.sharding import logical_shardings, use_mesh
+from mtjax.interop import (
+    abstract_params,
+    config_from_hf,
+    is_hf_checkpoint,
+    load_hf_checkpoint,
+    param_shardings,
+    read_hf_config,
+)
+from mtjax.models import GPTConfig, gpt_config
 from mtjax.train.checkpoint import Checkpointer, CheckpointError
 from mtjax.train.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, find_tokenizer
 
@@ -84,14 +90,8 @@ def _hf_dtype(hf_config: dict[str, Any]) -> Any:
 
 def _abstract_params(config: GPTConfig, mesh: Any, rules: Any) -> Any:
     """The ``"params"`` of `GPT(config)` as ``ShapeDtypeStruct`` leaves with their shardings."""
-    boxed = jax.eval_shape(lambda: GPT(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
-    abstract = nn.meta.unbox(boxed)
-    if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    with use_mesh(mesh, rules):
-        shardings = logical_shardings(boxed, mesh, rules)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        nn.meta.unbox(abstract_params(config)), param_shardings(config, mesh, rules))
 
 
 def checkpoint_folder(path: str) -> str | None:

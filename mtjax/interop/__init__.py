@@ -4,17 +4,20 @@ a local model folder of config.json and safetensors to an `mtjax.models` config 
 from mtjax.interop.hf import (
     PASS_THROUGH_FIELDS,
     SUPPORTED_MODEL_TYPES,
+    abstract_params,
     config_from_hf,
     config_to_hf,
     infer_model_type,
     is_hf_checkpoint,
     load_hf_checkpoint,
+    param_shardings,
     read_hf_config,
     save_hf_checkpoint,
     to_hf_tensors,
 )
 
 __all__ = [
-    "PASS_THROUGH_FIELDS", "SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "infer_model_type",
-    "is_hf_checkpoint", "load_hf_checkpoint", "read_hf_config", "save_hf_checkpoint", "to_hf_tensors",
+    "PASS_THROUGH_FIELDS", "SUPPORTED_MODEL_TYPES", "abstract_params", "config_from_hf", "config_to_hf",
+    "infer_model_type", "is_hf_checkpoint", "load_hf_checkpoint", "param_shardings", "read_hf_config",
+    "save_hf_checkpoint", "to_hf_tensors",
 ]

@@ -179,6 +179,19 @@ def abstract_params(config: GPTConfig | BertConfig) -> Any:
     return jax.eval_shape(lambda: _model(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
 
 
+def param_shardings(config: GPTConfig | BertConfig, mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> Any:
+    """The sharding of each parameter of ``config``'s model (the unboxed tree's structure): by its logical
+    axes and ``rules`` on ``mesh``, or the first device without a mesh."""
+    boxed = abstract_params(config)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: device, nn.meta.unbox(boxed))
+    if rules is None:
+        raise ValueError("a mesh needs rules= (mtjax.sharding.logical_axis_rules)")
+    with use_mesh(mesh, rules):
+        return logical_shardings(boxed, mesh, rules)
+
+
 def _norm(scale: Array, bias: Array | None) -> dict[str, Array]:
     return {"scale": scale} if bias is None else {"scale": scale, "ln_bias": bias}
 
@@ -220,7 +233,7 @@ def _layer_to_params(pieces: Mapping[str, Array], config: GPTConfig | BertConfig
     return layer
 
 
-def _params_to_layer(layer: Mapping[str, Any], config: GPTConfig | BertConfig) -> dict[str, Array]:
+def _params_to_layer(layer: Mapping[str, Any]) -> dict[str, Array]:
     """The inverse of `_layer_to_params` (numpy arrays)."""
     attention, mlp = layer["self_attention"], layer["mlp"]
     pieces: dict[str, Array] = {}
@@ -345,14 +358,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32, com
     hf = read_hf_config(path)
     config = config_from_hf(hf, dtype=dtype, compute_dtype=compute_dtype, where=path)
     arch = ARCHITECTURES[hf["model_type"]]
-    boxed = abstract_params(config)
-    abstract = _flatten(nn.meta.unbox(boxed))
-    if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = {key: device for key in abstract}
-    else:
-        with use_mesh(mesh, rules):
-            shardings = _flatten(logical_shardings(boxed, mesh, rules))
+    abstract = _flatten(nn.meta.unbox(abstract_params(config)))
+    shardings = _flatten(param_shardings(config, mesh, rules))
     reader = _TensorReader(path, arch, dtype)
     placed: dict[tuple[str, ...], jax.Array] = {}
 
@@ -452,7 +459,7 @@ def to_hf_tensors(config: GPTConfig | BertConfig, params: Mapping[str, Any], mod
     for name, array in arch.global_from_pieces(_params_to_global(global_params, config), config).items():
         yield full_name(name), array
     for i, layer in enumerate(_host_layers(params, config.num_layers)):
-        for name, array in arch.layer_from_pieces(_params_to_layer(layer, config), i, config).items():
+        for name, array in arch.layer_from_pieces(_params_to_layer(layer), i, config).items():
             yield full_name(name), array
 
 
@@ -532,5 +539,6 @@ def save_hf_checkpoint(config: GPTConfig | BertConfig, params: Mapping[str, Any]
 
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "PASS_THROUGH_FIELDS", "SUPPORTED_MODEL_TYPES", "abstract_params",
+           "param_shardings",
            "config_from_hf", "config_to_hf", "infer_model_type", "is_hf_checkpoint", "load_hf_checkpoint",
            "read_hf_config", "save_hf_checkpoint", "to_hf_tensors"]
