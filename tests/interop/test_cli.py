@@ -19,7 +19,9 @@ pytest.importorskip("tokenizers")
 
 from mtjax.cli import main  # noqa: E402
 from mtjax.generate import load_checkpoint  # noqa: E402
-from mtjax.interop import load_hf_checkpoint, read_hf_config  # noqa: E402
+from mtjax.interop import load_hf_checkpoint, param_shardings, read_hf_config  # noqa: E402
+from mtjax.sharding import MeshConfig, logical_axis_rules  # noqa: E402
+from mtjax.train.pretrained import open_pretrained  # noqa: E402
 from tests.train.tiny_tokenizers import CORPUS, write_bpe_tokenizer  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "hf"
@@ -71,6 +73,26 @@ def test_convert_fine_tune_resume_generate_and_convert_back(hf_folder, tmp_path,
     config, out_params = load_hf_checkpoint(out)
     assert config == dataclasses.replace(hf_model.config, max_seq_len=config.max_seq_len)
     assert jax.tree.structure(out_params) == jax.tree.structure(params)
+
+
+def test_init_from_loads_either_kind_of_folder_onto_the_training_mesh(hf_folder, tmp_path):
+    """What ``train --init-from`` does with a Hugging Face folder or a converted checkpoint: the same float32
+    parameters, each in its sharding on the run's mesh."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt)]) == 0
+    from_hf, from_ckpt = open_pretrained(hf_folder), open_pretrained(ckpt)
+    assert (from_hf.kind, from_ckpt.kind) == ("hf", "mtjax") and from_hf.config == from_ckpt.config
+    assert from_ckpt.tokenizer == f"hf:{ckpt / 'tokenizer' / 'tokenizer.json'}"
+    mesh_config = MeshConfig(dp=1, fsdp=4, tp=2)
+    mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
+    config = dataclasses.replace(from_hf.config, param_dtype=jnp.float32, remat_policy="full", max_seq_len=4096)
+    expected = param_shardings(config, mesh, rules)
+    a, b = (p.load_params(config, mesh=mesh, rules=rules) for p in (from_hf, from_ckpt))
+    for x, y, sharding in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(expected)):
+        assert x.sharding.is_equivalent_to(sharding, x.ndim) and y.sharding.is_equivalent_to(sharding, y.ndim)
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="differs from .* in more than"):
+        from_hf.load_params(dataclasses.replace(config, num_layers=1))
 
 
 def test_convert_to_bfloat16_and_bad_conversions_and_runs_are_refused(hf_folder, tmp_path, capsys):
