@@ -17,10 +17,11 @@ import pytest
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from mtjax.cli import main  # noqa: E402
+from mtjax.cli import build_parser, main  # noqa: E402
 from mtjax.generate import load_checkpoint  # noqa: E402
 from mtjax.interop import load_hf_checkpoint, param_shardings, read_hf_config  # noqa: E402
 from mtjax.sharding import MeshConfig, logical_axis_rules  # noqa: E402
+from mtjax.train import cli as train_cli  # noqa: E402
 from mtjax.train.pretrained import open_pretrained  # noqa: E402
 from tests.train.tiny_tokenizers import CORPUS, write_bpe_tokenizer  # noqa: E402
 
@@ -58,9 +59,14 @@ def test_convert_fine_tune_resume_generate_and_convert_back(hf_folder, tmp_path,
     _, tuned, _ = load_checkpoint(str(run))
     change = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(params)))
     assert 0 < change < 5e-3
-    # The run records the whole model, so it resumes without --init-from.
-    assert main(["train", "--resume", "--workdir", str(run), "--steps", "3", "--override", "--no-progress",
-                 "--data", str(tmp_path / "corpus.txt"), "--eval-batches", "0"]) == 0
+    # The run records the whole model, so it resumes without --init-from (set up here; tests/train runs resumes).
+    args = build_parser().parse_args(["train", "--resume", "--workdir", str(run), "--eval-batches", "0",
+                                      "--data", str(tmp_path / "corpus.txt")])
+    setup = train_cli._setup(args)
+    setup.checkpointer.close()
+    assert setup.resume_candidates == [2] and setup.pretrained is None
+    assert setup.config.model_config() == dataclasses.replace(model.config, param_dtype=jnp.float32)
+    assert setup.config.tokenizer == tokenizer.spec and setup.config.init_from == str(ckpt)
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(run), "--prompt", "def add", "--max-new-tokens", "3",
                  "--temperature", "0"]) == 0
