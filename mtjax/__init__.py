@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from mtjax import backend as backend
-from mtjax.config import config as config
+from mtjax import config as config
 
 # Before anything can initialise jax's backends: a plugin registered after that would be ignored.
 backend.load_plugins_from_env()
