@@ -58,7 +58,7 @@ class LayerNormMLP(nn.Module):
 
     intermediate_dim: int = 2048
     activations: str | Sequence[str] = ("gelu",)
-    intermediate_dropout_rate: float = 0.1
+    intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
     intermediate_dropout_rng_name: str = "dropout"
     enable_layernorm: bool = True
