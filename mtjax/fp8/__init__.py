@@ -5,8 +5,8 @@ Every mtjax GEMM runs in a `DotGeneral` submodule, called like ``lax.dot_general
 two backward GEMMs (dgrad, wgrad) run on FP8 tensor cores::
 
     with fp8_autocast(recipe=DelayedScaling()):
-        variables = model.init(key, x)                 # {"params": ..., "fp8_meta": ...}
-        grads = jax.grad(loss_fn)(variables, x)        # grads["fp8_meta"] is the NEXT step's meta
+        variables = model.init(key, x)                 # {"params": ..., "fp8_metas": ...}
+        grads = jax.grad(loss_fn)(variables, x)        # grads["fp8_metas"] is the NEXT step's meta
     params_and_meta, opt_state = Optimizer(optax.adamw(1e-3)).apply_gradients(variables, grads, opt_state)
 
 `autocast(enabled=False, recipe=None, mesh_resource=None)` is the same context with
