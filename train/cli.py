@@ -281,18 +281,18 @@ class _MetricsLog:
             raise MetricsWriteError(f"writing {self.path} failed: {err.strerror or err}") from None
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            tensorboard, self._tensorboard = self._tensorboard, None
+        """Close the event files and metrics.jsonl; the first failure is raised after both are closed."""
+        writers = [(writer, where) for writer, where in ((self._tensorboard, "the TensorBoard event files"),
+                                                         (self._file, self.path)) if writer is not None]
+        self._tensorboard = self._file = None
+        failure = None
+        for writer, where in writers:
             try:
-                tensorboard.close()
+                writer.close()
             except OSError as err:
-                raise MetricsWriteError(f"writing {tensorboard.logdir} failed: {err.strerror or err}") from None
-        if self._file is not None:
-            file, self._file = self._file, None
-            try:
-                file.close()
-            except OSError as err:
-                raise MetricsWriteError(f"writing {self.path} failed: {err.strerror or err}") from None
+                failure = failure or MetricsWriteError(f"writing {where} failed: {err.strerror or err}")
+        if failure is not None:
+            raise failure
 
     def plot(self, png_path: str) -> bool:
         """Draw train and eval loss against the step; False when matplotlib is missing."""
