@@ -425,19 +425,26 @@ def test_relative_position_bias_direction_follows_the_layer_type(layer_type):
     layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                              attention_dropout=0.0, layer_type=layer_type)
     args = (x, enc) if decoder else (x,)
-    p = perturbed(init_params(layer, *args, deterministic=True))
-    captured = {}
+    p = perturbed(meta.unbox(jax.jit(functools.partial(layer.init, deterministic=True))(jax.random.key(0), *args)
+                             ["params"]))
 
-    def capture(next_fun, args, kwargs, context):
-        if context.module.name == "self_attention" and context.method_name == "__call__":
-            captured["bias"] = args[3]
-        return next_fun(*args, **kwargs)
+    @jax.jit
+    def self_attention_bias(p, *args):
+        captured = {}
 
-    with nn.intercept_methods(capture):
-        layer.apply({"params": p}, *args, deterministic=True)
+        def capture(next_fun, args, kwargs, context):
+            if context.module.name == "self_attention" and context.method_name == "__call__":
+                captured["bias"] = args[3]
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(capture):
+            layer.apply({"params": p}, *args, deterministic=True)
+        return captured["bias"]
+
+    bias = self_attention_bias(p, *args)
     relpos = RelativePositionBiases(num_buckets=32, max_distance=128, num_attention_heads=4)
-    close(captured["bias"], relpos.apply(_sub(p, "relpos_bias"), 5, 5, not decoder))
-    assert not np.allclose(captured["bias"], relpos.apply(_sub(p, "relpos_bias"), 5, 5, decoder))
+    close(bias, relpos.apply(_sub(p, "relpos_bias"), 5, 5, not decoder))
+    assert not np.allclose(bias, relpos.apply(_sub(p, "relpos_bias"), 5, 5, decoder))
 
 
 def test_transformer_engine_integer_masks_are_one_where_masked():
