@@ -1,8 +1,10 @@
 """Bias + activation as Pallas Triton kernels: forward (optionally FP8 output + amax) and backward.
 
-``y = act(x + bias)`` for ``gelu`` (tanh form), ``silu``, ``relu``, ``quick_gelu``, and the gated
-``swiglu``/``geglu``/``reglu`` where ``x [..., 2, hidden]`` holds ``a = x[..., 0, :]`` and
-``gate = x[..., 1, :]`` (bias ``[2, hidden]``) and ``y = act(a + bias_a) * (gate + bias_gate)``.
+``y = act(x + bias)`` for every activation of `mtjax.ops.activation` but the erf GELU: ``gelu``
+(tanh form), ``silu``, ``relu``, ``quick_gelu``, ``squared_relu``, and the gated ones where
+``x [..., 2, hidden]`` holds ``a = x[..., 0, :]`` and ``gate = x[..., 1, :]`` (bias ``[2, hidden]``)
+and ``y = act(a + bias_a) * g(gate + bias_gate)``, ``g`` the identity or, for ``clamped_swiglu``,
+the clamp ``clip(gate, -7, 7) + 1``.
 The launchers take 2-D ``[rows, k]``: a contiguous ``[..., 2, hidden]`` is viewed as rows
 ``[a | gate]`` of ``k = 2 * hidden`` (a free reshape on one device). The erf GELU is not here
 (Triton lowering has no erf).
@@ -35,7 +37,9 @@ from mtjax.kernels.common import (
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
-_QUICK_GELU = 1.702
+QUICK_GELU_ALPHA = 1.702
+# clamped_swiglu's constants: TransformerEngine's ClampedSwigluParams defaults (gpt-oss's values).
+CLAMP_LIMIT, CLAMP_ALPHA, CLAMP_GATE_OFFSET = 7.0, 1.702, 1.0
 
 
 def _gelu(x):
@@ -55,16 +59,50 @@ def _relu(x):
     return jnp.maximum(x, 0.0), jnp.where(x > 0.0, 1.0, 0.0)
 
 
-# name -> (``f(x) -> (act(x), act'(x))`` in float32, gated?)
+def _squared_relu(x):
+    r = jnp.maximum(x, 0.0)
+    return r * r, 2.0 * r
+
+
+def _sigmoid(x):
+    s = 1.0 / (1.0 + jnp.exp(-x))
+    return s, s * (1.0 - s)
+
+
+def _clamped_silu(x):
+    y, dy = _sigmoid_linear(jnp.minimum(x, CLAMP_LIMIT), CLAMP_ALPHA)
+    return y, jnp.where(x <= CLAMP_LIMIT, dy, 0.0)  # the limit itself passes the gradient, as in TE
+
+
+def _linear(gate):
+    return gate, 1.0
+
+
+def _clamped_linear(gate):
+    inside = (gate >= -CLAMP_LIMIT) & (gate <= CLAMP_LIMIT)
+    return jnp.clip(gate, -CLAMP_LIMIT, CLAMP_LIMIT) + CLAMP_GATE_OFFSET, jnp.where(inside, 1.0, 0.0)
+
+
+# name -> (``f(a) -> (act(a), act'(a))``, ``g(gate) -> (g(gate), g'(gate))`` or None when not
+# gated), in float32.
 ACTIVATIONS = {
-    "gelu": (_gelu, False),
-    "silu": (functools.partial(_sigmoid_linear, k=1.0), False),
-    "relu": (_relu, False),
-    "quick_gelu": (functools.partial(_sigmoid_linear, k=_QUICK_GELU), False),
-    "swiglu": (functools.partial(_sigmoid_linear, k=1.0), True),
-    "geglu": (_gelu, True),
-    "reglu": (_relu, True),
+    "gelu": (_gelu, None),
+    "silu": (functools.partial(_sigmoid_linear, k=1.0), None),
+    "relu": (_relu, None),
+    "quick_gelu": (functools.partial(_sigmoid_linear, k=QUICK_GELU_ALPHA), None),
+    "squared_relu": (_squared_relu, None),
+    "swiglu": (functools.partial(_sigmoid_linear, k=1.0), _linear),
+    "geglu": (_gelu, _linear),
+    "reglu": (_relu, _linear),
+    "qgeglu": (functools.partial(_sigmoid_linear, k=QUICK_GELU_ALPHA), _linear),
+    "sreglu": (_squared_relu, _linear),
+    "glu": (_sigmoid, _linear),
+    "clamped_swiglu": (_clamped_silu, _clamped_linear),
 }
+
+
+def _gated(activation: str) -> bool:
+    return ACTIVATIONS[activation][1] is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +153,7 @@ def _load(view, mask):
 
 def _load_inputs(spec: ActSpec, x_ref, bias_ref, rows, cols, mask):
     """``[(a, column offset)]``: the activated half, then the gate for gated activations, biased."""
-    gated = ACTIVATIONS[spec.activation][1]
+    gated = _gated(spec.activation)
     halves = []
     for offset in ((0, spec.hidden) if gated else (0,)):
         part = _load(x_ref.at[rows[:, None], offset + cols[None, :]], mask)
@@ -127,10 +165,11 @@ def _load_inputs(spec: ActSpec, x_ref, bias_ref, rows, cols, mask):
 
 def _input_grads(spec: ActSpec, halves, dy):
     """``d act(x) / dx`` times ``dy`` for each half of the input (float32)."""
-    y, dact = ACTIVATIONS[spec.activation][0](halves[0][0])
-    if len(halves) == 2:
-        gate = halves[1][0]
-        return [dy * gate * dact, dy * y]
+    act, gate_fn = ACTIVATIONS[spec.activation]
+    y, dact = act(halves[0][0])
+    if gate_fn is not None:
+        gate, dgate = gate_fn(halves[1][0])
+        return [dy * gate * dact, dy * y * dgate]
     return [dy * dact]
 
 
@@ -143,9 +182,10 @@ def _forward_kernel(*refs, spec: ActSpec, out_fp8):
     amax_ref = refs.pop(0) if out_fp8 is not None else None
     rows, cols, mask = _indices(spec)
     halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
-    y, _ = ACTIVATIONS[spec.activation][0](halves[0][0])
-    if len(halves) == 2:
-        y = y * halves[1][0]
+    act, gate_fn = ACTIVATIONS[spec.activation]
+    y, _ = act(halves[0][0])
+    if gate_fn is not None:
+        y = y * gate_fn(halves[1][0])[0]
     if out_fp8 is not None:
         amax_ref[pl.program_id(0), pl.program_id(1)] = jnp.max(jnp.where(mask, jnp.abs(y), 0.0))
         y = saturate_cast(y * scale_ref[0], out_fp8)
@@ -156,8 +196,7 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
     """Launch the forward kernel on 2-D ``x [m, k]``; returns ``(y,)`` or ``(y_fp8, amax)`` with ``scale``."""
     m, k = x.shape
     check_size("activation forward", x)
-    gated = ACTIVATIONS[activation][1]
-    hidden = k // 2 if gated else k
+    hidden = k // 2 if _gated(activation) else k
     spec = _spec(m, hidden, activation, bias is not None, tile_override)
     out_fp8 = None if scale is None else jnp.dtype(out_dtype)
     inputs = [x] + ([bias] if bias is not None else [])
@@ -271,13 +310,13 @@ def unsupported(x_shape, x_dtype, activation: str) -> str | None:
 def _rows(x: jax.Array, activation: str) -> jax.Array:
     """The 2-D view the launchers take: ``[rows, 2 * hidden]`` for gated ``[..., 2, hidden]``, else
     ``[rows, hidden]``."""
-    k = x.shape[-1] * (2 if ACTIVATIONS[activation][1] else 1)
+    k = x.shape[-1] * (2 if _gated(activation) else 1)
     return x.reshape(-1, k)
 
 
 def _out_shape(x_shape: tuple[int, ...], activation: str) -> tuple[int, ...]:
     """``[..., hidden]``: a gated input loses its pair axis."""
-    return x_shape[:-2] + x_shape[-1:] if ACTIVATIONS[activation][1] else x_shape
+    return x_shape[:-2] + x_shape[-1:] if _gated(activation) else x_shape
 
 
 def _flat_bias(bias):

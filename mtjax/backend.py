@@ -7,7 +7,7 @@ the capabilities it needs (and optionally the platforms it is limited to and an 
 predicate saying why it cannot run a call). `dispatch` picks one:
 
 1. the call's ``implementation=`` argument;
-2. else the per-op override in ``mtjax.config.config.implementations`` (env ``MTJAX_IMPL_<OP>``);
+2. else the per-op override in ``mtjax.config.implementations`` (env ``MTJAX_IMPL_<OP>``);
 3. else, per *lowering* platform, the available implementation of highest priority that can run the
    call, staged with `jax.lax.platform_dependent`, so a function exported for ``cuda`` on a
    CPU-only machine carries the GPU kernel and the same function exported for ``cpu`` the reference.

@@ -1,6 +1,8 @@
 """Process-wide settings of mtjax.
 
-Configuration is explicit: set fields on `mtjax.config.config` or use `override`.
+Configuration is explicit: set a field (``mtjax.config.pallas_interpret = True``), or change fields
+for a block with ``with mtjax.config.override(pallas_interpret=True): ...``. The fields live on the
+`Config` object `config`; reading or assigning a field name on this module reads or assigns it there.
 Environment variables only provide the starting values (read once, at import):
 
 - ``MTJAX_IMPL_<OP>=name``: force the implementation of one op (e.g. ``MTJAX_IMPL_LAYERNORM=xla``).
@@ -19,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
+import types
 from collections.abc import Iterator, Mapping
 
 _IMPL_ENV_PREFIX = "MTJAX_IMPL_"
@@ -95,3 +99,29 @@ def override(**changes) -> Iterator[Config]:
     finally:
         for field in dataclasses.fields(Config):
             setattr(config, field.name, getattr(saved, field.name))
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Config))
+
+
+class _ConfigModule(types.ModuleType):
+    """This module, with its `Config` fields forwarded to `config`: ``mtjax.config.implementations``
+    reads ``config.implementations`` and ``mtjax.config.debug_checks = True`` sets ``config.debug_checks``;
+    assigning any other new name is an error."""
+
+    def __getattr__(self, name: str):  # only names the module itself lacks
+        if name in _FIELDS:
+            return getattr(config, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; the settings are "
+                             f"{sorted(_FIELDS)}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _FIELDS:
+            setattr(config, name, value)
+        elif name.startswith("_") or name in self.__dict__:
+            super().__setattr__(name, value)
+        else:  # a misspelt setting must not be a silent no-op
+            raise AttributeError(f"mtjax.config.{name}: no such setting; the settings are {sorted(_FIELDS)}")
+
+
+sys.modules[__name__].__class__ = _ConfigModule

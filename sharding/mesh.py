@@ -39,6 +39,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import AxisType, Mesh
 
+from mtjax.axes import MeshResource
+
 # Mesh axis names, outermost first; the rules in `mtjax.sharding.rules` name axes only through these.
 PP, DP, FSDP, EP, CP, TP = "pp", "dp", "fsdp", "ep", "cp", "tp"
 AXES = (PP, DP, FSDP, EP, CP, TP)
@@ -90,6 +92,11 @@ class MeshConfig:
     @property
     def num_devices(self) -> int:
         return math.prod(self.shape.values())
+
+    def mesh_resource(self) -> MeshResource:
+        """The roles of this mesh's axes (``tpsp_resource="tp"`` with ``sp``, else ``tp_resource``)."""
+        return MeshResource(dp_resource=DP, tp_resource=None if self.sp else TP, tpsp_resource=TP if self.sp else None,
+                            fsdp_resource=FSDP, pp_resource=PP, cp_resource=CP, ep_resource=EP)
 
     def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
         """A `Mesh` with automatic axes ``("pp", "dp", "fsdp", "ep", "cp", "tp")`` over ``devices``.

@@ -715,7 +715,7 @@ def pipeline_loss(
         whose length divides by ``pp * schedule.num_chunks``; virtual stage ``v`` gets the ``v``-th
         consecutive block of layers. With one chunk, layers split over ``pp`` (the ``"layers"``
         rule) are already where they run. May be a variables dict with an FP8 meta
-        (``{"params": ..., "fp8_meta": ...}``): the meta's "gradient" is its next value, combined
+        (``{"params": ..., "fp8_metas": ...}``): the meta's "gradient" is its next value, combined
         over micro-batches by max (`mtjax.fp8.accumulate_gradients`), never scaled or averaged.
         Amaxes need no reduction over ``pp`` (each layer lives on one stage); over the data and
         tensor axes, automatic inside the stages, ``jnp.max`` is already global.

@@ -280,3 +280,23 @@ def test_single_device_kernels_are_skipped_in_partitioned_traces_only():
         # An explicit choice is honoured anywhere.
         with jax.set_mesh(mesh):
             assert backend.select("_test_single_device", "pallas_triton", args=[x])[0].name == "pallas_triton"
+
+
+def test_config_is_a_module_whose_settings_forward_to_the_config_object():
+    import mtjax
+    import mtjax.config as config_module
+
+    assert mtjax.config is config_module and mtjax.config.config is config
+    with mtjax.config.override(pallas_interpret=not config.pallas_interpret) as changed:
+        assert changed is config and mtjax.config.pallas_interpret == config.pallas_interpret
+    saved = dict(config.implementations)
+    try:
+        mtjax.config.implementations = {"layernorm": "xla"}
+        assert config.implementations == {"layernorm": "xla"}
+        assert mtjax.config.config.implementations["layernorm"] == "xla"
+    finally:
+        config.implementations = saved
+    with pytest.raises(AttributeError, match="no such setting.*pallas_interpret"):
+        mtjax.config.pallas_interpet = True
+    with pytest.raises(AttributeError, match="the settings are"):
+        _ = mtjax.config.no_such_setting

@@ -49,7 +49,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "serve": LAYERS_UNDER_MODELS | {"models", "train", "inference", "interop", "cli_args", "generate"},
     "convert": LAYERS_UNDER_MODELS | {"models", "train", "interop", "cli_args", "generate"},
     "cli": {"cli_args"},  # sub-commands are imported by name, when chosen
-    "mtjax": {"config", "backend", "ops"},  # importing mtjax registers the ops
+    # importing mtjax registers the ops; autocast and MeshResource load on first use (TransformerEngine names)
+    "mtjax": {"config", "backend", "ops", "axes", "fp8"},
 }
 
 # The directions issue 19 names explicitly (implied by MAY_IMPORT; checked on their own so a loosened

@@ -1,12 +1,14 @@
 """Checkpoints with orbax: async, atomic, keep-the-last-K, validated on restore, restorable onto another mesh.
 
-Each checkpoint (one folder per step) holds two items: ``state``, the `TrainState` (params, FP8
+Each checkpoint (one folder per step) holds the items ``state``, the `TrainState` (params, FP8
 meta, optimizer state, step, RNG; not ``compute_params``, the compute-dtype copy of the weights,
-which a restore derives from the params again) written as sharded arrays, and ``meta``, a JSON dict with the
-data iterator's position and the run's configuration (what ``mtjax generate`` needs to rebuild the
-model and tokenizer). Orbax writes into a temporary folder and renames it when complete, so a run
-killed during a save restores from the last complete checkpoint. A restore lays the arrays out as
-the abstract state passed in says, whatever mesh or device count wrote them.
+which a restore derives from the params again) written as sharded arrays; ``meta``, a JSON dict with
+the data iterator's position and the run's configuration (what ``mtjax generate`` needs to rebuild
+the model and tokenizer); and, when `save` is given the data iterator, ``data``: its grain state,
+one file per process (grain's orbax handler), which `restore_data` puts back. Orbax writes into a
+temporary folder and renames it when complete, so a run killed during a save restores from the last
+complete checkpoint. A restore lays the arrays out as the abstract state passed in says, whatever
+mesh or device count wrote them.
 
 Failures are reported where they happen, in one line naming the checkpoint folder and the OS
 error (`CheckpointError`): a background write that failed surfaces at the next `poll` (call it
@@ -28,6 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -38,6 +41,8 @@ from mtjax.train.state import TrainState, cast_like
 # Files and item folders every complete checkpoint folder holds.
 _CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 ITEMS = ("state", "meta")
+# The optional item holding the data iterator's grain state (`Checkpointer.save`'s ``data_iterator``).
+DATA_ITEM = "data"
 # Suffix of step folders moved aside because they cannot be restored (see `Checkpointer.set_aside`).
 SET_ASIDE_SUFFIX = ".unusable"
 
@@ -129,10 +134,13 @@ class Checkpointer:
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any], *, force: bool = False) -> bool:
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], *, force: bool = False,
+             data_iterator: grain.DatasetIterator | None = None) -> bool:
         """Save ``state`` and the JSON-serialisable ``meta`` as checkpoint ``step``; True if it saved.
 
         ``step`` is the host's copy of ``state.step`` (reading the device scalar would wait for the step).
+        ``data_iterator``: a grain iterator (`mtjax.train.DataIterator.iterator`) whose state is saved
+        too, item `DATA_ITEM`, each process its own (`restore_data`).
 
         Raises:
           NonFiniteStateError: ``check_finite`` and the state holds NaN or Inf (nothing is written
@@ -149,8 +157,10 @@ class Checkpointer:
         if step in self.all_steps():
             return False
         self._rotate(self.keep - 1 if self.keep >= 2 else self.keep)
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state.replace(compute_params=None)),
-                                  meta=ocp.args.JsonSave(meta))
+        items = dict(state=ocp.args.PyTreeSave(state.replace(compute_params=None)), meta=ocp.args.JsonSave(meta))
+        if data_iterator is not None:
+            items[DATA_ITEM] = grain.checkpoint.CheckpointSave(data_iterator)
+        args = ocp.args.Composite(**items)
         self._in_flight = step
         try:
             saved = self._manager.save(step, args=args, force=True)
@@ -274,6 +284,27 @@ class Checkpointer:
             cast = jax.jit(lambda params: cast_like(params, copy), out_shardings=shardings)
             state = state.replace(compute_params=cast(state.params))
         return state, restored.meta
+
+    def restore_data(self, step: int, data_iterator: grain.DatasetIterator) -> bool:
+        """Put the grain state this process saved with checkpoint ``step`` back into ``data_iterator``; True
+        if it did. False when the checkpoint holds none for this process (saved without ``data_iterator``,
+        or by another number of processes, whose states are per process): position the iterator
+        from ``meta`` then.
+
+        Raises:
+          CheckpointError: the saved state cannot be read or does not fit the iterator.
+        """
+        folder = os.path.join(self.step_path(self._resolve(step)), DATA_ITEM)
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if not os.path.isfile(os.path.join(folder, name)):
+            return False
+        try:
+            self._manager.restore(step, args=ocp.args.Composite(
+                **{DATA_ITEM: grain.checkpoint.CheckpointRestore(data_iterator)}))
+        except Exception as err:
+            raise CheckpointError(f"checkpoint {self.step_path(step)}: the data iterator's state cannot be "
+                                  f"restored: {_one_line(err)}") from err
+        return True
 
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
         """Only the ``meta`` item of checkpoint ``step`` (default: the latest)."""

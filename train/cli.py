@@ -6,7 +6,8 @@
     mtjax train --init-from Llama-3.2-1B --lr 2e-5 --data notes/ --workdir runs/ft   # fine-tune (docs/interop.md)
 
 Writes into ``--workdir`` (default ``runs/<preset>``): ``checkpoints/``, ``metrics.jsonl`` (one JSON
-object per logged step) and ``loss.png`` (with matplotlib). SIGTERM and Ctrl-C save a checkpoint and
+object per logged step), ``tensorboard/`` (the same scalars as TensorBoard event files, with the
+``tensorboard`` extra) and ``loss.png`` (with matplotlib). SIGTERM and Ctrl-C save a checkpoint and
 exit 0 (a second Ctrl-C exits at once). A non-finite loss or gradient norm stops the run without
 saving (``--on-nonfinite skip`` skips such steps instead). Exit status: 0 done or stopped by a
 signal, 1 the run failed (diverged, a save or metrics write failed, a peer process died), 2 an
@@ -87,7 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hosts.add_argument("--xla-preset", choices=sorted(XLA_PRESETS),
                        help="add XLA flag presets for multi-GPU runs to XLA_FLAGS (mtjax info lists them)")
     out = parser.add_argument_group("output")
-    out.add_argument("--workdir", help="checkpoints, metrics.jsonl and loss.png (default: runs/<preset>)")
+    out.add_argument("--workdir", help="checkpoints, metrics.jsonl, tensorboard/ and loss.png (default: runs/<preset>)")
+    out.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                     help="TensorBoard event files of the metrics in <workdir>/tensorboard (default: when tensorboardX "
+                          "is installed, pip install 'mtjax[tensorboard]')")
     out.add_argument("--resume", action="store_true",
                      help="continue from the newest usable checkpoint in --workdir; flags left out take the "
                           "checkpoint's values")
@@ -246,21 +250,26 @@ class MetricsWriteError(RuntimeError):
 
 
 class _MetricsLog:
-    """``metrics.jsonl`` (appended to, after dropping the records past the step the run starts from) and
-    the loss curve drawn from it at the end. A failed write raises `MetricsWriteError` once; later
-    writes and `close` do nothing."""
+    """``metrics.jsonl`` (appended to, after dropping the records past the step the run starts from), its
+    scalars in TensorBoard's event files under ``tensorboard_dir`` (`mtjax.train.metrics`), and the loss
+    curve drawn from it at the end. A failed write raises `MetricsWriteError` once; later writes and
+    `close` do nothing."""
 
-    def __init__(self, path: str, enabled: bool, resumed_step: int | None = None):
+    def __init__(self, path: str, enabled: bool, resumed_step: int | None = None, tensorboard_dir: str | None = None):
         self.path, self.enabled = path, enabled
-        self._file = None
+        self._file = self._tensorboard = None
         if not enabled:
             return
         try:
             if resumed_step is not None and os.path.isfile(path):  # not a device or a pipe
                 self._truncate(resumed_step)
             self._file = open(path, "a")
+            if tensorboard_dir is not None:
+                from mtjax.train.metrics import TensorBoardWriter
+
+                self._tensorboard = TensorBoardWriter(tensorboard_dir, resumed_step=resumed_step)
         except OSError as err:
-            raise MetricsWriteError(f"{path}: cannot be written: {err.strerror or err}") from None
+            raise MetricsWriteError(f"{err.filename or path}: cannot be written: {err.strerror or err}") from None
 
     def _truncate(self, step: int) -> None:
         """Keep the records of steps up to ``step``: the ones after it belong to the run being replaced."""
@@ -285,6 +294,8 @@ class _MetricsLog:
         try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+            if self._tensorboard is not None:
+                self._tensorboard.write(record)
         except OSError as err:
             file, self._file = self._file, None
             try:
@@ -294,12 +305,18 @@ class _MetricsLog:
             raise MetricsWriteError(f"writing {self.path} failed: {err.strerror or err}") from None
 
     def close(self) -> None:
-        if self._file is not None:
-            file, self._file = self._file, None
+        """Close the event files and metrics.jsonl; the first failure is raised after both are closed."""
+        writers = [(writer, where) for writer, where in ((self._tensorboard, "the TensorBoard event files"),
+                                                         (self._file, self.path)) if writer is not None]
+        self._tensorboard = self._file = None
+        failure = None
+        for writer, where in writers:
             try:
-                file.close()
+                writer.close()
             except OSError as err:
-                raise MetricsWriteError(f"writing {self.path} failed: {err.strerror or err}") from None
+                failure = failure or MetricsWriteError(f"writing {where} failed: {err.strerror or err}")
+        if failure is not None:
+            raise failure
 
     def plot(self, png_path: str) -> bool:
         """Draw train and eval loss against the step; False when matplotlib is missing."""
@@ -346,6 +363,7 @@ class _Setup:
     checkpointer: Any
     resume_candidates: list[int] | None  # steps to try, newest first (None: a fresh run)
     overridden: dict[str, tuple[Any, Any]]
+    tensorboard_dir: str | None  # where the TensorBoard event files go (None: none written)
     pretrained: Any = None  # the --init-from weights (mtjax.train.pretrained.Pretrained)
 
 
@@ -401,6 +419,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     from mtjax.train.checkpoint import Checkpointer
     from mtjax.train.data import PackedDataset, default_corpus
     from mtjax.train.pretrained import open_pretrained
+    from mtjax.train.metrics import TENSORBOARD_DIR, tensorboard_available
     from mtjax.train.tokenizer import load_tokenizer
 
     if args.resume_step is not None and not args.resume:
@@ -417,6 +436,9 @@ def _setup(args: argparse.Namespace) -> _Setup:
             pretrained = open_pretrained(args.init_from)
         except FileNotFoundError as err:
             raise ValueError(f"--init-from: {err}") from None
+    tensorboard = tensorboard_available() if args.tensorboard is None else args.tensorboard
+    if tensorboard and not tensorboard_available():
+        raise ValueError("--tensorboard needs tensorboardX: pip install 'mtjax[tensorboard]' (or --no-tensorboard)")
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=args.keep)
     try:
         saved, candidates = None, None
@@ -467,6 +489,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         checkpointer.close()
         raise
     return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, candidates, overridden,
+                  os.path.join(workdir, TENSORBOARD_DIR) if tensorboard else None,
                   pretrained if candidates is None else None)
 
 
@@ -536,6 +559,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     compute_dtype = compute_dtype_for(config.dtype, config.param_dtype)
     abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules,
                                     compute_dtype=compute_dtype)
+    tokens_sharding = batch_sharding(mesh, rules)
+    rows = process_rows(tokens_sharding, run_config.batch_size)  # this process loads only these rows
+    batches = DataIterator(setup.train_data, run_config.batch_size, rows=rows)
     resumed_step = None
     try:
         if setup.resume_candidates:
@@ -547,7 +573,10 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
 
             state, meta, resumed_step = checkpointer.restore_newest(
                 abstract, setup.resume_candidates, accept=accept, warn=lambda text: _note(f"warning: {text}"))
-            position = meta["data"]["position"]
+            # The data iterator's own (grain) state; the global batch index where the checkpoint was
+            # written by another number of processes.
+            if not checkpointer.restore_data(resumed_step, batches.iterator):
+                batches.restore(meta["data"])
             hf_config = meta.get("hf_config")
             if resumed_step >= run_config.steps:
                 checkpointer.close()
@@ -566,7 +595,6 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
                 params = setup.pretrained.load_params(config, mesh=mesh, rules=rules)
             state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
                                      mesh=mesh, rules=rules, compute_dtype=compute_dtype, params=params)
-            position = 0
             hf_config = setup.pretrained.hf_config if setup.pretrained is not None else None
     except CheckpointError as err:
         checkpointer.close()
@@ -580,9 +608,6 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
                                  expert_bias_update_rate=(config.expert_bias_update_rate if config.use_expert_bias
                                                           else 0.0))
     eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding, compiler_options=options)
-    tokens_sharding = batch_sharding(mesh, rules)
-    rows = process_rows(tokens_sharding, run_config.batch_size)  # this process loads only these rows
-    batches = DataIterator(setup.train_data, run_config.batch_size, position=position, rows=rows)
 
     def to_global(local_batch):
         return global_batch(local_batch, tokens_sharding, run_config.batch_size)
@@ -601,7 +626,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         os.makedirs(setup.workdir, exist_ok=True)
         # Records past the step this run starts from belong to a run that is being replaced.
         log = _MetricsLog(os.path.join(setup.workdir, "metrics.jsonl"), enabled=is_main,
-                          resumed_step=resumed_step or 0)
+                          resumed_step=resumed_step or 0, tensorboard_dir=setup.tensorboard_dir)
     except (OSError, MetricsWriteError) as err:
         checkpointer.close()
         return _fail(str(err), 1)
@@ -699,7 +724,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
                 if pending is not None:  # never save a step that is not known to be finite
                     check(*pending)
                     pending = None
-                if checkpointer.save(step, state, meta(), force=force):
+                if checkpointer.save(step, state, meta(), force=force, data_iterator=batches.iterator):
                     last_good["step"] = step
             checkpointer.poll()  # a background save that failed stops the run at once
         if pending is not None:

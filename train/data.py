@@ -1,8 +1,10 @@
-"""Text data: files and folders -> one token stream -> fixed-length sequences in a seeded order.
+"""Text data: files and folders -> one token stream -> fixed-length sequences, batched by grain.
 
-The order is a pure function of (seed, batch index), so a run resumes exactly from the batch index
-alone (`DataIterator.position`, saved with every checkpoint), and each process of a multi-host
-run reads only its rows of every global batch.
+`PackedDataset` is a random-access source of ``seq_len + 1``-token windows; `PackedDataset.batches`
+is the grain pipeline over it (``grain.MapDataset``: a seeded shuffle drawn anew every epoch, repeat,
+batch), whose order is a pure function of (seed, batch index). `DataIterator` walks it: each process
+of a multi-host run reads only its rows of every global batch, and the iterator's grain state goes
+into every checkpoint (`mtjax.train.Checkpointer`), so a resumed run continues the exact sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 
+import grain
 import numpy as np
 
 from mtjax.train.tokenizer import Tokenizer
@@ -87,16 +90,17 @@ def tokenize_files(files: Iterable[str], tokenizer: Tokenizer, *, errors: str = 
 
 
 class PackedDataset:
-    """Consecutive ``seq_len + 1``-token windows of a token stream, visited in a seeded order.
+    """Consecutive ``seq_len + 1``-token windows of a token stream: a random-access grain data source.
 
-    Sequence ``i`` is ``tokens[i * seq_len : (i + 1) * seq_len + 1]``: inputs are its first
-    ``seq_len`` tokens, targets the last ``seq_len``. Epoch ``e`` visits all sequences in the order
-    of a permutation drawn from ``(seed, e)`` (or in stream order with ``shuffle=False``).
+    Sequence ``i`` (``dataset[i]``) is ``tokens[i * seq_len : (i + 1) * seq_len + 1]``: ``inputs``
+    its first ``seq_len`` tokens, ``targets`` the last ``seq_len`` (int32). `batches` visits them in
+    a seeded order, a new permutation of all sequences every epoch (or in stream order with
+    ``shuffle=False``).
 
     Attributes:
       tokens: the 1-D token stream.
       seq_len: tokens per training sequence.
-      seed: seeds the per-epoch permutations.
+      seed: seeds the per-epoch permutations (grain's ``MapDataset.shuffle``).
       shuffle: whether epochs are permuted.
 
     ``vocab_size``: when given, every token must be in ``[0, vocab_size)`` (checked once, here).
@@ -106,6 +110,8 @@ class PackedDataset:
                  vocab_size: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}: expected a positive integer")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed}: expected an integer in [0, 2**32)")
         if vocab_size is not None and len(tokens):
             low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high >= vocab_size:
@@ -120,7 +126,6 @@ class PackedDataset:
         self.seed = seed
         self.shuffle = shuffle
         self.num_sequences = (len(tokens) - 1) // seq_len
-        self._epoch_orders: dict[int, np.ndarray] = {}
 
     @classmethod
     def from_paths(cls, paths: Iterable[str], tokenizer: Tokenizer, seq_len: int, *, seed: int = 0,
@@ -139,53 +144,80 @@ class PackedDataset:
         held_out = PackedDataset(self.tokens[cut:], self.seq_len, seed=self.seed, shuffle=False)
         return train, held_out
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._epoch_orders:
-            if len(self._epoch_orders) > 2:  # batches walk forward: old epochs are not needed again
-                self._epoch_orders.pop(min(self._epoch_orders))
-            self._epoch_orders[epoch] = (
-                np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
-                if self.shuffle else np.arange(self.num_sequences)
-            )
-        return self._epoch_orders[epoch]
+    def __len__(self) -> int:
+        return self.num_sequences
 
-    def batch(self, index: int, batch_size: int, rows: slice | None = None) -> dict[str, np.ndarray]:
-        """Rows ``rows`` (default all) of global batch ``index``: ``{"inputs", "targets"}``, int32 ``[rows, seq_len]``.
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        window = self.tokens[index * self.seq_len: (index + 1) * self.seq_len + 1].astype(np.int32)
+        return {"inputs": window[:-1], "targets": window[1:]}
 
-        Global batch ``index`` holds sequences ``index * batch_size ... + batch_size - 1`` of the
-        endless visiting order. A process of a multi-host run asks only for the rows its devices
-        hold (`mtjax.train.distributed.process_rows`).
+    def batches(self, batch_size: int, rows: slice | None = None) -> grain.MapDataset:
+        """The endless sequence of global batches as a grain ``MapDataset`` (``batches(...)[i]`` is batch ``i``).
+
+        Global batch ``i`` holds sequences ``i * batch_size ... + batch_size - 1`` of the visiting order
+        (epoch after epoch), each element ``{"inputs", "targets"}`` int32 ``[rows, seq_len]``. With
+        ``rows`` (a process's share of every global batch, `mtjax.train.distributed.process_rows`)
+        only those rows are read.
         """
-        flat = index * batch_size + np.arange(batch_size)[rows if rows is not None else slice(None)]
-        epochs, offsets = np.divmod(flat, self.num_sequences)
-        sequences = np.asarray([self._order(int(e))[o] for e, o in zip(epochs, offsets)])
-        windows = self.tokens[sequences[:, None] * self.seq_len + np.arange(self.seq_len + 1)]
-        windows = windows.astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+        _check_batch_size(batch_size)
+        start, stop, _ = (rows or slice(None)).indices(batch_size)
+        if rows is not None and (rows.step not in (None, 1) or stop <= start):
+            raise ValueError(f"rows={rows}: expected a non-empty slice of the batch's {batch_size} rows")
+        sequences = grain.MapDataset.source(self)
+        if self.shuffle:
+            sequences = sequences.shuffle(seed=self.seed)  # reshuffled every epoch: the seed + epoch
+        sequences = sequences.repeat()
+        count = stop - start
+        if batch_size % count == 0 and start % count == 0:
+            # Blocks of `count` sequences; this process's block of global batch i is block i * ways + start / count.
+            ways = batch_size // count
+            return sequences.batch(count)[start // count:: ways]
+        return sequences.batch(batch_size).map(lambda batch: {k: v[start:stop] for k, v in batch.items()})
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
+
+
+# Batches read ahead of the step by one background thread (the batch after next is ready when asked).
+_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 
 
 class DataIterator(Iterator[dict[str, np.ndarray]]):
-    """Batches of a `PackedDataset` from batch ``position`` on (this process's ``rows`` of each).
+    """Batches of a `PackedDataset` from batch ``position`` on (this process's ``rows`` of each): a grain
+    iterator over `PackedDataset.batches`, reading ahead in a background thread.
 
     Attributes:
       dataset: the dataset.
       batch_size: the global batch size (all processes together).
-      position: the index of the next global batch; checkpoints save it (`state`/`restore`).
       rows: the rows of every global batch this process loads (default all).
+      iterator: the grain ``DatasetIterator`` (its ``get_state()`` is what checkpoints save, through
+        ``grain.checkpoint.CheckpointSave``).
     """
 
     def __init__(self, dataset: PackedDataset, batch_size: int, *, position: int = 0, rows: slice | None = None):
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size}: expected a positive integer")
-        self.dataset, self.batch_size, self.position, self.rows = dataset, batch_size, position, rows
+        _check_batch_size(batch_size)
+        self.dataset, self.batch_size, self.rows = dataset, batch_size, rows
+        self.iterator = iter(dataset.batches(batch_size, rows).to_iter_dataset(_READ_OPTIONS))
+        if position:
+            self.restore({"position": position})
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.dataset.batch(self.position, self.batch_size, self.rows)
-        self.position += 1
-        return batch
+        return next(self.iterator)
+
+    @property
+    def position(self) -> int:
+        """The index of the next global batch."""
+        return int(self.iterator.get_state()["next_index"])
 
     def state(self) -> dict[str, int]:
+        """``{"position": index of the next global batch}``: the same on every process (JSON)."""
         return {"position": self.position}
 
     def restore(self, state: dict[str, int]) -> None:
-        self.position = int(state["position"])
+        """Continue from ``state`` (`state`'s dict)."""
+        position = state.get("position") if isinstance(state, dict) else None
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"DataIterator.restore({state!r}): expected {{'position': batch index >= 0}}")
+        self.iterator.set_state({"next_index": position})

@@ -39,7 +39,8 @@ class TrainState:
       compute_params: ``params`` with its matrices in the compute dtype (`compute_copy`), the leaves
         the model computes with; ``None``: the model reads ``params``. Not checkpointed: a restore
         rebuilds it from ``params``.
-      fp8_meta: the model's ``"fp8_meta"`` collection (FP8 delayed-scaling state); ``{}`` without FP8.
+      fp8_meta: the model's ``"fp8_metas"`` collection (`mtjax.fp8.FP8_COLLECTION`: FP8 delayed-scaling
+        state); ``{}`` without FP8.
       opt_state: the optax optimizer state.
       rng: a raw ``uint32[2]`` PRNG key, split every step (dropout).
     """

@@ -32,7 +32,8 @@ def _mtjax_layer(shape: dict) -> nn.Module:
     return TransformerLayer(
         hidden_size=shape["hidden"], mlp_hidden_size=shape["mlp"], num_attention_heads=shape["heads"],
         layernorm_type="layernorm", mlp_activations=("gelu",), use_bias=True, self_attn_mask_type="causal",
-        hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0, dtype=jnp.bfloat16,
+        hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0, enable_relative_embedding=False,
+        scale_attn_logits=True, scaled_query_init=False, dtype=jnp.bfloat16,
     )
 
 

@@ -2,6 +2,7 @@
 
 Every parameter carries logical axis names and every ``[batch, length, ...]`` activation a logical
 constraint (the names of `mtjax.axes`); without a mesh and rules they are no-ops.
+`extend_logical_axis_rules` is `mtjax.sharding`'s, here too where TransformerEngine-JAX has it.
 """
 
 from mtjax.flax.attention import (
@@ -22,11 +23,12 @@ from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.moe import MOE_LOSSES, MOE_METRICS, MoEBlock, MoETransformerLayer, moe_aux_loss, moe_metrics
 from mtjax.flax.normalization import LAYERNORM_TYPES, LayerNorm
 from mtjax.flax.transformer import TransformerLayer, TransformerLayerType
+from mtjax.sharding.rules import extend_logical_axis_rules
 
 __all__ = [
     "ATTN_BIAS_TYPES", "LAYERNORM_TYPES", "PAGED_KV_COLLECTION", "ROTARY_GROUP_METHODS", "DenseGeneral",
     "DotProductAttention", "Embed", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MOE_LOSSES", "MOE_METRICS",
     "MoEBlock", "MoETransformerLayer", "MultiHeadAttention", "PagedKV", "ROPE_SCALING_KINDS", "RelativePositionBiases",
-    "RopeScaling",
-    "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb", "moe_aux_loss", "moe_metrics",
+    "RopeScaling", "TransformerLayer", "TransformerLayerType", "apply_rotary_pos_emb", "extend_logical_axis_rules",
+    "moe_aux_loss", "moe_metrics",
 ]

@@ -3,9 +3,10 @@ plug in underneath), `MultiHeadAttention` (projections, GQA/MQA, rotary embeddin
 T5's `RelativePositionBiases`.
 
 Layout: ``[batch, length, heads, head_dim]`` (``transpose_batch_sequence`` on `DotProductAttention`
-takes ``[length, batch, ...]``). Masks follow `mtjax.ops.attention`: a boolean ``mask`` is True where a
-query may attend (the opposite of TransformerEngine's convention, the same as flax's); segment ids
-``[batch, length]`` (0 = padding) express packing and padding without materialising a mask.
+takes ``[length, batch, ...]``). Masks (`keep_mask`): a **bool** ``mask`` is True where a query may
+attend (`mtjax.ops.attention`'s and flax's convention); an **integer** one (``uint8``) is
+TransformerEngine's, 1 where attention is masked out. Segment ids ``[batch, length]`` (0 = padding)
+express packing and padding without materialising a mask.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ PAGED_KV_COLLECTION = "paged_kv"
 # Largest finite float8_e4m3fn value: FP8 pages store ``clip(k / k_scale, -E4M3_MAX, E4M3_MAX)``.
 E4M3_MAX = 448.0
 
+# TransformerEngine's initializer of the attention projections (`MultiHeadAttention.kernel_init`,
+# `mtjax.flax.TransformerLayer.mha_kernel_init`).
+MHA_KERNEL_INIT: Initializer = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+# TransformerEngine's initializer of the relative position biases a `TransformerLayer` creates.
+RELPOS_EMBEDDING_INIT: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+
 Q_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS, axes.ACTIVATION_HEAD_DIM)
 KV_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_KV_HEADS, axes.ACTIVATION_HEAD_DIM)
 
@@ -54,6 +61,25 @@ def check_heads(owner: str, head_dim: int, num_attention_heads: int, num_gqa_gro
             f"(the number of key/value heads: 1 for MQA, num_attention_heads for MHA)"
         )
     return groups
+
+
+def keep_mask(mask: jax.Array | None, owner: str) -> jax.Array | None:
+    """The boolean keep-mask (True where a query may attend) of a module's ``mask`` argument.
+
+    A bool mask is mtjax's (and flax's) convention, True = attend, and passes through. An integer mask
+    (``uint8``, ``int32``...) is TransformerEngine-JAX's convention, **1 (nonzero) = masked out**, as its
+    examples build them: it becomes ``mask == 0``. Any other dtype (e.g. flax's float masks) is a
+    TypeError: its meaning would be a guess.
+    """
+    if mask is None:
+        return None
+    dtype = jnp.result_type(mask)
+    if dtype == jnp.bool_:
+        return mask
+    if jnp.issubdtype(dtype, jnp.integer):
+        return mask == 0
+    raise TypeError(f"{owner}: mask has dtype {dtype}; pass a bool mask (True = attend, flax's convention) or an "
+                    "integer one (TransformerEngine's convention: 1 = masked out)")
 
 
 def _rotate_pairs(x: jax.Array, sin: jax.Array, cos: jax.Array, group_method: str) -> jax.Array:
@@ -241,7 +267,8 @@ class DotProductAttention(nn.Module):
 
     ``__call__(query, key, value, mask=None, bias=None, *, q_segment_ids=None, kv_segment_ids=None,
     deterministic=False)``: ``query [batch, q_len, heads, head_dim]``, ``key``/``value
-    [batch, kv_len, num_gqa_groups, head_dim]``; returns ``[batch, q_len, heads, head_dim]``.
+    [batch, kv_len, num_gqa_groups, head_dim]``; ``mask [batch|1, heads|1, q_len, kv_len]``, bool
+    True = attend or integer 1 = masked out (`keep_mask`); returns ``[batch, q_len, heads, head_dim]``.
 
     Attributes:
       head_dim: size of each head.
@@ -296,6 +323,7 @@ class DotProductAttention(nn.Module):
                  bias: jax.Array | None = None, *, q_segment_ids: jax.Array | None = None,
                  kv_segment_ids: jax.Array | None = None, deterministic: bool = False) -> jax.Array:
         owner = "DotProductAttention"
+        mask = keep_mask(mask, owner)
         groups = check_heads(owner, self.head_dim, self.num_attention_heads, self.num_gqa_groups)
         check_choice(owner, "attn_mask_type", self.attn_mask_type, ops.MASK_TYPES)
         bias_type = self.attn_bias_type or ("no_bias" if bias is None else "post_scale_bias")
@@ -389,8 +417,12 @@ class MultiHeadAttention(nn.Module):
       qk_norm: normalize each query and key head over ``head_dim`` before the rotary embedding
         (``layernorm_type`` with ``layernorm_epsilon``; parameters in ``query_norm`` and
         ``key_norm``; Qwen3).
-      kernel_init, bias_init: initializers of the projections.
-      scale_attn_logits: scale logits by ``1 / sqrt(head_dim)`` (False: by 1, e.g. with ``scaled_query_init``).
+      kernel_init, bias_init: initializers of the projections (kernels: `MHA_KERNEL_INIT`,
+        TransformerEngine's ``variance_scaling(1.0, "fan_in", "normal")``).
+      scale_attn_logits: scale logits by ``1 / sqrt(head_dim)``. The defaults are TransformerEngine's
+        (T5's): unscaled logits, the ``1 / sqrt(head_dim)`` folded into the query kernel's
+        initialisation instead (``scaled_query_init``); standard scaled attention (GPT, BERT,
+        Llama and their checkpoints) is ``scale_attn_logits=True, scaled_query_init=False``.
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
@@ -417,10 +449,10 @@ class MultiHeadAttention(nn.Module):
     use_bias: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    kernel_init: Initializer = nn.initializers.lecun_normal()
+    kernel_init: Initializer = MHA_KERNEL_INIT
     bias_init: Initializer = nn.initializers.zeros
-    scale_attn_logits: bool = True
-    scaled_query_init: bool = False
+    scale_attn_logits: bool = False
+    scaled_query_init: bool = True
     float32_logits: bool = False
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
@@ -648,7 +680,9 @@ class RelativePositionBiases(nn.Module):
         buckets are exact distances, the rest log-spaced up to ``max_distance``.
       max_distance: distances at or beyond it share the last bucket.
       num_attention_heads: heads.
-      embedding_init: initializer of ``rel_embedding [heads, num_buckets]``.
+      embedding_init: initializer of ``rel_embedding [heads, num_buckets]`` (flax's
+        ``default_embed_init``, as TransformerEngine's; a `TransformerLayer` passes
+        `RELPOS_EMBEDDING_INIT`).
       embedding_axes: its logical axes.
       dtype: output dtype.
       param_dtype: parameter dtype.
@@ -657,7 +691,7 @@ class RelativePositionBiases(nn.Module):
     num_buckets: int
     max_distance: int
     num_attention_heads: int
-    embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+    embedding_init: Initializer = nn.linear.default_embed_init
     embedding_axes: AxisNames = (axes.HEADS, axes.RELPOS_BUCKETS)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32

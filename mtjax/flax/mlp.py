@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from mtjax import axes, fp8, ops
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
-from mtjax.sharding.mesh import TP
 
 MLP_HIDDEN_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP)
 # fc1's output [batch, length, num_activations, mlp]: the pair axis of a gated activation stays whole
@@ -49,17 +48,17 @@ class LayerNormMLP(nn.Module):
       bias_init, bias_axes_1, bias_axes_2: their initializer and logical axes.
       return_layernorm_output: also return the normalized input.
       collective_matmul: under sequence parallelism (the logical rules split the ``[batch, length,
-        embed]`` input's length over ``tp``), run fc1 and fc2 as `mtjax.ops.sequence_parallel_matmul`:
-        the all-gather before fc1 and the reduce-scatter after fc2 become ``ppermute`` steps
-        overlapped with partial GEMMs. Elsewhere (no ``tp`` split of the sequence) the plain path
-        runs. Not with FP8 (``fp8_autocast``).
+        embed]`` input's length over one mesh axis, ``tp`` with `MeshConfig`), run fc1 and fc2 as
+        `mtjax.ops.sequence_parallel_matmul`: the all-gather before fc1 and the reduce-scatter after
+        fc2 become ``ppermute`` steps overlapped with partial GEMMs. Elsewhere (no split of the
+        sequence) the plain path runs. Not with FP8 (``fp8_autocast``).
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
 
     intermediate_dim: int = 2048
     activations: str | Sequence[str] = ("gelu",)
-    intermediate_dropout_rate: float = 0.1
+    intermediate_dropout_rate: float = 0.0
     intermediate_hidden_dropout_dims: Sequence[int] = ()
     intermediate_dropout_rng_name: str = "dropout"
     enable_layernorm: bool = True
@@ -82,18 +81,20 @@ class LayerNormMLP(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
-    def _sequence_parallel_batch_axes(self, inputs: jax.Array):
-        """``(True, batch mesh axes)`` when `collective_matmul` applies to ``inputs``, else ``(False, None)``."""
+    def _sequence_parallel_axes(self, inputs: jax.Array):
+        """``(batch mesh axes, sequence-parallel axis)`` when `collective_matmul` applies to ``inputs``
+        (the rules split the residual stream's length over one mesh axis of size > 1), else None."""
         if not self.collective_matmul or inputs.ndim != 3:
-            return False, None
+            return None
         mesh = jax.sharding.get_abstract_mesh()
         spec = nn.logical_to_mesh_axes(axes.BATCH_LENGTH_EMBED)
-        if mesh.empty or TP not in mesh.axis_names or dict(zip(mesh.axis_names, mesh.axis_sizes))[TP] == 1 or \
-                spec[1] != TP:
-            return False, None
+        sequence_axis = spec[1]
+        if mesh.empty or not isinstance(sequence_axis, str) or sequence_axis not in mesh.axis_names or \
+                dict(zip(mesh.axis_names, mesh.axis_sizes))[sequence_axis] == 1:
+            return None
         if fp8.current_autocast() is not None:
             raise ValueError("LayerNormMLP: collective_matmul=True does not support FP8 (fp8_autocast)")
-        return True, spec[0]
+        return spec[0], sequence_axis
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False, residual: jax.Array | None = None,
@@ -104,9 +105,9 @@ class LayerNormMLP(nn.Module):
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
         hidden = inputs.shape[-1]
         # fc1 applies the norm unless the normalized input is returned too (or a residual is added first).
-        collective, batch_axes = self._sequence_parallel_batch_axes(inputs)
+        collective = self._sequence_parallel_axes(inputs)
         x, norm, new_residual = input_norm(self, inputs.astype(self.dtype), residual,
-                                           apply_now=self.return_layernorm_output or collective)
+                                           apply_now=self.return_layernorm_output or collective is not None)
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
                              (hidden, num_activations, self.intermediate_dim), self.param_dtype, self.kernel_axes_1)
         wi = wi.astype(self.dtype)
@@ -127,13 +128,14 @@ class LayerNormMLP(nn.Module):
         wo = param_with_axes(self, "wo_kernel", flat_kernel_init(self.kernel_init, 1),
                              (self.intermediate_dim, hidden), self.param_dtype, self.kernel_axes_2).astype(self.dtype)
         no_dropout = deterministic or self.intermediate_dropout_rate == 0.0
-        if collective:
-            h = act(ops.sequence_parallel_matmul(x, wi, kind="all_gather", batch_axes=batch_axes))
+        if collective is not None:
+            batch_axes, axis_name = collective
+            h = act(ops.sequence_parallel_matmul(x, wi, kind="all_gather", batch_axes=batch_axes, axis_name=axis_name))
             if not no_dropout:
                 h = nn.Dropout(rate=self.intermediate_dropout_rate,
                                broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                                rng_collection=self.intermediate_dropout_rng_name)(h, deterministic=deterministic)
-            y = ops.sequence_parallel_matmul(h, wo, kind="reduce_scatter", batch_axes=batch_axes)
+            y = ops.sequence_parallel_matmul(h, wo, kind="reduce_scatter", batch_axes=batch_axes, axis_name=axis_name)
         elif no_dropout and fp8.fuses_mlp(x, wi, wo):
             # Both GEMMs in one FP8 op: the activation's backward writes fc1's FP8 output gradient.
             autocast = fp8.current_autocast()

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from mtjax import ops
 from mtjax.axes import BATCH_LENGTH_EMBED
 from mtjax.flax.attention import (
+    MHA_KERNEL_INIT,
+    RELPOS_EMBEDDING_INIT,
     ROTARY_GROUP_METHODS,
     MultiHeadAttention,
     PagedKV,
@@ -36,6 +38,12 @@ class TransformerLayerType(enum.Enum):
 class TransformerLayer(nn.Module):
     """A Transformer block, pre-LN by default.
 
+    The defaults are TransformerEngine-JAX's, which are T5's: relative position biases
+    (``enable_relative_embedding``), unscaled attention logits with the ``1 / sqrt(head_dim)`` folded
+    into the query kernel's initialisation (``scale_attn_logits=False, scaled_query_init=True``),
+    GELU, no intermediate dropout. A GPT/BERT/Llama block sets ``enable_relative_embedding=False,
+    scale_attn_logits=True, scaled_query_init=False`` (as `mtjax.models` does) and its activation.
+
     Pre-LN (default): ``x = x + attn(norm(x)); x = x + mlp(norm(x))``, norms fused into the next GEMM.
     ``output_layernorm=True`` moves the attention's norm to the output: ``out = norm(x + mlp(norm(x + attn(x))))``;
     with ``apply_residual_connection_post_layernorm=True`` as well, the residual is taken after the norm,
@@ -43,8 +51,8 @@ class TransformerLayer(nn.Module):
 
     ``__call__(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None, *, segment_ids=None,
     encoder_segment_ids=None, positions=None, deterministic=False, decode=False, residual=None, paged_kv=None)``:
-    ``inputs
-    [batch, length, hidden_size]``; masks are boolean keep-masks ``[batch|1, heads|1, q_len, kv_len]``;
+    ``inputs [batch, length, hidden_size]``; masks ``[batch|1, heads|1, q_len, kv_len]`` are bool keep-masks
+    (True = attend) or TransformerEngine's integer masks (1 = masked out, `mtjax.flax.attention.keep_mask`);
     ``segment_ids [batch, length]`` (0 = padding) restrict attention to the own segment (packing);
     ``positions [batch, length]`` feed the rotary embedding; ``paged_kv`` (a `PagedKV`) runs the
     self-attention on a paged key/value cache. Returns ``[batch, length, hidden_size]``.
@@ -75,7 +83,9 @@ class TransformerLayer(nn.Module):
       intermediate_dropout: dropout after the MLP activation.
       intermediate_dropout_dims: axes sharing one intermediate-dropout mask.
       dropout_rng_name: rng collection of all dropouts.
-      mha_kernel_init, mlp_kernel_init: initializers of the attention and MLP kernels.
+      mha_kernel_init, mlp_kernel_init: initializers of the attention and MLP kernels
+        (TransformerEngine's: ``variance_scaling(1.0, "fan_in", "normal")`` and ``lecun_normal()``,
+        i.e. ``variance_scaling(1.0, "fan_in", "truncated_normal")``).
       mlp_activations: TransformerEngine-style tuple or name (`mtjax.ops.activation`).
       use_bias: biases in every projection.
       bias_init: their initializer.
@@ -85,8 +95,10 @@ class TransformerLayer(nn.Module):
       layer_type: `TransformerLayerType`.
       self_attn_mask_type: one of `mtjax.ops.MASK_TYPES`.
       self_attn_bias_type: as `DotProductAttention.attn_bias_type`.
-      enable_relative_embedding: add T5 relative position biases to self-attention.
-      relative_embedding: the `RelativePositionBiases` to use (None: 32 buckets, max distance 128).
+      enable_relative_embedding: add T5 relative position biases to self-attention: bidirectional
+        in an ENCODER layer, unidirectional in a DECODER layer, whatever the mask (as TransformerEngine).
+      relative_embedding: the `RelativePositionBiases` to use (None: 32 buckets, max distance 128,
+        `RELPOS_EMBEDDING_INIT`).
       enable_rotary_pos_emb: rotary embeddings in self-attention.
       rotary_pos_emb_windows: ``(min_timescale, max_timescale)``.
       rotary_pos_emb_group_method: ``"consecutive"`` or ``"alternate"``.
@@ -123,12 +135,12 @@ class TransformerLayer(nn.Module):
     hidden_dropout: float = 0.1
     hidden_dropout_dims: Sequence[int] = ()
     attention_dropout: float = 0.1
-    intermediate_dropout: float = 0.1
+    intermediate_dropout: float = 0.0
     intermediate_dropout_dims: Sequence[int] = ()
     dropout_rng_name: str = "dropout"
-    mha_kernel_init: Initializer = nn.initializers.lecun_normal()
+    mha_kernel_init: Initializer = MHA_KERNEL_INIT
     mlp_kernel_init: Initializer = nn.initializers.lecun_normal()
-    mlp_activations: str | Sequence[str] = ("relu",)
+    mlp_activations: str | Sequence[str] = ("gelu",)
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     apply_residual_connection_post_layernorm: bool = False
@@ -137,7 +149,7 @@ class TransformerLayer(nn.Module):
     layer_type: TransformerLayerType = TransformerLayerType.ENCODER
     self_attn_mask_type: str = "causal"
     self_attn_bias_type: str | None = None
-    enable_relative_embedding: bool = False
+    enable_relative_embedding: bool = True
     relative_embedding: nn.Module | None = None
     enable_rotary_pos_emb: bool = False
     rotary_pos_emb_windows: tuple[float, float] = (1.0, 10000.0)
@@ -150,8 +162,8 @@ class TransformerLayer(nn.Module):
     fuse_qkv_params: bool = True
     fuse_residual_norm: bool = True
     defer_residual_add: bool = False
-    scale_attn_logits: bool = True
-    scaled_query_init: bool = False
+    scale_attn_logits: bool = False
+    scaled_query_init: bool = True
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
     context_parallel: str | None = None
@@ -256,9 +268,9 @@ class TransformerLayer(nn.Module):
                 raise ValueError("TransformerLayer: decode=True and paged_kv do not support enable_relative_embedding")
             relpos = self.relative_embedding or RelativePositionBiases(
                 num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
-                dtype=self.dtype, param_dtype=self.param_dtype, name="relpos_bias")
-            bidirectional = self.self_attn_mask_type not in ("causal", "padding_causal")
-            bias = relpos(inputs.shape[1], inputs.shape[1], bidirectional)
+                embedding_init=RELPOS_EMBEDDING_INIT, dtype=self.dtype, param_dtype=self.param_dtype,
+                name="relpos_bias")
+            bias = relpos(inputs.shape[1], inputs.shape[1], not is_decoder)
 
         # With a residual, the block's input stream is inputs + residual, formed in the attention's norm.
         x, ln_out, *stream = MultiHeadAttention(

@@ -5,12 +5,14 @@ Every mtjax GEMM runs in a `DotGeneral` submodule, called like ``lax.dot_general
 two backward GEMMs (dgrad, wgrad) run on FP8 tensor cores::
 
     with fp8_autocast(recipe=DelayedScaling()):
-        variables = model.init(key, x)                 # {"params": ..., "fp8_meta": ...}
-        grads = jax.grad(loss_fn)(variables, x)        # grads["fp8_meta"] is the NEXT step's meta
+        variables = model.init(key, x)                 # {"params": ..., "fp8_metas": ...}
+        grads = jax.grad(loss_fn)(variables, x)        # grads["fp8_metas"] is the NEXT step's meta
     params_and_meta, opt_state = Optimizer(optax.adamw(1e-3)).apply_gradients(variables, grads, opt_state)
 
-`fp8_autocast` is read when a function is traced: enter it inside the function you `jax.jit` (or
-around its first call); a function traced outside it stays a plain-precision function.
+`autocast(enabled=False, recipe=None, mesh_resource=None)` is the same context with
+TransformerEngine-JAX's signature and defaults (off unless ``enabled=True``). Either is read when a
+function is traced: enter it inside the function you `jax.jit` (or around its first call); a
+function traced outside it stays a plain-precision function.
 
 Scale convention (as TransformerEngine): ``q = saturate_cast(x * scale)``, ``x ≈ q * scale_inv``,
 ``scale = (fp8_max / amax) / 2**margin``.
@@ -34,16 +36,16 @@ Limitation: one `DotGeneral` instance must run once per differentiated function 
 ``nn.remat`` are fine): cotangents of a meta read twice would be summed.
 
 The package: `mtjax.fp8.recipes` (formats and recipes), `mtjax.fp8.scaling` (the state and the scale
-math), `mtjax.fp8.autocast`, `mtjax.fp8.dot_general` (the FP8 GEMM and `DotGeneral`), `mtjax.fp8.mlp` (the
-fused FP8 MLP) and
-`mtjax.fp8.gradients` (the meta on gradients and optimizers); `mtjax.fp8.block_scaling` holds the
-matmul of `BlockScaling` (1x128 tiles, 128x128 weight blocks, no state; docs/fp8-block-scaling.md).
+math), `mtjax.fp8.context` (`fp8_autocast`, `autocast`), `mtjax.fp8.dot_general` (the FP8 GEMM and
+`DotGeneral`), `mtjax.fp8.mlp` (the fused FP8 MLP) and `mtjax.fp8.gradients` (the meta on
+gradients and optimizers); `mtjax.fp8.block_scaling` holds the matmul of `BlockScaling` (1x128
+tiles, 128x128 weight blocks, no state; docs/fp8-block-scaling.md).
 The FP8 dtypes are `mtjax.dtypes`'; the quantize, cast_transpose and FP8 GEMM ops are `mtjax.ops`', re-exported here.
 """
 
 from mtjax.dtypes import FP8_DTYPES, fp8_max
-from mtjax.fp8.autocast import Autocast, current_autocast, fp8_autocast
 from mtjax.fp8.block_scaling import block_fp8_matmul
+from mtjax.fp8.context import Autocast, autocast, current_autocast, fp8_autocast
 from mtjax.fp8.dot_general import DotGeneral, Prologue, compiler_options, fp8_dot_general
 from mtjax.fp8.gradients import (
                                  Optimizer,
@@ -85,7 +87,8 @@ __all__ = [
     "AMAX_COMPUTE_ALGOS", "AMAX_JUMP_FACTOR", "FP8_COLLECTION", "FP8_DTYPES", "MAX_SCALE", "META_KEYS", "MIN_SCALE",
     "RECIPE_TYPES", "ROLES",
     "BLOCK_SIZE", "Autocast", "BlockScaling", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer",
-    "Prologue", "Recipe", "accumulate_gradients", "amax", "amax_jump", "block_fp8_matmul", "cast_transpose",
+    "Prologue", "Recipe", "accumulate_gradients", "amax", "amax_jump", "autocast", "block_fp8_matmul",
+    "cast_transpose",
     "cast_transpose_reference", "compiler_options",
     "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",

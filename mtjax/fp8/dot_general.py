@@ -22,8 +22,8 @@ from jax import lax
 
 from mtjax import backend
 from mtjax.dtypes import fp8_max
-from mtjax.fp8.autocast import current_autocast
 from mtjax.fp8.block_scaling import block_fp8_matmul
+from mtjax.fp8.context import current_autocast
 from mtjax.fp8.recipes import RECIPE_TYPES, BlockScaling, CurrentScaling, DelayedScaling, Recipe
 from mtjax.fp8.scaling import (
     FP8_COLLECTION,

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from mtjax.fp8.autocast import current_autocast
+from mtjax.fp8.context import current_autocast
 from mtjax.fp8.dot_general import (
     _check_meta,
     _delayed_cast,

@@ -19,7 +19,7 @@ from jax import lax
 
 from mtjax.fp8.recipes import AMAX_COMPUTE_ALGOS, _check_int
 
-FP8_COLLECTION = "fp8_meta"
+FP8_COLLECTION = "fp8_metas"
 
 # The tensors of one GEMM that get their own scale, in the order the meta lists them.
 ROLES = ("input", "kernel", "output_grad")

@@ -110,6 +110,8 @@ class BertEncoder(nn.Module):
             attention_dropout=cfg.attention_dropout, intermediate_dropout=cfg.dropout_rate, mha_kernel_init=init,
             mlp_kernel_init=init, mlp_activations=cfg.activations, use_bias=True,
             apply_residual_connection_post_layernorm=True, output_layernorm=True,
+            # Standard scaled attention, no relative biases (TransformerLayer's defaults are T5's).
+            enable_relative_embedding=False, scale_attn_logits=True, scaled_query_init=False,
             layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="no_mask" if segment_ids is None else "padding",
             dtype=cfg.dtype, param_dtype=cfg.param_dtype,

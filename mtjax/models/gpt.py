@@ -429,6 +429,8 @@ class GPT(nn.Module):
             intermediate_dropout=cfg.dropout_rate, mha_kernel_init=init, mlp_kernel_init=init,
             mlp_activations=cfg.activations, use_bias=cfg.use_bias, fuse_qkv_params=cfg.fuse_qkv_params,
             fuse_residual_norm=cfg.fuse_residual_norm, defer_residual_add=cfg.fuse_residual_across_layers,
+            # Standard scaled attention, no relative biases (TransformerLayer's defaults are T5's).
+            enable_relative_embedding=False, scale_attn_logits=True, scaled_query_init=False,
             layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,

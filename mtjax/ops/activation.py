@@ -1,11 +1,27 @@
 """Elementwise and gated activations, with an optional bias added first.
 
-Gated activations (``swiglu``, ``geglu``, ``reglu``) take ``[..., 2, hidden]`` (TransformerEngine's
-layout): ``x[..., 0, :]`` goes through the activation, ``x[..., 1, :]`` is the linear gate, and the
-result is ``[..., hidden]``. Keeping the pair on its own axis means a ``hidden`` split over devices
-(tensor parallelism) leaves both halves of every column on the same device: the op is local, where a
-``[..., 2 * hidden]`` layout would make XLA reshuffle the sharded axis to split it in halves.
+Gated activations take ``[..., 2, hidden]`` (TransformerEngine's layout): ``x[..., 0, :]`` goes
+through the activation, ``x[..., 1, :]`` is the gate (linear, or clamped for ``clamped_swiglu``), and
+the result is ``[..., hidden]``. Keeping the pair on its own axis means a ``hidden`` split over
+devices (tensor parallelism) leaves both halves of every column on the same device: the op is local,
+where a ``[..., 2 * hidden]`` layout would make XLA reshuffle the sharded axis to split it in halves.
 TransformerEngine-style tuples name the same functions: ``("gelu",)``, ``("silu", "linear")``...
+
+The functions and where they come from:
+
+- ``gelu`` (tanh approximation) and ``gelu_exact`` (erf): Hendrycks & Gimpel, "Gaussian Error
+  Linear Units", arXiv:1606.08415; ``quick_gelu`` is that paper's sigmoid approximation
+  ``x * sigmoid(1.702 x)`` (used by CLIP).
+- ``silu``: ``x * sigmoid(x)``, Elfwing et al., arXiv:1702.03118 (Swish: Ramachandran et al.,
+  arXiv:1710.05941).
+- ``squared_relu``: ``relu(x)**2``, So et al., "Primer", arXiv:2109.08668.
+- ``glu``: ``sigmoid(a) * gate``, Dauphin et al., "Language Modeling with Gated Convolutional
+  Networks", arXiv:1612.08083; its variants ``reglu``, ``geglu``, ``swiglu`` (Shazeer, "GLU Variants
+  Improve Transformer", arXiv:2002.05202), and ``qgeglu``, ``sreglu`` on the same pattern
+  (TransformerEngine's QGEGLU and SREGLU).
+- ``clamped_swiglu``: gpt-oss's gated unit (OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", 2025)
+  with TransformerEngine's default parameters: ``a' = min(a, 7)``,
+  ``y = a' * sigmoid(1.702 a') * (clip(gate, -7, 7) + 1)``.
 """
 
 from __future__ import annotations
@@ -20,6 +36,7 @@ from jax.typing import DTypeLike
 
 from mtjax import backend
 from mtjax.kernels import activation as activation_kernels
+from mtjax.kernels.activation import CLAMP_ALPHA, CLAMP_GATE_OFFSET, CLAMP_LIMIT, QUICK_GELU_ALPHA
 from mtjax.kernels.common import saturate_cast, too_small, unsupported_fp8_dtype
 from mtjax.ops.checks import check_float, check_fp8_output, check_shape
 
@@ -33,30 +50,61 @@ def _gelu_exact(x):
 
 
 def _quick_gelu(x):
-    return x * jax.nn.sigmoid(1.702 * x)
+    return x * jax.nn.sigmoid(QUICK_GELU_ALPHA * x)
 
 
-# name -> (function applied to the activated half, gated?)
+def _squared_relu(x):
+    r = jax.nn.relu(x)
+    return r * r
+
+
+# The clamps pass the gradient on at the limits themselves (`where`, not `minimum`/`clip`, which
+# split it in halves there), as TransformerEngine's kernels and mtjax's do.
+def _clamped_silu(x):
+    x = jnp.where(x <= CLAMP_LIMIT, x, CLAMP_LIMIT)
+    return x * jax.nn.sigmoid(CLAMP_ALPHA * x)
+
+
+def _linear(gate):
+    return gate
+
+
+def _clamped_linear(gate):
+    return jnp.where(jnp.abs(gate) <= CLAMP_LIMIT, gate, jnp.sign(gate) * CLAMP_LIMIT) + CLAMP_GATE_OFFSET
+
+
+# name -> (function of the activated input, function of the gate or None when not gated)
 ACTIVATIONS: dict[str, tuple] = {
-    "gelu": (_gelu_tanh, False),
-    "gelu_exact": (_gelu_exact, False),
-    "silu": (jax.nn.silu, False),
-    "relu": (jax.nn.relu, False),
-    "quick_gelu": (_quick_gelu, False),
-    "swiglu": (jax.nn.silu, True),
-    "geglu": (_gelu_tanh, True),
-    "reglu": (jax.nn.relu, True),
+    "gelu": (_gelu_tanh, None),
+    "gelu_exact": (_gelu_exact, None),
+    "silu": (jax.nn.silu, None),
+    "relu": (jax.nn.relu, None),
+    "quick_gelu": (_quick_gelu, None),
+    "squared_relu": (_squared_relu, None),
+    "swiglu": (jax.nn.silu, _linear),
+    "geglu": (_gelu_tanh, _linear),
+    "reglu": (jax.nn.relu, _linear),
+    "qgeglu": (_quick_gelu, _linear),
+    "sreglu": (_squared_relu, _linear),
+    "glu": (jax.nn.sigmoid, _linear),
+    "clamped_swiglu": (_clamped_silu, _clamped_linear),
 }
 
+# TransformerEngine's activation tuples (`transformer_engine.jax.cpp_extensions.activation.ActivationEnum`).
 _TUPLE_NAMES = {
     ("gelu",): "gelu",
     ("gelu_exact",): "gelu_exact",
     ("silu",): "silu",
     ("relu",): "relu",
     ("quick_gelu",): "quick_gelu",
+    ("squared_relu",): "squared_relu",
     ("silu", "linear"): "swiglu",
     ("gelu", "linear"): "geglu",
     ("relu", "linear"): "reglu",
+    ("quick_gelu", "linear"): "qgeglu",
+    ("squared_relu", "linear"): "sreglu",
+    ("sigmoid", "linear"): "glu",
+    ("clamped_silu", "clamped_linear"): "clamped_swiglu",
 }
 
 
@@ -64,8 +112,10 @@ def canonical_activation(activation_type: str | Sequence[str]) -> str:
     """The canonical name of an activation given as a name or a TransformerEngine-style tuple."""
     if isinstance(activation_type, str):
         name = activation_type.lower()
-    else:
+    elif isinstance(activation_type, Sequence) and all(isinstance(a, str) for a in activation_type):
         name = _TUPLE_NAMES.get(tuple(a.lower() for a in activation_type), repr(tuple(activation_type)))
+    else:  # e.g. a callable, which TransformerEngine accepts and mtjax's kernels cannot
+        name = repr(activation_type)
     if name not in ACTIVATIONS:
         raise ValueError(
             f"activation: activation_type={activation_type!r} is not supported; accepted: "
@@ -76,7 +126,7 @@ def canonical_activation(activation_type: str | Sequence[str]) -> str:
 
 def is_gated(activation_type: str | Sequence[str]) -> bool:
     """Whether the activation takes ``[..., 2, hidden]`` (activated input and linear gate)."""
-    return ACTIVATIONS[canonical_activation(activation_type)][1]
+    return ACTIVATIONS[canonical_activation(activation_type)][1] is not None
 
 
 @backend.register("activation", backend.REFERENCE)
@@ -86,15 +136,15 @@ def activation_reference(x: jax.Array, bias: jax.Array | None, *, activation_typ
     Under `jax.checkpoint`, so the backward keeps only ``x`` and ``bias`` (as the kernel does) rather
     than float32 intermediates of the MLP's widest activation.
     """
-    fn, gated = ACTIVATIONS[activation_type]
+    fn, gate = ACTIVATIONS[activation_type]
 
     def activate(x, bias):
         xf = x.astype(jnp.float32)
         if bias is not None:
             xf = xf + bias.astype(jnp.float32)
-        if gated:
+        if gate is not None:
             # Index the pair axis; never reshape `hidden`, which tensor parallelism may split.
-            y = fn(xf[..., 0, :]) * xf[..., 1, :]
+            y = fn(xf[..., 0, :]) * gate(xf[..., 1, :])
         else:
             y = fn(xf)
         return y.astype(x.dtype)
@@ -113,7 +163,7 @@ def activation(
 
     Args:
       x: ``[..., hidden]``, or ``[..., 2, hidden]`` for a gated activation (index 0 activated,
-        index 1 the linear gate).
+        index 1 the gate).
       activation_type: one of `ACTIVATIONS` or a TE-style tuple; ``"gelu"`` is the tanh
         approximation (``jax.nn.gelu``'s default), ``"gelu_exact"`` the erf form.
       bias: ``[hidden]`` (``[2, hidden]`` for a gated activation) or ``None``.
@@ -127,7 +177,7 @@ def activation(
 def _check(op: str, x, activation_type, bias) -> str:
     name = canonical_activation(activation_type)
     check_float(op, "x", x)
-    gated = ACTIVATIONS[name][1]
+    gated = ACTIVATIONS[name][1] is not None
     if jnp.ndim(x) < 1:
         raise ValueError(f"{op}: x must have at least one axis; got shape {jnp.shape(x)}")
     if gated and (jnp.ndim(x) < 2 or jnp.shape(x)[-2] != 2):

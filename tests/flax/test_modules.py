@@ -170,7 +170,7 @@ def test_mha_matches_flax_multi_head_dot_product_attention(masked):
     tp = init_params(theirs, x, x, mask=mask)
     tp = jax.tree.map(lambda a: rand(a.size, a.shape, 0.5), tp)
     ours = MultiHeadAttention(head_dim=hidden // heads, num_attention_heads=heads, input_layernorm=False,
-                              fuse_qkv_params=False, use_bias=True, attn_mask_type="no_mask")
+                              fuse_qkv_params=False, use_bias=True, attn_mask_type="no_mask", scale_attn_logits=True)
 
     def to_theirs(p):
         return {name: p[name] for name in ("query", "key", "value", "out")}
@@ -184,7 +184,7 @@ def gqa_case():
     batch, length, hidden, heads, groups, head_dim = 2, 6, 16, 4, 2, 8
     x = rand(0, (batch, length, hidden))
     mha = MultiHeadAttention(head_dim=head_dim, num_attention_heads=heads, num_gqa_groups=groups,
-                             layernorm_type="rmsnorm", attn_mask_type="padding_causal")
+                             layernorm_type="rmsnorm", attn_mask_type="padding_causal", scale_attn_logits=True)
     seg = jnp.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]])
     p = init_params(mha, x, q_segment_ids=seg, deterministic=True)
     return mha, p, x, seg
@@ -225,10 +225,12 @@ def test_mha_cross_attention_uses_query_and_kv():
 
 
 def test_scaled_query_init():
+    """TransformerEngine's default: the query kernel starts divided by sqrt(head_dim), keys and values not."""
     x = jnp.ones((1, 2, 64))
     base = MultiHeadAttention(head_dim=16, num_attention_heads=4)
-    k0, k1 = (jax.jit(lambda m=m: init_params(m, x, deterministic=True))()["qkv"]["kernel"]
-              for m in (base, base.clone(scaled_query_init=True)))
+    assert base.scaled_query_init and not base.scale_attn_logits
+    k1, k0 = (jax.jit(lambda m=m: init_params(m, x, deterministic=True))()["qkv"]["kernel"]
+              for m in (base, base.clone(scaled_query_init=False)))
     close(k1[:, 0], k0[:, 0] / 4.0)
     close(k1[:, 1:], k0[:, 1:])
 
@@ -294,7 +296,8 @@ def test_transformer_layer_wiring(post_ln):
     layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                              attention_dropout=0.0, intermediate_dropout=0.0, mlp_activations=("gelu",),
                              output_layernorm=post_ln, apply_residual_connection_post_layernorm=post_ln,
-                             self_attn_mask_type="padding" if post_ln else "causal", use_bias=post_ln)
+                             self_attn_mask_type="padding" if post_ln else "causal", use_bias=post_ln,
+                             enable_relative_embedding=False)
     seg = jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     p = init_params(layer, x, segment_ids=seg, deterministic=True)
     p = jax.tree.map(lambda a: a + rand(a.size, a.shape, 0.1), p)
@@ -386,6 +389,82 @@ def test_residual_added_in_the_attention_norm_and_deferred():
     with pytest.raises(ValueError, match="pre-LN"):
         TransformerLayer(**kwargs, output_layernorm=True, defer_residual_add=True).init(
             jax.random.key(0), x, deterministic=True)
+
+
+# TransformerEngine-JAX 2.x's defaults of the arguments mtjax shares (transformer_engine/jax/flax/).
+TE_DEFAULTS = {
+    TransformerLayer: dict(hidden_size=512, mlp_hidden_size=2048, num_attention_heads=8, layernorm_type="layernorm",
+                           layernorm_epsilon=1e-6, hidden_dropout=0.1, attention_dropout=0.1, intermediate_dropout=0.0,
+                           mlp_activations=("gelu",), use_bias=False, layer_type=TransformerLayerType.ENCODER,
+                           self_attn_mask_type="causal", enable_relative_embedding=True, enable_rotary_pos_emb=False,
+                           rotary_pos_emb_windows=(1, 10000), rotary_pos_emb_group_method="consecutive",
+                           fuse_qkv_params=True, scale_attn_logits=False, scaled_query_init=True),
+    MultiHeadAttention: dict(attention_dropout=0.0, input_layernorm=True, layernorm_type="layernorm",
+                             return_layernorm_output=False, use_bias=False, attn_mask_type="causal",
+                             fuse_qkv_params=True, scale_attn_logits=False, scaled_query_init=True,
+                             float32_logits=False),
+    LayerNormMLP: dict(intermediate_dim=2048, activations=("gelu",), intermediate_dropout_rate=0.0, use_bias=False,
+                       layernorm_type="layernorm", epsilon=1e-6, return_layernorm_output=False),
+    DotProductAttention: dict(attention_dropout=0.0, attn_mask_type="causal", float32_logits=False, scale_factor=None),
+    DenseGeneral: dict(use_bias=True),
+}
+
+
+@pytest.mark.parametrize("module", list(TE_DEFAULTS), ids=lambda m: m.__name__)
+def test_defaults_are_transformer_engines(module):
+    defaults = {f.name: f.default for f in __import__("dataclasses").fields(module)}
+    assert {name: defaults[name] for name in TE_DEFAULTS[module]} == TE_DEFAULTS[module]
+
+
+@pytest.mark.parametrize("layer_type", list(TransformerLayerType))
+def test_relative_position_bias_direction_follows_the_layer_type(layer_type):
+    """As TransformerEngine: an ENCODER layer's T5 bias is bidirectional, a DECODER layer's unidirectional,
+    whatever the mask (here causal in both)."""
+    x, enc = rand(0, (2, 5, 16)), rand(1, (2, 3, 16))
+    decoder = layer_type == TransformerLayerType.DECODER
+    layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                             attention_dropout=0.0, layer_type=layer_type)
+    args = (x, enc) if decoder else (x,)
+    p = perturbed(meta.unbox(jax.jit(functools.partial(layer.init, deterministic=True))(jax.random.key(0), *args)
+                             ["params"]))
+
+    @jax.jit
+    def self_attention_bias(p, *args):
+        captured = {}
+
+        def capture(next_fun, args, kwargs, context):
+            if context.module.name == "self_attention" and context.method_name == "__call__":
+                captured["bias"] = args[3]
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(capture):
+            layer.apply({"params": p}, *args, deterministic=True)
+        return captured["bias"]
+
+    bias = self_attention_bias(p, *args)
+    relpos = RelativePositionBiases(num_buckets=32, max_distance=128, num_attention_heads=4)
+    close(bias, relpos.apply(_sub(p, "relpos_bias"), 5, 5, not decoder))
+    assert not np.allclose(bias, relpos.apply(_sub(p, "relpos_bias"), 5, 5, decoder))
+
+
+def test_transformer_engine_integer_masks_are_one_where_masked():
+    """A uint8 mask is TransformerEngine's (1 = masked out), a bool mask mtjax's (True = attend); other
+    dtypes are refused."""
+    q, k, v = rand(0, (2, 5, 4, 8)), rand(1, (2, 5, 4, 8)), rand(2, (2, 5, 4, 8))
+    lengths = np.array([3, 5])
+    te_mask = np.ones((2, 1, 5, 5), np.uint8)
+    for row, n in enumerate(lengths):
+        te_mask[row, :, :n, :n] = 0  # as TransformerEngine's encoder example builds it
+    dpa = DotProductAttention(head_dim=8, num_attention_heads=4, attn_mask_type="padding")
+    out = dpa.apply({}, q, k, v, jnp.asarray(te_mask), deterministic=True)
+    assert np.isfinite(np.asarray(out)).all()  # the padding queries attend to nothing: zeros, not NaN
+    close(out, dpa.apply({}, q, k, v, jnp.asarray(te_mask == 0), deterministic=True))
+    seg = jnp.asarray((np.arange(5)[None] < lengths[:, None]).astype(np.int32))
+    ref = ops.attention(q, k, v, mask_type="padding", q_segment_ids=seg, kv_segment_ids=seg)
+    close(out[0, :3], ref[0, :3])
+    close(out[1], ref[1])
+    with pytest.raises(TypeError, match="mask has dtype float32.*bool.*integer"):
+        dpa.apply({}, q, k, v, jnp.ones((2, 1, 5, 5)), deterministic=True)
 
 
 def test_decoder_layer_cross_attention():

@@ -87,7 +87,9 @@ def _reference_mha(p, x, *, heads, groups, head_dim, layernorm_type, input_layer
     if rope:
         pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         q, k = apply_rotary_pos_emb(q, pos, group_method=rope), apply_rotary_pos_emb(k, pos, group_method=rope)
-    o = ops.attention(q, k, v, mask_type=mask_type, q_segment_ids=seg, kv_segment_ids=seg, implementation="xla")
+    # scale 1: MultiHeadAttention's default (TransformerEngine's) leaves the logits unscaled.
+    o = ops.attention(q, k, v, mask_type=mask_type, q_segment_ids=seg, kv_segment_ids=seg, scale=1.0,
+                      implementation="xla")
     return jnp.einsum("bsnd,ndh->bsh", o, p["out"]["kernel"])
 
 

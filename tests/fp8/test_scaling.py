@@ -1,4 +1,4 @@
-"""Formats, recipes, fp8_autocast and the scaling arithmetic (exact)."""
+"""Formats, recipes, fp8_autocast / autocast and the scaling arithmetic (exact)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mtjax import fp8
+from mtjax.sharding import MeshResource, current_mesh_resource
 
 
 def test_format_dtypes():
@@ -55,6 +56,29 @@ def test_autocast_nesting():
             assert isinstance(fp8.current_autocast().recipe, fp8.CurrentScaling)
         assert fp8.current_autocast() is outer
     assert fp8.current_autocast() is None
+
+
+def test_autocast_has_transformer_engine_defaults():
+    """`autocast` is TransformerEngine-JAX's: FP8 off unless enabled, DelayedScaling by default, and the
+    MeshResource in force (even with FP8 off), its axes but the pipeline's reducing the amaxes."""
+    resource = MeshResource(dp_resource="data", tp_resource="model", pp_resource="stage")
+    with fp8.autocast():
+        assert fp8.current_autocast() is None and current_mesh_resource() is None
+    with fp8.autocast(enabled=False, recipe=fp8.CurrentScaling(), mesh_resource=resource):
+        assert fp8.current_autocast() is None and current_mesh_resource() is resource
+    with fp8.autocast(enabled=True, mesh_resource=resource):
+        state = fp8.current_autocast()
+        assert state.recipe == fp8.DelayedScaling() and state.mesh_axes == ("data", "model")
+        with fp8.autocast(enabled=True, recipe=fp8.CurrentScaling()):
+            assert isinstance(fp8.current_autocast().recipe, fp8.CurrentScaling) and current_mesh_resource() is None
+        assert current_mesh_resource() is resource
+    assert fp8.current_autocast() is None and current_mesh_resource() is None
+    with pytest.raises(TypeError, match="autocast.mesh_resource=.*MeshResource"):
+        with fp8.autocast(mesh_resource=("dp", "tp")):
+            pass
+    with pytest.raises(TypeError, match="autocast.enabled="):
+        with fp8.autocast(enabled=1):
+            pass
 
 
 def test_compute_scale_formula_exact():

@@ -23,7 +23,7 @@ def squared_error_sum(model, variables, x, y, total):
 
 def test_split_gradients():
     assert fp8.split_gradients({"params": 1}) == ({"params": 1}, {})
-    assert fp8.split_gradients({"params": 1, "fp8_meta": 2}) == ({"params": 1}, 2)
+    assert fp8.split_gradients({"params": 1, fp8.FP8_COLLECTION: 2}) == ({"params": 1}, 2)
     assert fp8.split_gradients([1, 2]) == ([1, 2], {})
 
 

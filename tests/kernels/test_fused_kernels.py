@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from mtjax import backend, ops
 from mtjax.config import override
+from mtjax.kernels.activation import ACTIVATIONS as KERNEL_ACTIVATIONS
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
 DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
@@ -206,8 +207,7 @@ def test_residual_norm_matches_reference(kind, x_dtype, residual_dtype, dropout_
 
 @settings(max_examples=4)
 @given(rows=ROWS, hidden=st.sampled_from([1, 37, 150]), dtype=DTYPES, with_bias=st.booleans(),
-       activation=st.sampled_from(["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"]),
-       seed=st.integers(0, 2**16))
+       activation=st.sampled_from(sorted(KERNEL_ACTIVATIONS)), seed=st.integers(0, 2**16))
 def test_activation_kernel_matches_reference(rows, hidden, dtype, with_bias, activation, seed):
     shape = (2, hidden) if ops.is_gated(activation) else (hidden,)
     x = _random(seed, rows + shape, dtype, 2.0)
@@ -217,6 +217,18 @@ def test_activation_kernel_matches_reference(rows, hidden, dtype, with_bias, act
         return ops.activation(x, activation, bias if with_bias else None, implementation=implementation)
 
     check_kernel(fn, (x, bias), (0, 1) if with_bias else (0,), dtype)
+
+
+@pytest.mark.parametrize("activation", ["sreglu", "glu", "clamped_swiglu"])
+def test_transformer_engine_activation_kernels_match_reference(activation):
+    """The activation functions TransformerEngine has beyond the GELU/SiLU/ReLU families (squared ReLU,
+    sigmoid, the clamps; quick_gelu's is swiglu's with another slope), forward and backward; inputs up
+    to about +-15, so clamped_swiglu's clamps at +-7 are crossed."""
+    shape = (2, 37) if ops.is_gated(activation) else (37,)
+    x = _random(0, (3,) + shape, jnp.float32, 6.0)
+    bias = _random(1, shape, jnp.float32)
+    check_kernel(lambda x, bias, implementation: ops.activation(x, activation, bias, implementation=implementation),
+                 (x, bias), (0, 1), jnp.float32)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
@@ -236,7 +248,7 @@ def test_activation_fp8_matches_reference(activation):
     assert np.mean(q == q_ref) > 0.99 and np.max(np.abs(q)) == 448.0
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "clamped_swiglu"])
 @pytest.mark.parametrize("rows,hidden", [((2, 64), 128), ((3, 7), 100)])  # whole 64x64 tiles, then partial ones
 def test_activation_grad_fp8_matches_reference(activation, rows, hidden):
     """The FP8 backward against autodiff of the reference then the cast: the kernel's float32 gradient
@@ -381,7 +393,7 @@ def test_norm_kernels_on_gpu(shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"])
+@pytest.mark.parametrize("activation", sorted(KERNEL_ACTIVATIONS))
 def test_activation_kernels_on_gpu(activation):
     shape = (2, 1500) if ops.is_gated(activation) else (1500,)
     x = _random(0, (777,) + shape, jnp.bfloat16, 2.0)

@@ -37,16 +37,25 @@ ACT = {
     "silu": lambda x: x * _sigmoid(x),
     "relu": lambda x: np.maximum(x, 0),
     "quick_gelu": lambda x: x * _sigmoid(1.702 * x),
+    "squared_relu": lambda x: np.maximum(x, 0) ** 2,
+    "sigmoid": _sigmoid,
+    # gpt-oss's clamped SiLU (limit 7, alpha 1.702; TransformerEngine's ClampedSwigluParams defaults)
+    "clamped_silu": lambda x: np.minimum(x, 7.0) * _sigmoid(1.702 * np.minimum(x, 7.0)),
 }
-GATED = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu"}
+_linear = lambda gate: gate
+# gated name -> (activation of x[..., 0, :], function of the gate x[..., 1, :])
+GATED = {"swiglu": ("silu", _linear), "geglu": ("gelu", _linear), "reglu": ("relu", _linear),
+         "qgeglu": ("quick_gelu", _linear), "sreglu": ("squared_relu", _linear), "glu": ("sigmoid", _linear),
+         "clamped_swiglu": ("clamped_silu", lambda gate: np.clip(gate, -7.0, 7.0) + 1.0)}
 
 
 def activation(x, name, bias):
     x = x.astype(np.float64)
     if bias is not None:
         x = x + bias
-    if name in GATED:  # x [..., 2, hidden]: activated input, then the linear gate
-        return ACT[GATED[name]](x[..., 0, :]) * x[..., 1, :]
+    if name in GATED:  # x [..., 2, hidden]: activated input, then the gate
+        act, gate = GATED[name]
+        return ACT[act](x[..., 0, :]) * gate(x[..., 1, :])
     return ACT[name](x)
 
 

@@ -86,10 +86,37 @@ def test_activation_matches_numpy(name, rows, half, with_bias, seed):
 
 
 @pytest.mark.parametrize("te_tuple,name",
-                         [(("silu", "linear"), "swiglu"), (("gelu",), "gelu"), (("gelu", "linear"), "geglu")])
+                         [(("silu", "linear"), "swiglu"), (("gelu",), "gelu"), (("gelu", "linear"), "geglu"),
+                          (("squared_relu",), "squared_relu"), (("squared_relu", "linear"), "sreglu"),
+                          (("quick_gelu", "linear"), "qgeglu"), (("sigmoid", "linear"), "glu"),
+                          (("clamped_silu", "clamped_linear"), "clamped_swiglu")])
 def test_activation_accepts_te_tuples(te_tuple, name):
     x = _rand(0, (2, 2, 8))
     np.testing.assert_array_equal(ops.activation(x, te_tuple), ops.activation(x, name))
+
+
+@pytest.mark.parametrize("name", ["squared_relu", "sreglu", "qgeglu", "glu", "clamped_swiglu"])
+def test_transformer_engine_activations_match_numpy_past_the_clamp(name):
+    """Inputs up to about +-20: clamped_swiglu's clamps (activated input at 7, gate at +-7) are crossed,
+    where its gradient is 0."""
+    shape = (2, 16) if ops.is_gated(name) else (16,)
+    x = _rand(3, (4,) + shape, 8.0)
+    np.testing.assert_allclose(ops.activation(x, name), npref.activation(x, name, None), rtol=RTOL, atol=1e-5)
+    directional_derivative_check(lambda x: ops.activation(x, name), lambda x: npref.activation(x, name, None),
+                                 [x], 0, 3, rtol=5e-3)
+    if name == "clamped_swiglu":
+        assert np.any(np.abs(np.asarray(x)) > 7.0)
+        dx = jax.grad(lambda x: ops.activation(x, name).sum())(x)
+        np.testing.assert_array_equal(np.asarray(dx)[..., 0, :][np.asarray(x)[..., 0, :] > 7.0], 0.0)
+        np.testing.assert_array_equal(np.asarray(dx)[..., 1, :][np.abs(np.asarray(x)[..., 1, :]) > 7.0], 0.0)
+
+
+def test_activation_rejects_unknown_names_and_callables():
+    x = _rand(0, (2, 8))
+    with pytest.raises(ValueError, match="not supported; accepted:.*clamped_swiglu"):
+        ops.activation(x, ("tanh", "linear"))
+    with pytest.raises(ValueError, match="not supported"):
+        ops.activation(x, (jax.nn.relu,))
 
 
 @given(q=st.integers(1, 6), k=st.integers(1, 9), causal=st.booleans(), masked=st.booleans(),

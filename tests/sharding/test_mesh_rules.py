@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 from mtjax.sharding import (
     AXES,
     MeshConfig,
+    MeshResource,
+    extend_logical_axis_rules,
     init_sharded,
     jit_sharded,
     logical_axis_rules,
@@ -101,3 +103,77 @@ def test_sharded_init_and_jit_match_unsharded():
     np.testing.assert_allclose(y, model.apply(nn.meta.unbox(boxed), x), rtol=1e-5, atol=1e-5)
     # The constraint on the hidden activation resolved against the rules: tp splits the MLP columns.
     assert 'sharding_constraint %0 <@mesh, [{"dp", "fsdp"}, {"tp"}]>' in step.lower(variables, x).as_text()
+
+
+def test_mesh_resource_rules_name_only_the_meshs_axes():
+    resource = MeshResource(dp_resource="data", tp_resource="model")
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    rules = logical_axis_rules(resource, mesh=mesh)
+    named = {a for _, axes in rules for a in ((axes,) if isinstance(axes, str) else (axes or ()))}
+    assert named == {"data", "model"}
+    to_mesh = lambda *names: nn.logical_to_mesh_axes(names, rules)
+    assert to_mesh("activation_batch", "activation_length", "activation_embed") == P("data", None, None)
+    assert to_mesh("embed", "heads", "head_dim") == P(None, "model", None)
+    assert to_mesh("layers", "mlp", "embed") == P(None, "model", None)
+    # tpsp_resource: tensor parallelism plus the sequence split between the blocks.
+    sp_rules = logical_axis_rules(MeshResource(dp_resource="data", tpsp_resource="model"))
+    assert nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"), sp_rules) == P(
+        "data", "model", None)
+    # MeshConfig's own rules name fsdp, pp...: a clear error for a mesh that lacks them.
+    dp_tp = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match=r"\['activation_batch', 'embed'\] to mesh axis 'fsdp'.*\('dp', 'tp'\).*"
+                                         "MeshResource"):
+        logical_axis_rules(MeshConfig(dp=4, tp=2), mesh=dp_tp)
+    with pytest.raises(ValueError, match=r"overrides=.*'embed'.*\('data', 'model'\)"):
+        logical_axis_rules(resource, {"embed": "fsdp"})
+
+
+def test_mesh_config_is_a_mesh_resource_of_its_own_axes():
+    assert MeshConfig(sp=True).mesh_resource() == MeshResource(dp_resource="dp", tpsp_resource="tp",
+                                                               fsdp_resource="fsdp", pp_resource="pp",
+                                                               cp_resource="cp", ep_resource="ep")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(dp_resource=3), TypeError, "dp_resource=3"),
+    (dict(tp_resource=""), TypeError, "tp_resource=''"),
+    (dict(tp_resource="model", tpsp_resource="model2"), ValueError, "set one of them"),
+    (dict(dp_resource="x", fsdp_resource="x"), ValueError, r"'x' is named for \['dp_resource', 'fsdp_resource'\]"),
+])
+def test_mesh_resource_rejects_bad_axes(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MeshResource(**kwargs)
+
+
+def test_transformer_layer_on_a_two_axis_mesh_matches_one_device():
+    """TransformerEngine's 2-axis (dp, tp) mesh: rules from a MeshResource, the layer's weights split
+    over tp, its output as on one device."""
+    from mtjax.flax import TransformerLayer
+
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    rules = logical_axis_rules(MeshResource(dp_resource="dp", tp_resource="tp"), mesh=mesh)
+    layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                             attention_dropout=0.0)
+    x = jax.random.normal(jax.random.key(0), (8, 6, 16))
+    variables = init_sharded(lambda k, x: layer.init(k, x, deterministic=True), jax.random.key(1), x, mesh=mesh,
+                             rules=rules)
+    assert variables["params"]["mlp"]["wi_kernel"].sharding.spec == P(None, None, "tp")
+    apply = jit_sharded(lambda v, x: layer.apply(v, x, deterministic=True), mesh=mesh, rules=rules)
+    expected = layer.apply(jax.device_get(variables), x, deterministic=True)
+    np.testing.assert_allclose(apply(variables, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_logical_axis_rules_adds_mtjax_rules_for_the_autocast_mesh_resource():
+    from mtjax import fp8
+    from mtjax.flax import extend_logical_axis_rules as flax_extend
+
+    assert flax_extend is extend_logical_axis_rules
+    with pytest.raises(ValueError, match="no MeshResource"):
+        extend_logical_axis_rules(())
+    mine = (("my_broadcast_axis", None), ("my_tp_axis", "model"), ("embed", None))
+    with fp8.autocast(enabled=False, mesh_resource=MeshResource(dp_resource="data", tp_resource="model")):
+        rules = extend_logical_axis_rules(mine)
+    assert rules[:3] == mine and dict(rules)["mlp"] == "model" and dict(rules)["activation_batch"] == "data"
+    assert [name for name, _ in rules].count("embed") == 1  # your rule for a name wins
+    with pytest.raises(ValueError, match="not a .logical name, mesh axes. pair"):
+        extend_logical_axis_rules([("embed",)], mesh_resource=MeshResource())

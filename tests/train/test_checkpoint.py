@@ -68,6 +68,7 @@ def test_restore_onto_another_mesh_and_one_device(tmp_path, setup, dataset):
         abstract = abstract_train_state(model, optimizer, (BATCH, SEQ), mesh=mesh, rules=logical_axis_rules(config))
         with Checkpointer(tmp_path) as checkpointer:
             restored, meta = checkpointer.restore(abstract)
+            assert not checkpointer.restore_data(2, DataIterator(dataset, BATCH).iterator)  # saved without it
         assert meta == {"data": {"position": 2}}
         for leaf, target in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
             assert leaf.sharding == target.sharding
@@ -112,14 +113,17 @@ def test_resume_is_exact(tmp_path, setup, dataset):
     batches = DataIterator(dataset, BATCH)
     state, first = _train(fresh(), step, batches, 10)
     with Checkpointer(tmp_path, save_every=10) as checkpointer:
-        checkpointer.save(10, state, {"data": batches.state()})
-    del state
+        checkpointer.save(10, state, {"data": batches.state()}, data_iterator=batches.iterator)
+    del state, batches  # as a killed run: only the checkpoint is left
     with Checkpointer(tmp_path) as checkpointer:
         state, meta = checkpointer.restore(abstract)
-    resumed_batches = DataIterator(dataset, BATCH)
-    resumed_batches.restore(meta["data"])
+        resumed_batches = DataIterator(dataset, BATCH)
+        assert checkpointer.restore_data(10, resumed_batches.iterator)  # the data item: grain's state
+    assert meta == {"data": {"position": 10}}
     _, second = _train(state, step, resumed_batches, 10)
     assert first + second == straight  # bit-identical: same params, optimizer, RNG and data order
+    uninterrupted = DataIterator(dataset, BATCH, position=20)
+    np.testing.assert_array_equal(next(resumed_batches)["inputs"], next(uninterrupted)["inputs"])
 
 
 def test_saves_every_n_and_keeps_the_last_k(tmp_path, setup):

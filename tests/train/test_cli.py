@@ -9,6 +9,7 @@ import time
 import pytest
 
 from mtjax.cli import main
+from tests.train import tensorboard_events
 
 SMALL = ["--seq-len", "32", "--batch-size", "8", "--eval-batches", "1", "--no-progress"]
 
@@ -60,6 +61,9 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     assert {"grad_norm", "learning_rate"} <= set(train[0]) and "tokens_per_s" not in train[0]
     assert all(r["tokens_per_s"] > 0 and r["model_tflops"] > 0 for r in train[1:])
     assert [r["step"] for r in records if "eval_loss" in r][0] == 2
+    events = tensorboard_events.scalars(os.path.join(workdir, "tensorboard"))  # the same scalars for TensorBoard
+    assert events["loss"] == {r["step"]: pytest.approx(r["loss"]) for r in train}
+    assert set(events["eval_loss"]) == {r["step"] for r in records if "eval_loss" in r}
 
     assert main([*args, "--steps", str(stopped_at + 2)]) == 2  # checkpoints exist but no --resume
     assert "--resume" in capsys.readouterr().err
@@ -74,6 +78,8 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     assert main([*args, "--steps", str(stopped_at + 2), "--warmup-steps", "1", "--resume", "--override",
                  "--eval-batches", "0"]) == 0
     assert [r["step"] for r in _records(workdir) if "loss" in r][-2:] == [stopped_at + 1, stopped_at + 2]
+    assert sorted(tensorboard_events.scalars(os.path.join(workdir, "tensorboard"))["loss"]) == list(
+        range(1, stopped_at + 3))
     assert str(stopped_at + 2) in os.listdir(os.path.join(workdir, "checkpoints"))
     assert os.path.getsize(os.path.join(workdir, "loss.png")) > 0
     capsys.readouterr()
@@ -112,6 +118,15 @@ def test_bad_flags_get_a_clear_message(flags, message, corpus, tmp_path, capsys)
         status = exit_.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_tensorboard_without_its_writer_is_a_clear_error(corpus, tmp_path, capsys, monkeypatch):
+    from mtjax.train import metrics
+
+    monkeypatch.setattr(metrics, "tensorboard_available", lambda: False)
+    argv = ["train", "--data", corpus, "--workdir", str(tmp_path), *SMALL, "--steps", "1", "--tensorboard"]
+    assert main(argv) == 2
+    assert "--tensorboard needs tensorboardX: pip install 'mtjax[tensorboard]'" in capsys.readouterr().err
 
 
 def test_a_workdir_that_is_a_file_is_named(corpus, tmp_path, capsys):

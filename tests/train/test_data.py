@@ -1,4 +1,4 @@
-"""Tokenizers and the packed text dataset: packing, seeded order, row slices, resume."""
+"""Tokenizers and the packed text dataset: packing, the grain pipeline's seeded order, row slices, resume."""
 
 import numpy as np
 import pytest
@@ -53,8 +53,10 @@ def _dataset(seed=0, length=1000, seq_len=8):
 
 def test_packing_inputs_targets_and_epoch_coverage():
     data = _dataset()
-    assert data.num_sequences == (1000 - 1) // 8
-    batch = data.batch(0, data.num_sequences)
+    assert data.num_sequences == len(data) == (1000 - 1) // 8
+    np.testing.assert_array_equal(data[2]["inputs"], data.tokens[16:24])
+    np.testing.assert_array_equal(data[2]["targets"], data.tokens[17:25])
+    batch = data.batches(data.num_sequences)[0]
     # Targets are the inputs shifted by one token, and each row is a window of the stream.
     np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
     in_stream_order = np.stack([data.tokens[i * 8: i * 8 + 9] for i in range(data.num_sequences)])
@@ -62,41 +64,54 @@ def test_packing_inputs_targets_and_epoch_coverage():
     windows = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
     assert sorted(map(tuple, windows)) == sorted(map(tuple, in_stream_order))
     assert not np.array_equal(windows, in_stream_order)
+    unshuffled = PackedDataset(data.tokens, 8, shuffle=False).batches(4)[1]
+    np.testing.assert_array_equal(unshuffled["inputs"], in_stream_order[4:8, :-1])
 
 
 def test_order_is_seeded_and_batches_are_contiguous_slices_of_the_order():
     a, b, c = _dataset(0), _dataset(0), _dataset(1)
-    np.testing.assert_array_equal(a.batch(3, 16)["inputs"], b.batch(3, 16)["inputs"])
-    assert not np.array_equal(a.batch(3, 16)["inputs"], c.batch(3, 16)["inputs"])
+    np.testing.assert_array_equal(a.batches(16)[3]["inputs"], b.batches(16)[3]["inputs"])
+    assert not np.array_equal(a.batches(16)[3]["inputs"], c.batches(16)[3]["inputs"])
     # Batch 1 of size 16 is rows 16..31 of the order: the second half of batch 0 of size 32.
-    np.testing.assert_array_equal(a.batch(1, 16)["inputs"], b.batch(0, 32)["inputs"][16:])
-    # Crossing an epoch boundary starts the next permutation.
+    np.testing.assert_array_equal(a.batches(16)[1]["inputs"], b.batches(32)[0]["inputs"][16:])
+    # Crossing an epoch boundary starts the next permutation: every sequence again, in another order.
     per_epoch = a.num_sequences
-    wrapped = a.batch(0, per_epoch + 4)["inputs"]
-    assert {tuple(r) for r in wrapped[per_epoch:]} <= {tuple(r) for r in wrapped[:per_epoch]}
+    two_epochs = a.batches(per_epoch)
+    first, second = two_epochs[0]["inputs"], two_epochs[1]["inputs"]
+    assert sorted(map(tuple, first)) == sorted(map(tuple, second)) and not np.array_equal(first, second)
 
 
-def test_rows_and_iterator_resume():
+@pytest.mark.parametrize("rows", [slice(4, 8), slice(2, 5)])  # a block of the batch's rows, and any other slice
+def test_each_process_reads_its_rows_of_every_global_batch(rows):
     data = _dataset()
-    full = data.batch(5, 8)
-    halves = [data.batch(5, 8, slice(0, 4)), data.batch(5, 8, slice(4, 8))]
-    np.testing.assert_array_equal(np.concatenate([h["targets"] for h in halves]), full["targets"])
+    for index in (0, 5, 40):  # 40: past the first epoch
+        np.testing.assert_array_equal(data.batches(8, rows)[index]["targets"],
+                                      data.batches(8)[index]["targets"][rows])
+    with pytest.raises(ValueError, match="rows=slice"):
+        data.batches(8, slice(6, 6))
+
+
+def test_iterator_resumes_from_its_grain_state_and_from_a_position():
+    data = _dataset()
     it = DataIterator(data, 8)
     straight = [next(it)["inputs"] for _ in range(6)]
-    resumed = DataIterator(data, 8)
+    resumed = DataIterator(data, 8, rows=slice(4, 8))
     for _ in range(3):
         next(resumed)
-    saved = resumed.state()
-    again = DataIterator(data, 8)
-    again.restore(saved)
-    assert saved == {"position": 3}
-    np.testing.assert_array_equal(np.stack([next(again)["inputs"] for _ in range(3)]), np.stack(straight[3:]))
+    assert resumed.state() == {"position": 3} and resumed.iterator.get_state() == {"next_index": 3}
+    again = DataIterator(data, 8, rows=slice(4, 8))
+    again.iterator.set_state(resumed.iterator.get_state())
+    np.testing.assert_array_equal(np.stack([next(again)["inputs"] for _ in range(3)]), np.stack(straight[3:])[:, 4:])
+    from_position = DataIterator(data, 8, position=3)
+    np.testing.assert_array_equal(next(from_position)["inputs"], straight[3])
+    with pytest.raises(ValueError, match="expected {'position': batch index >= 0}"):
+        from_position.restore({"position": -1})
 
 
 def test_split_and_bad_arguments():
     train, held_out = _dataset().split(4)
     assert held_out.num_sequences == 4 and train.num_sequences == _dataset().num_sequences - 4
-    np.testing.assert_array_equal(held_out.batch(0, 4)["inputs"][0], held_out.tokens[:8])
+    np.testing.assert_array_equal(held_out.batches(4)[0]["inputs"][0], held_out.tokens[:8])
     with pytest.raises(ValueError, match="seq_len"):
         PackedDataset(np.arange(10), 0)
     with pytest.raises(ValueError, match="fewer than one sequence"):
@@ -105,6 +120,8 @@ def test_split_and_bad_arguments():
         _dataset().split(0)
     with pytest.raises(ValueError, match="batch_size"):
         DataIterator(_dataset(), 0)
+    with pytest.raises(ValueError, match=r"seed=-1: expected an integer in \[0, 2\*\*32\)"):
+        _dataset(seed=-1)
 
 
 class _WordTokenizer:
@@ -127,7 +144,7 @@ def test_a_user_tokenizer_plugs_into_the_dataset(tmp_path):
     assert isinstance(tok, Tokenizer)
     data = PackedDataset.from_paths([str(tmp_path)], tok, seq_len=6)
     assert data.num_sequences == (60 + 1 - 1) // 6
-    batch = data.batch(0, 2)
+    batch = data.batches(2)[0]
     assert tok.decode(batch["inputs"][0]).split()[0] in {"the", "cat", "sat", "on", "mat"}
 
 

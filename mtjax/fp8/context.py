@@ -1,4 +1,5 @@
-"""`fp8_autocast`: the context in which every `mtjax.fp8.DotGeneral` traced runs in FP8.
+"""`fp8_autocast`: the context in which every `mtjax.fp8.DotGeneral` traced runs in FP8, and
+`autocast`, the same with TransformerEngine-JAX's signature and defaults.
 
 It is read when a function is traced: enter it inside the function you `jax.jit` (or around its
 first call); a function traced outside it stays a plain-precision function.
@@ -11,6 +12,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+from mtjax.axes import MeshResource, mesh_resource_scope
 from mtjax.fp8.recipes import RECIPE_TYPES, DelayedScaling, Recipe
 
 
@@ -68,3 +70,31 @@ def fp8_autocast(enabled: bool = True, recipe: Recipe | None = None,
         yield
     finally:
         _autocast.reset(token)
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = False, recipe: Recipe | None = None,
+             mesh_resource: MeshResource | None = None) -> Iterator[None]:
+    """TransformerEngine-JAX's ``autocast``: FP8 GEMMs with ``recipe`` when ``enabled``, and the mesh's roles.
+
+    The signature and defaults of ``transformer_engine.jax.autocast``: FP8 is **off** unless
+    ``enabled=True`` (`fp8_autocast`, mtjax's own context, is on by default), the recipe defaults to
+    `DelayedScaling()`, and ``mesh_resource`` (a `mtjax.sharding.MeshResource`, in force inside
+    even when FP8 is off) names the mesh axes: `mtjax.sharding.extend_logical_axis_rules` reads it,
+    and amaxes are max-reduced over its axes but the pipeline's where they are bound (inside
+    ``shard_map``; under ``jit`` a sharded amax is global already).
+
+    Example::
+
+        with autocast(enabled=True, recipe=DelayedScaling(), mesh_resource=MeshResource("dp", "tp")):
+            variables = model.init(key, x)
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast(enabled={enabled!r}): expected True or False")
+    if mesh_resource is not None and not isinstance(mesh_resource, MeshResource):
+        raise TypeError(f"autocast(mesh_resource={mesh_resource!r}): expected a mtjax.sharding.MeshResource or None")
+    mesh_axes = None
+    if mesh_resource is not None:
+        mesh_axes = tuple(a for a in mesh_resource.axis_names if a != mesh_resource.pp_resource)
+    with mesh_resource_scope(mesh_resource), fp8_autocast(enabled, recipe, mesh_axes):
+        yield
