@@ -418,8 +418,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
     from mtjax.sharding import MeshConfig, logical_axis_rules
     from mtjax.train.checkpoint import Checkpointer
     from mtjax.train.data import PackedDataset, default_corpus
-    from mtjax.train.pretrained import open_pretrained
     from mtjax.train.metrics import TENSORBOARD_DIR, tensorboard_available
+    from mtjax.train.pretrained import open_pretrained
     from mtjax.train.tokenizer import load_tokenizer
 
     if args.resume_step is not None and not args.resume:
