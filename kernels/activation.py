@@ -21,7 +21,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
     check_kernel_fp8_dtype,
@@ -31,6 +30,9 @@ from mtjax.kernels.common import (
     reduce_tile_maxima,
     saturate_cast,
     unsupported_array,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 _SQRT_2_OVER_PI = 0.7978845608028654

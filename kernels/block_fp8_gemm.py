@@ -23,13 +23,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
     MAX_ELEMENTS,
     interpret,
     next_power_of_2,
     unsupported_fp8_dtype,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 BLOCK_K = 128  # the scales' K block: one promotion per block

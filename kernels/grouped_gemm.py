@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from mtjax.kernels.common import MAX_ELEMENTS
+from mtjax.kernels.common import pallas_triton as pltriton
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16,
           jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)

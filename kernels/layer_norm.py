@@ -29,7 +29,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
     check_kernel_fp8_dtype,
@@ -39,6 +38,9 @@ from mtjax.kernels.common import (
     next_power_of_2,
     reduce_tile_maxima,
     saturate_cast,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 # Programs of both kernels: two per SM of an H100/H200 (132 SMs), so each SM interleaves two

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from mtjax.kernels.common import KERNEL_FP8_DTYPES, MAX_ELEMENTS
+from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)

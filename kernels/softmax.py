@@ -17,9 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import check_size, interpret, next_power_of_2, unsupported_array
+from mtjax.kernels.common import pallas_triton as plgpu
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,200 @@
+"""The native Triton kernels (`mtjax.kernels.triton`, implementation ``"triton"``) against the references.
+
+- CPU, interpret mode: Triton's interpreter runs each kernel on host arrays (`runtime.launch`), forward
+  and backward, at small odd shapes.
+- CPU, compile: every launch of each op, recorded at real sizes, compiled for an H200 (sm_90) with
+  ``triton.compile`` (ptxas included); its shared memory must fit an SM. With jax-triton importable,
+  `jax.export` for ``cuda`` carries the kernels as custom calls.
+- GPU (``gpu`` marker, ``JAX_PLATFORMS=cuda``): the compiled kernels at real sizes.
+
+Skipped where the ``triton`` package is missing (it comes with the ``gpu`` extra).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax import backend, ops
+
+triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402 (needs triton)
+
+from mtjax.kernels.triton import runtime  # noqa: E402
+
+# The most shared memory one program may use on an H100/H200 (227 KiB, the opt-in maximum).
+HOPPER_SHARED_MEMORY = 232448
+
+
+def _tree_allclose(got, want, rtol, names):
+    for name, a, b in zip(names, got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.isfinite(a).all(), f"{name}: not finite (an element the kernel did not write?)"
+        np.testing.assert_allclose(a, b, rtol=0, atol=rtol * max(1.0, np.abs(b).max()), err_msg=name)
+
+
+def _inputs(seed, *shapes, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+    return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
+
+
+def _compile_all(fn, *args, capability=90):
+    """Record the kernel launches of ``fn(*args)`` (abstract arrays) and compile each for ``capability``;
+    returns ``{launch name: shared memory bytes}``."""
+    with runtime.record_launches() as launches:
+        jax.eval_shape(fn, *args)
+    assert launches, "no Triton kernel was launched"
+    return {r.name: runtime.compile_launch(r, capability).metadata.shared for r in launches}
+
+
+# -------------------------------------------------------------------------------------------------- attention
+
+
+def _attention_out_and_grads(implementation, q, k, v, do, **options):
+    def f(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: ops.attention(q, k, v, implementation=implementation, **options), q, k, v)
+        return (out, *vjp(do))
+
+    return jax.jit(f)(q, k, v, do)
+
+
+def _segments(seed, batch, length, num_segments=3):
+    ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, num_segments)
+    return jnp.sort(ids, axis=1).astype(jnp.int32)
+
+
+ATTENTION_CASES = {
+    # name: (batch, q_len, kv_len, heads, kv_heads, head_dim, options); lengths off the 16-row blocks
+    "causal_gqa_q_shorter": (1, 20, 37, 4, 2, 16, {"mask_type": "causal"}),
+    "window_soft_cap": (1, 40, 40, 2, 2, 16, {"window_size": (5, 3), "logits_soft_cap": 2.0}),
+    "segments_dropout": (1, 24, 40, 2, 1, 16, {"mask_type": "padding_causal", "dropout_rate": 0.3,
+                                                "dropout_rng": jax.random.key(1)}),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_matches_reference(interpret, case):
+    batch, q_len, kv_len, heads, kv_heads, head_dim, options = ATTENTION_CASES[case]
+    q, k, v, do = _inputs(len(case), (batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                          (batch, kv_len, kv_heads, head_dim), (batch, q_len, heads, head_dim))
+    if options.get("mask_type") == "padding_causal":
+        options = dict(options, q_segment_ids=_segments(1, batch, q_len), kv_segment_ids=_segments(2, batch, kv_len))
+    got = _attention_out_and_grads("triton", q, k, v, do, **options)
+    want = _attention_out_and_grads("xla", q, k, v, do, **options)
+    _tree_allclose(got, want, 1e-5, ("out", "dq", "dk", "dv"))
+
+
+def test_attention_multi_block_bfloat16(interpret):
+    """Tiles far smaller than the sequences: every program loops over masked and unmasked blocks."""
+    from mtjax.kernels import flash_attention as fa
+    from mtjax.kernels.triton import flash_attention as native
+
+    q, k, v, do = _inputs(3, (1, 70, 2, 32), (1, 90, 1, 32), (1, 90, 1, 32), (1, 70, 2, 32), dtype=jnp.bfloat16)
+    blocks = fa.BlockSizes(block_q=32, block_k=16, dkdv_block_q=16, dkdv_block_k=32, dq_block_q=32, dq_block_k=16)
+
+    def out_and_grads(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(do))
+
+    got = out_and_grads(lambda q, k, v: native.flash_attention(q, k, v, scale=0.25, causal=True,
+                                                                window_size=(40, -1), block_sizes=blocks))
+    want = out_and_grads(lambda q, k, v: ops.attention(q, k, v, scale=0.25, mask_type="causal", window_size=(40, -1),
+                                                       implementation="xla"))
+    _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
+
+
+def test_attention_with_lse_matches_reference(interpret):
+    """The forward and backward kernels alone (ring attention's per-block calls)."""
+    q, k, v, do = _inputs(4, (1, 20, 2, 16), (1, 30, 1, 16), (1, 30, 1, 16), (1, 20, 2, 16))
+    got = ops.attention_with_lse(q, k, v, causal=True, scale=0.3, implementation="triton")
+    want = ops.attention_with_lse(q, k, v, causal=True, scale=0.3, implementation="xla")
+    _tree_allclose(got, want, 1e-5, ("out", "lse"))
+    out, lse = want
+    got = ops.attention_with_lse_backward(q, k, v, None, None, out, lse, do, causal=True, scale=0.3,
+                                          implementation="triton")
+    want = ops.attention_with_lse_backward(q, k, v, None, None, out, lse, do, causal=True, scale=0.3,
+                                           implementation="xla")
+    _tree_allclose(got, want, 1e-5, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_attention_compiles_for_hopper(head_dim):
+    """The three kernels at the default tiles, with every mask feature on, compile for sm_90 and fit
+    in an SM's shared memory."""
+    from mtjax.kernels.triton import flash_attention as native
+
+    q = jax.ShapeDtypeStruct((2, 300, 8, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 520, 2, head_dim), jnp.bfloat16)
+    ids = (jax.ShapeDtypeStruct((2, 300), jnp.int32), jax.ShapeDtypeStruct((2, 520), jnp.int32))
+
+    def f(q, k, v, q_ids, kv_ids):
+        out, vjp = jax.vjp(lambda q, k, v: native.flash_attention(
+            q, k, v, q_ids, kv_ids, scale=0.1, causal=True, window_size=(128, -1), logits_soft_cap=30.0,
+            dropout_rate=0.1, dropout_seed=jnp.uint32(7)), q, k, v)
+        return out, vjp(out)
+
+    shared = _compile_all(f, q, k, k, *ids)
+    assert set(shared) == {f"mtjax_triton_flash_attention_{k}" for k in ("fwd", "dkdv", "dq")}
+    assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
+
+
+def test_export_for_cuda_carries_the_triton_kernels():
+    """`jax.export` for cuda on this CPU-only host: jax-triton compiles the kernels for
+    ``config.cuda_compute_capability`` while lowering and embeds them as custom calls."""
+    if backend.native_triton_problem() is not None:
+        pytest.skip(backend.native_triton_problem())
+    from mtjax.kernels.triton import flash_attention as native
+
+    q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+
+    def f(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: native.flash_attention(q, k, v, scale=0.125, causal=True), q, k, v)
+        return out, vjp(out)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call"),
+              jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")]
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(q, q, q)
+    assert exported.mlir_module().count("stablehlo.custom_call @triton_kernel_call") == 3
+
+
+# -------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,kv_heads,options", [
+    (64, 8, {"mask_type": "causal"}),
+    (128, 2, {"mask_type": "no_mask"}),
+    (128, 8, {"mask_type": "causal", "window_size": (256, 0), "logits_soft_cap": 30.0}),
+    (256, 8, {"mask_type": "causal"}),
+])
+def test_attention_on_gpu(head_dim, kv_heads, options):
+    q, k, v, do = _inputs(0, (2, 1000, 8, head_dim), (2, 1000, kv_heads, head_dim), (2, 1000, kv_heads, head_dim),
+                          (2, 1000, 8, head_dim), dtype=jnp.bfloat16)
+    got = _attention_out_and_grads("triton", q, k, v, do, **options)
+    want = _attention_out_and_grads("xla", q, k, v, do, **options)
+    _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
+
+
+@pytest.mark.gpu
+def test_attention_segments_and_tails_on_gpu():
+    q, k, v, do = _inputs(1, (2, 300, 8, 128), (2, 9000, 2, 128), (2, 9000, 2, 128), (2, 300, 8, 128),
+                          dtype=jnp.bfloat16)
+    options = dict(mask_type="padding_causal", q_segment_ids=_segments(1, 2, 300, 4),
+                   kv_segment_ids=_segments(2, 2, 9000, 4), dropout_rate=0.1, dropout_rng=jax.random.key(3))
+    got = _attention_out_and_grads("triton", q, k, v, do, **options)
+    want = _attention_out_and_grads("xla", q, k, v, do, **options)
+    _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
+
+
+@triton.jit
+def _write_first_half(x_ptr, o_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N // 2)
+    tl.store(o_ptr + offsets, tl.load(x_ptr + offsets) * 2.0)
+
+
+def test_interpret_mode_catches_unwritten_outputs(interpret):
+    """Outputs start as NaN in interpret mode, so an element a kernel never writes fails the tests."""
+    [out] = runtime.launch(_write_first_half, jnp.ones((8,), jnp.float32),
+                           out_shape=[jax.ShapeDtypeStruct((8,), jnp.float32)], grid=(1,), name="half", N=8)
+    assert np.isnan(np.asarray(out[4:])).all() and (np.asarray(out[:4]) == 2.0).all()
