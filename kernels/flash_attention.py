@@ -22,14 +22,13 @@ import dataclasses
 import functools
 import math
 import struct
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.common import MAX_ELEMENTS, dropout_keep
+from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep
 from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
@@ -209,22 +208,6 @@ class BlockSizes:
     @property
     def kv_multiple(self) -> int:
         return max(self.block_k, self.dkdv_block_k, self.dq_block_k)
-
-
-@dataclasses.dataclass(frozen=True)
-class Launchers:
-    """The kernels behind the entry points below: these Pallas ones (the default) or the native
-    Triton ports of `mtjax.kernels.triton.flash_attention`, which share the padding, masks, tiles
-    and custom_vjp glue here.
-
-    Attributes:
-      forward: ``forward(q, k, v, q_seg, kv_seg, seed, st) -> (out, lse)`` on padded arrays, ``lse``
-        ``[batch, heads, q_pad]`` float32 in base 2, ``+inf`` for rows that see no key.
-      backward: ``backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st) -> (dq, dk, dv)``.
-    """
-
-    forward: Callable
-    backward: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,6 +524,9 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st: _Static):
 # --------------------------------------------------------------------------------------------------
 
 
+# forward(q, k, v, q_seg, kv_seg, seed, st) -> (out, lse) on padded arrays, lse [batch, heads, q_pad]
+# float32 in base 2 (+inf for rows that see no key); backward(q, k, v, q_seg, kv_seg, seed, out, lse,
+# do, st) -> (dq, dk, dv).
 PALLAS = Launchers(forward=_forward, backward=_backward)
 
 
@@ -592,7 +578,7 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     ptx_exp2: bool | None = None,
-    launchers: Launchers | None = None,
+    launchers: Launchers = PALLAS,
 ) -> jax.Array:
     """Flash attention over BTNH arrays; differentiable in ``q``, ``k``, ``v``.
 
@@ -614,7 +600,7 @@ def flash_attention(
       ptx_exp2: compute the softmax probabilities' exponentials with PTX ``fma`` + ``ex2.approx.ftz``
         inline assembly (NVIDIA only); ``None``: wherever the lowering platform is ``cuda`` (through
         `jax.lax.platform_dependent`), never in interpret mode.
-      launchers: the kernels; default `PALLAS` (`mtjax.kernels.triton.flash_attention` passes its own).
+      launchers: the kernels: `PALLAS`, or `mtjax.kernels.triton.flash_attention.NATIVE`.
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``; rows that see no key are zeros.
     """
@@ -696,7 +682,7 @@ def flash_attention_forward(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     ptx_exp2: bool | None = None,
-    launchers: Launchers | None = None,
+    launchers: Launchers = PALLAS,
 ) -> tuple[jax.Array, jax.Array]:
     """The forward kernel alone: ``(out, lse)``, for attention over key blocks merged outside
     (ring / context-parallel attention merges partial results by their log-sum-exp).
@@ -736,7 +722,7 @@ def flash_attention_backward(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     ptx_exp2: bool | None = None,
-    launchers: Launchers | None = None,
+    launchers: Launchers = PALLAS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The backward kernels alone: ``(dq, dk, dv)`` of this block of keys, given the attention's
     final ``out [batch, q_len, heads, head_dim]``, ``lse [batch, heads, q_len]`` (natural log,

@@ -3,7 +3,7 @@
 The Pallas module owns what does not depend on the kernel language: the padding to whole tiles,
 `MaskSpec` (causal and sliding windows as a band of ``key - query`` offsets, bottom-right aligned),
 `BlockSizes` and its per-head_dim defaults, the custom_vjp glue and the checks. This module supplies
-its three kernels through `fa.Launchers`:
+its three kernels as `Launchers` (`mtjax.kernels.common`):
 
 - forward, one program per (query block, batch, head), query blocks last-first: an online softmax
   in base 2 with float32 statistics over the key blocks the band lets it see, the band's masked
@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from mtjax.kernels import flash_attention as fa
+from mtjax.kernels.common import Launchers
 from mtjax.kernels.triton.language import cdiv, clip, dropout_keep, dropout_threshold, tanh
-from mtjax.kernels.triton.runtime import launch
+from mtjax.kernels.triton.runtime import launch, seed_input, stand_in
 
 LOG2E = math.log2(math.e)
 
@@ -369,7 +370,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_se
 
 
 # --------------------------------------------------------------------------------------------------
-# Launchers (the `fa.Launchers` interface) and entry points
+# Launchers (the interface of `fa.PALLAS`) and entry points
 # --------------------------------------------------------------------------------------------------
 
 
@@ -391,12 +392,9 @@ def _constexprs(q, k, st) -> dict:
 def _optional(q_seg, kv_seg, seed):
     """The segment ids and seed, or one-element stand-ins (the kernels take every pointer; static
     flags say which they read)."""
-    unused = jnp.zeros((1,), jnp.int32)
     if q_seg is None:
-        q_seg = kv_seg = unused
-    seed = unused if seed is None else jax.lax.bitcast_convert_type(jnp.reshape(seed, (1,)).astype(jnp.uint32),
-                                                                    jnp.int32)
-    return q_seg, kv_seg, seed
+        q_seg = kv_seg = stand_in()
+    return q_seg, kv_seg, seed_input(seed)
 
 
 def _forward(q, k, v, q_seg, kv_seg, seed, st):
@@ -438,7 +436,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     return dq, dk, dv
 
 
-NATIVE = fa.Launchers(forward=_forward, backward=_backward)
+NATIVE = Launchers(forward=_forward, backward=_backward)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array | None = None,

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from mtjax import backend
@@ -67,6 +68,19 @@ def compute_capability() -> int:
     local GPU's, or ``config.cuda_compute_capability`` when lowering without one."""
     major, minor = backend.cuda_compute_capability()
     return major * 10 + minor
+
+
+def stand_in() -> jax.Array:
+    """A one-element array for a pointer parameter a launch does not use (its flags say so)."""
+    return jax.numpy.zeros((1,), jax.numpy.int32)
+
+
+def seed_input(seed: jax.Array | None) -> jax.Array:
+    """A uint32 dropout seed as the one-element int32 array the kernels load (and bitcast back), or a
+    stand-in without dropout."""
+    if seed is None:
+        return stand_in()
+    return jax.lax.bitcast_convert_type(jax.numpy.reshape(seed, (1,)).astype(jax.numpy.uint32), jax.numpy.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +228,19 @@ def _interpreting(kernel: Any):
     def dot(a, b, d, *args):
         return create_dot(widened(a), widened(b), d, *args)
 
+    create_fp_to_fp = builder.create_fp_to_fp
+    language = triton.language
+    as_numpy = {language.float32: np.float32, language.float16: np.float16, language.bfloat16: ml_dtypes.bfloat16,
+                language.float8e4nv: ml_dtypes.float8_e4m3fn, language.float8e5: ml_dtypes.float8_e5m2,
+                language.float8e4b8: ml_dtypes.float8_e4m3fnuz, language.float8e5b16: ml_dtypes.float8_e5m2fnuz}
+
+    def fp_to_fp(src, dst_type, rounding_mode):
+        src_type, dst = as_numpy.get(src.dtype.scalar), as_numpy.get(dst_type.scalar)
+        if src_type is None or dst is None or rounding_mode not in (None, triton._C.libtriton.ir.ROUNDING_MODE.RTNE):
+            return create_fp_to_fp(src, dst_type, rounding_mode)
+        converted = src.data.view(src_type).astype(dst)
+        return interpreter.TensorHandle(converted.view(interpreter._get_np_dtype(dst_type)), dst_type.scalar)
+
     patch_tensor = interpreter._patch_lang_tensor
 
     def patch_lang_tensor(tensor, scope):
@@ -235,6 +262,7 @@ def _interpreting(kernel: Any):
     try:
         triton.knobs.runtime.interpret = True
         builder.create_dot = dot
+        builder.create_fp_to_fp = fp_to_fp
         interpreter._patch_lang_tensor = patch_lang_tensor
         for namespace, functions in saved:
             namespace.update({k: DeviceFunction(v.fn) for k, v in functions.items()})
@@ -243,7 +271,7 @@ def _interpreting(kernel: Any):
         for namespace, functions in saved:
             namespace.update(functions)
         interpreter._patch_lang_tensor = patch_tensor
-        del builder.create_dot
+        del builder.create_dot, builder.create_fp_to_fp
         triton.knobs.runtime.interpret = interpret_knob
 
 

@@ -158,6 +158,107 @@ def test_export_for_cuda_carries_the_triton_kernels():
     assert exported.mlir_module().count("stablehlo.custom_call @triton_kernel_call") == 3
 
 
+# -------------------------------------------------------------------------------------------------- norms
+
+
+def _vjp_outputs(f, primals, cotangent):
+    out, vjp = jax.vjp(f, *primals)
+    return (*jax.tree.leaves(out), *jax.tree.leaves(vjp(cotangent)))
+
+
+NORM_CASES = {
+    # name: (shape, dtype, op, options)
+    "layernorm_masked_tail": ((6, 100), jnp.float32, "layernorm", {}),
+    "rmsnorm_zero_centered_bf16": ((8, 64), jnp.bfloat16, "rmsnorm", {"zero_centered_gamma": True}),
+}
+
+
+@pytest.mark.parametrize("case", NORM_CASES)
+def test_norm_matches_reference(interpret, case):
+    shape, dtype, op, options = NORM_CASES[case]
+    x, dy = _inputs(1, shape, shape, dtype=dtype)
+    gamma, beta = _inputs(2, shape[-1:], shape[-1:])
+
+    def norm(implementation):
+        if op == "layernorm":
+            return lambda x, g, b: ops.layernorm(x, g, b, implementation=implementation, **options)
+        return lambda x, g, b: ops.rmsnorm(x, g, implementation=implementation, **options)
+
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    _tree_allclose(_vjp_outputs(norm("triton"), (x, gamma, beta), dy),
+                   _vjp_outputs(norm("xla"), (x, gamma, beta), dy), rtol, ("y", "dx", "dgamma", "dbeta"))
+
+
+def test_residual_norm_with_dropout_matches_reference(interpret):
+    x, residual, dy, d_residual = _inputs(3, (6, 100), (6, 100), (6, 100), (6, 100))
+    gamma, beta = _inputs(4, (100,), (100,))
+
+    def residual_norm(implementation):
+        return lambda x, r, g, b: ops.residual_norm(x, r, g, b, dropout_rate=0.25, dropout_rng=jax.random.key(2),
+                                                    implementation=implementation)
+
+    primals = (x, residual, gamma, beta)
+    _tree_allclose(_vjp_outputs(residual_norm("triton"), primals, (dy, d_residual)),
+                   _vjp_outputs(residual_norm("xla"), primals, (dy, d_residual)), 1e-5,
+                   ("normalized", "new_residual", "dx", "dresidual", "dgamma", "dbeta"))
+
+
+@pytest.mark.parametrize("layernorm_type,out_dtype", [("layernorm", jnp.float8_e4m3fn), ("rmsnorm", jnp.float8_e5m2)])
+def test_norm_fp8_matches_reference(interpret, layernorm_type, out_dtype):
+    x, = _inputs(5, (8, 100), dtype=jnp.bfloat16)
+    gamma, beta = _inputs(6, (100,), (100,))
+    beta = beta if layernorm_type == "layernorm" else None
+    scale = jnp.float32(float(jnp.finfo(out_dtype).max) * 4)  # large enough that some values saturate
+    q, amax = ops.norm_fp8(x, gamma, beta, scale, layernorm_type=layernorm_type, out_dtype=out_dtype,
+                           implementation="triton")
+    q_ref, amax_ref = ops.norm_fp8(x, gamma, beta, scale, layernorm_type=layernorm_type, out_dtype=out_dtype,
+                                   implementation="xla")
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-6)
+    q, q_ref = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+    assert np.all(np.isfinite(q)) and np.max(np.abs(q)) == float(jnp.finfo(out_dtype).max)
+    assert np.mean(q == q_ref) > 0.99  # a float32 rounding apart can flip an FP8 rounding
+
+
+def test_norm_kernels_walk_several_row_blocks_per_program(interpret):
+    """2 persistent programs over 5 row blocks (the prefetch past the last block clamped) give what
+    one block per program gives; every input (beta, residual, dropout, FP8 output) on."""
+    from mtjax.kernels.triton import layer_norm as native
+
+    x, residual, dy = _inputs(7, (9, 100), (9, 100), (9, 100))
+    gamma, beta = _inputs(8, (100,), (100,))
+    flags = dict(rms=False, epsilon=1e-6, zero_centered_gamma=False)
+
+    def both(programs):
+        fwd = native.forward(x, gamma, beta, residual, jnp.uint32(7), jnp.float32(10.0), dropout_rate=0.25,
+                             out_dtype=jnp.float8_e4m3fn, tile=(2, 4), programs=programs, **flags)
+        bwd = native.backward(x, gamma, dy, residual, jnp.uint32(7), has_beta=True, dropout_rate=0.25, tile=(2, 4),
+                              programs=programs, **flags)
+        return fwd + bwd
+
+    _tree_allclose(both(2), both(None), 1e-6, ("y", "new_residual", "amax", "dh", "dx", "dgamma", "dbeta"))
+
+
+def test_norms_compile_for_hopper():
+    """Forward and backward of LayerNorm with residual, dropout and FP8 output, at the main shape of
+    the norm benchmark and at hidden 12288 (no prefetch), compile for sm_90."""
+    from mtjax.kernels.triton import layer_norm as native
+
+    def f(x, r, g, b):
+        y, new_residual, amax = native.forward(x, g, b, r, jnp.uint32(1), jnp.float32(2.0), rms=False, epsilon=1e-6,
+                                               zero_centered_gamma=False, dropout_rate=0.1,
+                                               out_dtype=jnp.float8_e4m3fn)
+        return y, native.backward(new_residual, g, x, r, jnp.uint32(1), rms=False, epsilon=1e-6,
+                                  zero_centered_gamma=False, has_beta=True, dropout_rate=0.1, dx_dtype=jnp.bfloat16)
+
+    for hidden in (8192, 12288):
+        x = jax.ShapeDtypeStruct((16384, hidden), jnp.bfloat16)
+        r = jax.ShapeDtypeStruct((16384, hidden), jnp.float32)
+        g = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+        shared = _compile_all(f, x, r, g, g)
+        assert set(shared) == {"mtjax_triton_layer_norm_fwd", "mtjax_triton_layer_norm_bwd"}
+        assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 
@@ -185,6 +286,43 @@ def test_attention_segments_and_tails_on_gpu():
     got = _attention_out_and_grads("triton", q, k, v, do, **options)
     want = _attention_out_and_grads("xla", q, k, v, do, **options)
     _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,shape", [("layernorm", (16384, 8192)), ("rmsnorm", (4096, 12288)),
+                                      ("layernorm", (3000, 1000))])
+def test_norm_on_gpu(op, shape):
+    x, dy = _inputs(0, shape, shape, dtype=jnp.bfloat16)
+    gamma, beta = _inputs(1, shape[-1:], shape[-1:])
+
+    def norm(implementation):
+        if op == "layernorm":
+            return lambda x, g, b: ops.layernorm(x, g, b, implementation=implementation)
+        return lambda x, g, b: ops.rmsnorm(x, g, implementation=implementation)
+
+    got = jax.jit(lambda *a: _vjp_outputs(norm("triton"), a[:3], a[3]))(x, gamma, beta, dy)
+    want = jax.jit(lambda *a: _vjp_outputs(norm("xla"), a[:3], a[3]))(x, gamma, beta, dy)
+    _tree_allclose(got, want, 2e-2, ("y", "dx", "dgamma", "dbeta"))
+
+
+@pytest.mark.gpu
+def test_residual_norm_and_fp8_on_gpu():
+    x, dy, d_residual = _inputs(2, (8192, 4096), (8192, 4096), (8192, 4096), dtype=jnp.bfloat16)
+    residual, = _inputs(3, (8192, 4096))
+    gamma, beta = _inputs(4, (4096,), (4096,))
+
+    def residual_norm(implementation):
+        return lambda x, r, g, b: ops.residual_norm(x, r, g, b, dropout_rate=0.1, dropout_rng=jax.random.key(2),
+                                                    implementation=implementation)
+
+    run = jax.jit(lambda impl, *a: _vjp_outputs(residual_norm(impl), a[:4], (a[4], a[5])), static_argnums=0)
+    _tree_allclose(run("triton", x, residual, gamma, beta, dy, d_residual),
+                   run("xla", x, residual, gamma, beta, dy, d_residual), 2e-2,
+                   ("normalized", "new_residual", "dx", "dresidual", "dgamma", "dbeta"))
+    q, amax = ops.norm_fp8(x, gamma, beta, jnp.float32(8.0), implementation="triton")
+    q_ref, amax_ref = ops.norm_fp8(x, gamma, beta, jnp.float32(8.0), implementation="xla")
+    np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
+    assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
 
 
 @triton.jit
