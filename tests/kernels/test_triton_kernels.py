@@ -259,6 +259,92 @@ def test_norms_compile_for_hopper():
         assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
+# -------------------------------------------------------------------------------------------------- activations
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "quick_gelu", "swiglu", "geglu", "reglu"])
+def test_activation_matches_reference(interpret, activation):
+    gated = activation in ("swiglu", "geglu", "reglu")
+    shape = (6, 2, 100) if gated else (6, 100)
+    x, dy = _inputs(9, shape, (6, 100))
+    bias, = _inputs(10, shape[1:])
+    x = 3.0 * x  # both tails of the activations
+
+    def act(implementation):
+        return lambda x, b: ops.activation(x, activation, b, implementation=implementation)
+
+    _tree_allclose(_vjp_outputs(act("triton"), (x, bias), dy), _vjp_outputs(act("xla"), (x, bias), dy), 1e-5,
+                   ("y", "dx", "dbias"))
+
+
+@pytest.mark.parametrize("activation,out_dtype", [("gelu", jnp.float8_e4m3fn), ("swiglu", jnp.float8_e5m2)])
+def test_activation_fp8_and_grad_fp8_match_reference(interpret, activation, out_dtype):
+    gated = activation == "swiglu"
+    shape = (70, 2, 100) if gated else (70, 100)
+    x, dy = _inputs(11, shape, (70, 100), dtype=jnp.bfloat16)
+    bias, = _inputs(12, shape[1:])
+    scale = jnp.float32(float(jnp.finfo(out_dtype).max) / 4)
+    for op, names in ((ops.activation_fp8, ("y", "amax")), (ops.activation_grad_fp8, ("dx", "dx_t", "amax", "dbias"))):
+        args = (x, activation, bias) if op is ops.activation_fp8 else (x, dy, activation, bias)
+        got = op(*args, scale=scale, out_dtype=out_dtype, implementation="triton")
+        want = op(*args, scale=scale, out_dtype=out_dtype, implementation="xla")
+        for name, a, b in zip(names, got, want):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert a.shape == b.shape and np.isfinite(a).all(), name
+            if name in ("y", "dx", "dx_t"):  # FP8: a float32 rounding apart can flip a rounding
+                assert np.mean(a == b) > 0.99, name
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=name)
+
+
+# -------------------------------------------------------------------------------------------------- softmax, casts
+
+
+@pytest.mark.parametrize("masked,causal", [(False, True), (True, True)])
+def test_softmax_matches_reference(interpret, masked, causal):
+    x, dy = _inputs(13, (2, 3, 5, 37), (2, 3, 5, 37))
+    mask = jax.random.bernoulli(jax.random.key(4), 0.7, (2, 1, 1, 37)) if masked else None
+
+    def softmax(implementation):
+        return lambda x: ops.softmax(x, mask, scale=0.3, causal=causal, implementation=implementation)
+
+    _tree_allclose(_vjp_outputs(softmax("triton"), (x,), dy), _vjp_outputs(softmax("xla"), (x,), dy), 1e-5,
+                   ("y", "dx"))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_cast_transpose_is_bit_identical(interpret, out_dtype):
+    x, = _inputs(14, (70, 130), dtype=jnp.bfloat16)
+    x = x * 50.0  # saturates at the scale below
+    got = ops.cast_transpose(x, jnp.float32(20.0), out_dtype, implementation="triton")
+    want = ops.cast_transpose(x, jnp.float32(20.0), out_dtype, implementation="xla")
+    for name, a, b in zip(("q", "q_t", "amax"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+def test_row_kernels_compile_for_hopper():
+    """Activations (forward with FP8 output, backward, FP8 backward), softmax and cast+transpose at
+    the benchmark's shapes compile for sm_90."""
+    from mtjax.kernels.triton import activation, quantize, softmax
+
+    x = jax.ShapeDtypeStruct((16384, 2, 8192), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((16384, 8192), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((2, 8192), jnp.bfloat16)
+    logits = jax.ShapeDtypeStruct((4, 16, 2048, 2048), jnp.bfloat16)
+
+    def f(x, y, bias, logits):
+        scale = jnp.float32(2.0)
+        fwd = activation.activation_fp8(x, bias, scale, activation="swiglu", out_dtype=jnp.float8_e4m3fn)
+        grads = jax.vjp(lambda x, bias: activation.activation(x, bias, activation="geglu"), x, bias)[1](y)
+        grad_fp8 = activation.activation_grad_fp8(x, bias, y, scale, activation="swiglu", out_dtype=jnp.float8_e5m2)
+        probs, vjp = jax.vjp(lambda z: softmax.softmax(z, None, scale=0.1, causal=True), logits)
+        return fwd, grads, grad_fp8, vjp(probs), quantize.cast_transpose(y, scale, jnp.float8_e4m3fn)
+
+    shared = _compile_all(f, x, y, bias, logits)
+    assert len(shared) == 7, shared
+    assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 
@@ -323,6 +409,33 @@ def test_residual_norm_and_fp8_on_gpu():
     q_ref, amax_ref = ops.norm_fp8(x, gamma, beta, jnp.float32(8.0), implementation="xla")
     np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
+
+
+@pytest.mark.gpu
+def test_activations_softmax_and_casts_on_gpu():
+    x, dy = _inputs(5, (8192, 2, 4096), (8192, 4096), dtype=jnp.bfloat16)
+    bias, = _inputs(6, (2, 4096), dtype=jnp.bfloat16)
+
+    def act(implementation):
+        return lambda x, b: ops.activation(x, "swiglu", b, implementation=implementation)
+
+    run = jax.jit(lambda impl, x, b, dy: _vjp_outputs(act(impl), (x, b), dy), static_argnums=0)
+    _tree_allclose(run("triton", x, bias, dy), run("xla", x, bias, dy), 2e-2, ("y", "dx", "dbias"))
+    got = ops.activation_grad_fp8(x, dy, "swiglu", bias, scale=jnp.float32(100.0), implementation="triton")
+    want = ops.activation_grad_fp8(x, dy, "swiglu", bias, scale=jnp.float32(100.0), implementation="xla")
+    assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-3)
+    logits, dl = _inputs(7, (4, 8, 1024, 1024), (4, 8, 1024, 1024), dtype=jnp.bfloat16)
+
+    def softmax(implementation):
+        return lambda z: ops.softmax(z, scale=0.125, causal=True, implementation=implementation)
+
+    run = jax.jit(lambda impl, z, dz: _vjp_outputs(softmax(impl), (z,), dz), static_argnums=0)
+    _tree_allclose(run("triton", logits, dl), run("xla", logits, dl), 2e-2, ("y", "dx"))
+    got = ops.cast_transpose(dy, jnp.float32(50.0), jnp.float8_e4m3fn, implementation="triton")
+    want = ops.cast_transpose(dy, jnp.float32(50.0), jnp.float8_e4m3fn, implementation="xla")
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @triton.jit

@@ -1,0 +1,230 @@
+"""Bias + activation in native Triton: the algorithm of `mtjax.kernels.activation`, with its tiles.
+
+``y = act(x + bias)`` for gelu (tanh form), silu, relu, quick_gelu and the gated swiglu / geglu /
+reglu (``x`` viewed as rows ``[a | gate]`` of ``2 * hidden``), forward (optionally an FP8 output and
+per-tile amaxes) and backward; `backward_fp8` writes the input gradient quantized, its transpose, its
+per-tile amaxes and per-row-block bias sums (TransformerEngine's "dact + cast_transpose"). Each
+program owns one ``[block_m, block_n]`` tile of the output, masked past the array unless the tiles
+cover it exactly.
+"""
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from mtjax.dtypes import fp8_max
+from mtjax.kernels import activation as pallas_activation
+from mtjax.kernels.common import Launchers, check_size, reduce_tile_maxima
+from mtjax.kernels.triton.language import saturate, tanh
+from mtjax.kernels.triton.runtime import launch, stand_in
+
+# The activation of each name as the kernels' ACT code, and whether it is gated.
+CODES = {"gelu": 0, "silu": 1, "relu": 2, "quick_gelu": 3, "swiglu": 1, "geglu": 0, "reglu": 2}
+
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS`."""
+    if ACT == 0:
+        t = tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x))
+        y = 0.5 * x * (1.0 + t)
+        dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
+    elif ACT == 2:
+        y = tl.maximum(x, 0.0)
+        dy = tl.where(x > 0.0, 1.0, 0.0)
+    else:
+        k = 1.0 if ACT == 1 else 1.702
+        s = 1.0 / (1.0 + tl.exp(-k * x))
+        y = x * s
+        dy = s * (1.0 + k * x * (1.0 - s))
+    return y, dy
+
+
+@triton.jit
+def _tile(pid_m, pid_n, M: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, (rows[:, None] < M) & (cols[None, :] < HIDDEN)
+
+
+@triton.jit
+def _load(ptr, offsets, mask, EXACT: tl.constexpr):
+    if EXACT:
+        return tl.load(ptr + offsets).to(tl.float32)
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+            GATED: tl.constexpr, EXACT: tl.constexpr):
+    """The activated half ``a`` and (gated) the linear gate of a tile, biased, in float32."""
+    a = _load(x_ptr, rows[:, None] * K + cols[None, :], mask, EXACT)
+    if HAS_BIAS:
+        a += _load(bias_ptr, cols[None, :], cols[None, :] < HIDDEN, EXACT)
+    gate = a
+    if GATED:
+        gate = _load(x_ptr, rows[:, None] * K + HIDDEN + cols[None, :], mask, EXACT)
+        if HAS_BIAS:
+            gate += _load(bias_ptr, HIDDEN + cols[None, :], cols[None, :] < HIDDEN, EXACT)
+    return a, gate
+
+
+@triton.jit
+def _store(ptr, offsets, value, mask, EXACT: tl.constexpr):
+    if EXACT:
+        tl.store(ptr + offsets, value.to(ptr.dtype.element_ty))
+    else:
+        tl.store(ptr + offsets, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_kernel(x_ptr, bias_ptr, scale_ptr, y_ptr, amax_ptr, M: tl.constexpr, HIDDEN: tl.constexpr,
+                    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
+                    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr, FP8: tl.constexpr,
+                    FP8_MAX: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
+    a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
+    y, _ = _act(a, ACT)
+    if GATED:
+        y = y * gate
+    if FP8:
+        tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(tl.where(mask, tl.abs(y), 0.0), 1), 0))
+        y = saturate(y * tl.load(scale_ptr), FP8_MAX)
+    _store(y_ptr, rows[:, None] * HIDDEN + cols[None, :], y, mask, EXACT)
+
+
+def _constexprs(spec, k: int, activation: str) -> dict:
+    return dict(M=spec.m, HIDDEN=spec.hidden, K=k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n,
+                ACT=CODES[activation], GATED=pallas_activation.ACTIVATIONS[activation][1],
+                HAS_BIAS=spec.has_bias, EXACT=spec.exact)
+
+
+def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_override=None):
+    """`mtjax.kernels.activation.forward` (same arguments and results) on the native Triton kernel."""
+    m, k = x.shape
+    check_size("activation forward", x)
+    gated = pallas_activation.ACTIVATIONS[activation][1]
+    hidden = k // 2 if gated else k
+    spec = pallas_activation._spec(m, hidden, activation, bias is not None, tile_override)
+    fp8 = scale is not None
+    y_dtype = out_dtype or x.dtype
+    y, amax = launch(
+        _forward_kernel, x, stand_in() if bias is None else bias,
+        stand_in() if scale is None else jnp.reshape(scale, (1,)).astype(jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((m, hidden), y_dtype), jax.ShapeDtypeStruct(spec.grid if fp8 else (1,),
+                                                                                   jnp.float32)],
+        grid=spec.grid, name=f"mtjax_triton_{activation}_fwd", num_warps=spec.num_warps, num_stages=1,
+        FP8=fp8, FP8_MAX=fp8_max(y_dtype) if fp8 else 1.0, **_constexprs(spec, k, activation),
+    )
+    return (y, reduce_tile_maxima(amax)) if fp8 else (y,)
+
+
+@triton.jit
+def _backward_kernel(x_ptr, bias_ptr, dy_ptr, dx_ptr, M: tl.constexpr, HIDDEN: tl.constexpr, K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, EXACT: tl.constexpr):
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), M, HIDDEN, BLOCK_M, BLOCK_N)
+    a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
+    dy = _load(dy_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, EXACT)
+    y, dact = _act(a, ACT)
+    offsets = rows[:, None] * K + cols[None, :]
+    if GATED:
+        _store(dx_ptr, offsets, dy * gate * dact, mask, EXACT)
+        _store(dx_ptr, offsets + HIDDEN, dy * y, mask, EXACT)
+    else:
+        _store(dx_ptr, offsets, dy * dact, mask, EXACT)
+
+
+def backward(x, bias, dy, *, activation: str, tile_override=None):
+    """`mtjax.kernels.activation.backward` (same arguments and results) on the native Triton kernel."""
+    m, k = x.shape
+    spec = pallas_activation._spec(m, dy.shape[1], activation, bias is not None, tile_override)
+    [dx] = launch(
+        _backward_kernel, x, stand_in() if bias is None else bias, dy,
+        out_shape=[jax.ShapeDtypeStruct((m, k), x.dtype)], grid=spec.grid, name=f"mtjax_triton_{activation}_bwd",
+        num_warps=spec.num_warps, num_stages=1, **_constexprs(spec, k, activation),
+    )
+    dbias = None if bias is None else jnp.sum(dx, axis=0, dtype=jnp.float32).astype(bias.dtype)
+    return dx, dbias
+
+
+@triton.jit
+def _backward_fp8_half(grad, dx_ptr, dxt_ptr, dbias_ptr, rows, cols, mask, offset, scale, pid_m, M: tl.constexpr,
+                       K: tl.constexpr, HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr,
+                       FP8_MAX: tl.constexpr):
+    """One half of the input gradient (the activated input's, or the gate's at ``offset``): quantized,
+    transposed, and this row block's column sums of the unquantized gradient."""
+    q = saturate(grad * scale, FP8_MAX).to(dx_ptr.dtype.element_ty)
+    _store(dx_ptr, rows[:, None] * K + offset + cols[None, :], q, mask, EXACT)
+    _store(dxt_ptr, (offset + cols[:, None]) * M + rows[None, :], tl.trans(q), tl.trans(mask), EXACT)
+    if HAS_BIAS:
+        _store(dbias_ptr, pid_m * K + offset + cols, tl.sum(grad, axis=0), cols < HIDDEN, EXACT)
+
+
+@triton.jit
+def _backward_fp8_kernel(x_ptr, bias_ptr, dy_ptr, scale_ptr, dx_ptr, dxt_ptr, amax_ptr, dbias_ptr, M: tl.constexpr,
+                         HIDDEN: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr,
+                         FP8_MAX: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
+    a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
+    dy = _load(dy_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, EXACT)  # 0 where masked: so are the grads
+    y, dact = _act(a, ACT)
+    scale = tl.load(scale_ptr)
+    if GATED:
+        grad = dy * gate * dact
+        grad_gate = dy * y
+        amax = tl.maximum(tl.max(tl.max(tl.abs(grad), 1), 0), tl.max(tl.max(tl.abs(grad_gate), 1), 0))
+        _backward_fp8_half(grad_gate, dx_ptr, dxt_ptr, dbias_ptr, rows, cols, mask, HIDDEN, scale, pid_m, M, K, HIDDEN,
+                           HAS_BIAS, EXACT, FP8_MAX)
+    else:
+        grad = dy * dact
+        amax = tl.max(tl.max(tl.abs(grad), 1), 0)
+    tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_n, amax)
+    _backward_fp8_half(grad, dx_ptr, dxt_ptr, dbias_ptr, rows, cols, mask, 0, scale, pid_m, M, K, HIDDEN, HAS_BIAS,
+                       EXACT, FP8_MAX)
+
+
+def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_override=None):
+    """`mtjax.kernels.activation.backward_fp8` (same arguments and results) on the native Triton kernel."""
+    m, k = x.shape
+    check_size("activation backward", x)
+    spec = pallas_activation._spec(m, dy.shape[1], activation, bias is not None,
+                                   tile_override or pallas_activation.BACKWARD_FP8_TILE)
+    out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((k, m), out_dtype),
+                 jax.ShapeDtypeStruct(spec.grid, jnp.float32),
+                 jax.ShapeDtypeStruct((spec.grid[0], k) if bias is not None else (1,), jnp.float32)]
+    dx_q, dx_q_t, amax, dbias = launch(
+        _backward_fp8_kernel, x, stand_in() if bias is None else bias, dy, jnp.reshape(scale, (1,)).astype(jnp.float32),
+        out_shape=out_shape, grid=spec.grid, name=f"mtjax_triton_{activation}_bwd_fp8", num_warps=spec.num_warps,
+        num_stages=1, FP8_MAX=fp8_max(out_dtype), **_constexprs(spec, k, activation),
+    )
+    return dx_q, dx_q_t, reduce_tile_maxima(amax), None if bias is None else jnp.sum(dbias, axis=0)
+
+
+NATIVE = Launchers(forward=forward, backward=backward)
+
+
+def activation(x, bias, *, activation: str) -> jax.Array:
+    """`mtjax.kernels.activation.activation` on the native Triton kernels."""
+    return pallas_activation.activation(x, bias, activation=activation, launchers=NATIVE)
+
+
+def activation_fp8(x, bias, scale, *, activation: str, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """`mtjax.kernels.activation.activation_fp8` on the native Triton forward kernel."""
+    return pallas_activation.activation_fp8(x, bias, scale, activation=activation, out_dtype=out_dtype,
+                                            launchers=NATIVE)
+
+
+def activation_grad_fp8(x, bias, dy, scale, *, activation: str, out_dtype) -> tuple:
+    """`mtjax.kernels.activation.activation_grad_fp8` on the native Triton kernel."""
+    return pallas_activation.activation_grad_fp8(x, bias, dy, scale, activation=activation, out_dtype=out_dtype,
+                                                 launch=backward_fp8)
