@@ -10,6 +10,8 @@
 Skipped where the ``triton`` package is missing (it comes with the ``gpu`` extra).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,6 +347,92 @@ def test_row_kernels_compile_for_hopper():
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
+# -------------------------------------------------------------------------------------------------- grouped GEMM
+
+
+def _grouped_case(group_sizes, seed, transpose_rhs=False):
+    from tests.ops.test_grouped_gemm import random_case
+
+    return random_case(seed, 70, 40, 24, group_sizes, transpose_rhs=transpose_rhs)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_grouped_gemm_forward_and_gradients(interpret, transpose_rhs):
+    """gmm (forward, d lhs) and tgmm (d rhs) on 16-row tiles: boundaries inside tiles, an empty group,
+    rows past the groups, K and N tails; float32 against float64 numpy."""
+    from mtjax.kernels import grouped_gemm as gg
+    from tests.ops.test_grouped_gemm import assert_close, np_gmm, np_grads, value_and_grads
+
+    tiles = gg.GemmTiles(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1, group_m=2)
+    lhs, rhs, gs, dy = _grouped_case([7, 0, 20, 3, 30], 1, transpose_rhs)
+    out, d_lhs, d_rhs = value_and_grads(
+        lambda a, b: ops.grouped_gemm(a, b, jnp.asarray(gs), transpose_rhs=transpose_rhs,
+                                      block_sizes=gg.BlockSizes(forward=tiles, dlhs=tiles, wgrad=tiles),
+                                      implementation="triton"), lhs, rhs, dy)
+    assert_close(out, np_gmm(lhs, rhs, gs, transpose_rhs))
+    assert np.all(np.asarray(out)[60:] == 0)
+    exp_lhs, exp_rhs = np_grads(lhs, rhs, gs, dy, transpose_rhs)
+    assert_close(d_lhs, exp_lhs)
+    assert_close(d_rhs, exp_rhs)
+
+
+def test_grouped_gemm_persistent_and_scaled(interpret):
+    from mtjax.kernels import grouped_gemm as gg
+    from mtjax.kernels.triton import grouped_gemm as native
+    from tests.ops.test_grouped_gemm import assert_close, np_gmm, np_tgmm
+
+    lhs, rhs, gs, dy = _grouped_case([16, 16, 0, 16, 22], 2)
+    scale = np.array([0.5, 3.0, -2.0, 0.25, 1e-3], np.float32)
+    row_scale = np.concatenate([np.repeat(scale, gs), np.ones(70 - gs.sum())])[:, None]
+    tiles = gg.GemmTiles(block_m=16, block_n=16, block_k=16, group_m=2, num_programs=3)
+    out = native.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(gs), jnp.asarray(scale), tiles=tiles)
+    assert_close(out, np_gmm(lhs, rhs, gs) * row_scale)
+    out = native.tgmm(jnp.asarray(lhs), jnp.asarray(dy), jnp.asarray(gs), jnp.asarray(scale), tiles=tiles)
+    assert_close(out, np_tgmm(lhs, dy, gs) * scale[:, None, None])
+
+
+def test_grouped_gemm_fp8_matches_reference(interpret):
+    """E4M3 operands, E5M2 output gradient (its d lhs GEMM mixes the formats: bfloat16 in the kernel)."""
+    from mtjax.kernels import grouped_gemm as gg
+    from tests.ops.test_grouped_gemm import assert_close, value_and_grads
+
+    tiles = gg.GemmTiles(block_m=32, block_n=16, block_k=32, num_warps=1, num_stages=1, group_m=2)
+    lhs, rhs, gs, dy = _grouped_case([7, 0, 20, 3, 30], 3)
+
+    def run(implementation):
+        return value_and_grads(lambda a, b: ops.grouped_gemm_fp8(
+            a, b, jnp.asarray(gs), block_sizes=gg.BlockSizes(forward=tiles, dlhs=tiles, wgrad=tiles),
+            implementation=implementation), lhs, rhs, dy)
+
+    for got, want in zip(run("triton"), run("xla")):
+        assert_close(got, np.asarray(want, np.float64))
+
+
+def test_grouped_gemm_compiles_for_hopper():
+    """The default tiles of a bf16 MoE layer (forward, d lhs, weight gradient), FP8 and persistent
+    variants, compile for sm_90."""
+    from mtjax.kernels import grouped_gemm as gg
+    from mtjax.kernels.triton import grouped_gemm as native
+
+    lhs = jax.ShapeDtypeStruct((32768, 2048), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((8, 2048, 8192), jnp.bfloat16)
+    dy = jax.ShapeDtypeStruct((32768, 8192), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((8,), jnp.int32)
+    blocks = gg.BlockSizes.default(32768, 2048, 8192, 8, jnp.bfloat16)
+
+    def f(lhs, rhs, dy, gs):
+        fp8 = jnp.float8_e4m3fn
+        return (native.gmm(lhs, rhs, gs, tiles=blocks.forward),
+                native.gmm(dy, rhs, gs, transpose_rhs=True, tiles=blocks.dlhs),
+                native.tgmm(lhs, dy, gs, tiles=blocks.wgrad),
+                native.gmm(lhs.astype(fp8), rhs.astype(fp8), gs, jnp.ones((8,)), out_dtype=jnp.bfloat16,
+                           tiles=dataclasses.replace(blocks.forward, block_k=128, num_programs=264)),
+                native.tgmm(lhs.astype(fp8), dy.astype(jnp.float8_e5m2), gs, out_dtype=jnp.bfloat16))
+
+    shared = _compile_all(f, lhs, rhs, dy, gs)
+    assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 
@@ -436,6 +524,24 @@ def test_activations_softmax_and_casts_on_gpu():
     want = ops.cast_transpose(dy, jnp.float32(50.0), jnp.float8_e4m3fn, implementation="xla")
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_on_gpu():
+    from tests.ops.test_grouped_gemm import assert_close, value_and_grads
+
+    rng = np.random.default_rng(0)
+    sizes = np.asarray([1000, 0, 3000, 517, 2500, 1000, 0, 1100], np.int32)
+    lhs = rng.normal(size=(sizes.sum() + 100, 1024)).astype(jnp.bfloat16)
+    rhs = rng.normal(size=(8, 1024, 1408)).astype(jnp.bfloat16)
+    dy = rng.normal(size=(lhs.shape[0], 1408)).astype(jnp.bfloat16)
+
+    def run(implementation):
+        return jax.jit(lambda a, b, d: value_and_grads(lambda a, b: ops.grouped_gemm(
+            a, b, jnp.asarray(sizes), implementation=implementation), a, b, d))(lhs, rhs, dy)
+
+    for got, want in zip(run("triton"), run("xla")):
+        assert_close(np.asarray(got, np.float32), np.asarray(want, np.float64), rtol=2e-2)
 
 
 @triton.jit
