@@ -433,6 +433,55 @@ def test_grouped_gemm_compiles_for_hopper():
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
+# -------------------------------------------------------------------------------------------------- paged attention
+
+
+@pytest.mark.parametrize("lengths,q_len,groups,page_size,options", [
+    ([5, 1, 12, 0], 1, 2, 4, {}),  # an empty slot; the context split over several programs
+    ([37, 12], 3, 8, 8, {"window_size": (9, 0), "logits_soft_cap": 3.0}),  # two row blocks of 16
+])
+def test_paged_attention_matches_reference(interpret, lengths, q_len, groups, page_size, options):
+    from tests.kernels.test_paged_attention import make_case
+
+    args = make_case(4, lengths=lengths, q_len=q_len, kv_heads=2 if groups == 2 else 1, groups=groups,
+                     page_size=page_size)
+    got = ops.paged_attention(*args, implementation="triton", **options)
+    want = ops.paged_attention(*args, implementation="xla", **options)
+    _tree_allclose((got,), (want,), 1e-5, ("out",))
+
+
+def test_paged_attention_fp8_pages(interpret):
+    from tests.kernels.test_paged_attention import make_case
+
+    q, k, v, tables, lengths = make_case(6, lengths=[21, 50, 0], kv_heads=2, groups=2, page_size=16,
+                                         dtype=jnp.bfloat16)
+    k_scale, v_scale = jnp.asarray([0.02, 0.05], jnp.float32), jnp.asarray([0.03, 0.01], jnp.float32)
+    k8 = (k.astype(jnp.float32) / k_scale[:, None, None, None]).astype(jnp.float8_e4m3fn)
+    v8 = (v.astype(jnp.float32) / v_scale[:, None, None, None]).astype(jnp.float8_e4m3fn)
+    got, want = (ops.paged_attention(q, k8, v8, tables, lengths, k_scale=k_scale, v_scale=v_scale, implementation=impl)
+                 for impl in ("triton", "xla"))
+    _tree_allclose((got,), (want,), 2e-2, ("out",))
+
+
+def test_paged_attention_compiles_for_hopper():
+    from mtjax.kernels.triton import paged_attention as native
+
+    q = jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.bfloat16)
+    pages8 = jax.ShapeDtypeStruct((8, 4096, 16, 128), jnp.float8_e4m3fn)
+    tables = jax.ShapeDtypeStruct((64, 64), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((64,), jnp.int32)
+    scales = jax.ShapeDtypeStruct((8,), jnp.float32)
+
+    def f(q, pages, pages8, tables, lengths, scales):
+        return (native.paged_attention(q, pages, pages, tables, lengths, scale=0.1),
+                native.paged_attention(q, pages8, pages8, tables, lengths, scales, scales, scale=0.1,
+                                       logits_soft_cap=30.0, window_left=512))
+
+    shared = _compile_all(f, q, pages, pages8, tables, lengths, scales)
+    assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 
@@ -542,6 +591,17 @@ def test_grouped_gemm_on_gpu():
 
     for got, want in zip(run("triton"), run("xla")):
         assert_close(np.asarray(got, np.float32), np.asarray(want, np.float64), rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_paged_attention_on_gpu():
+    from tests.kernels.test_paged_attention import make_case
+
+    args = make_case(0, lengths=[4000, 17, 0, 2048] * 4, q_len=1, kv_heads=8, groups=4, head_dim=128, page_size=16,
+                     dtype=jnp.bfloat16)
+    got = ops.paged_attention(*args, implementation="triton")
+    want = ops.paged_attention(*args, implementation="xla")
+    _tree_allclose((got,), (want,), 2e-2, ("out",))
 
 
 @triton.jit
