@@ -482,6 +482,65 @@ def test_paged_attention_compiles_for_hopper():
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
+# -------------------------------------------------------------------------------------------------- block-scaled FP8
+
+
+def _assert_identical(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("m,k,transpose,dtype,out_dtype,power_of_two", [
+    (200, 300, True, jnp.bfloat16, jnp.float8_e4m3fn, False),
+    (5, 130, False, jnp.float32, jnp.float8_e5m2, True),
+])
+def test_tile_quantize_is_bit_identical(interpret, m, k, transpose, dtype, out_dtype, power_of_two):
+    from tests.kernels.test_block_fp8 import _x
+
+    x = _x(m + k, (m, k), dtype)
+    options = dict(transpose=transpose, power_of_two=power_of_two)
+    _assert_identical(ops.tile_quantize(x, out_dtype, implementation="triton", **options),
+                      ops.tile_quantize(x, out_dtype, implementation="xla", **options))
+
+
+def test_block_quantize_is_bit_identical(interpret):
+    from tests.kernels.test_block_fp8 import _x
+
+    w = _x(5, (130, 200), jnp.bfloat16, 0.05)
+    options = dict(power_of_two=False, amax_epsilon=1e-2)
+    _assert_identical(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton", **options),
+                      ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla", **options))
+
+
+@pytest.mark.parametrize("b_blocks,b_dtype", [(True, jnp.float8_e4m3fn), (False, jnp.float8_e5m2)])
+def test_block_fp8_gemm_matches_reference(interpret, b_blocks, b_dtype):
+    """Per-row and per-128x128-block scales of b; E4M3 x E5M2 mixes the formats (bfloat16 dots)."""
+    from tests.kernels.test_block_fp8 import _operands
+
+    a, a_s, b, b_s = _operands(0, 37, 300, 70, b_blocks, b_dtype)
+    got = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="triton")
+    want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
+    _tree_allclose((got,), (want,), 1e-6, ("out",))
+
+
+def test_block_fp8_compiles_for_hopper():
+    from mtjax.kernels.triton import block_fp8 as native
+
+    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
+
+    def f(x):
+        a, a_s, a_t, a_t_s = native.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, fp8_max=448.0)
+        b, b_t, b_s = native.block_quantize(x[:2048], jnp.float8_e4m3fn, fp8_max=448.0, power_of_two=True)
+        g, g_s = native.tile_quantize(x, jnp.float8_e5m2, fp8_max=57344.0)
+        b_rows = jnp.repeat(b_s, 128, axis=0)
+        return (native.block_fp8_gemm(a, a_s, b, b_rows, jnp.bfloat16),
+                native.block_fp8_gemm(g, g_s, b, b_rows, jnp.bfloat16), a_t, a_t_s, b_t)
+
+    shared = _compile_all(f, x)
+    assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 
@@ -602,6 +661,23 @@ def test_paged_attention_on_gpu():
     got = ops.paged_attention(*args, implementation="triton")
     want = ops.paged_attention(*args, implementation="xla")
     _tree_allclose((got,), (want,), 2e-2, ("out",))
+
+
+@pytest.mark.gpu
+def test_block_fp8_on_gpu():
+    from tests.kernels.test_block_fp8 import _x
+
+    x = _x(0, (4096, 2048), jnp.bfloat16)
+    w = _x(1, (1024, 2048), jnp.bfloat16, 0.05)
+    _assert_identical(ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, implementation="triton"),
+                      ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, implementation="xla"))
+    _assert_identical(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton"),
+                      ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla"))
+    a, a_s = ops.tile_quantize(x, jnp.float8_e4m3fn, implementation="xla")
+    b, _, b_s = ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla")
+    got = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="triton")
+    want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
+    _tree_allclose((got,), (want,), 1e-5, ("out",))
 
 
 @triton.jit
