@@ -115,8 +115,8 @@ def _norm_shapes(quick: bool) -> list[tuple[str, int, int]]:
     return shapes
 
 
-def _norm_cases(rows, quick: bool) -> None:
-    for kind, tokens, hidden in _norm_shapes(quick):
+def _norm_cases(rows, quick: bool, shapes: list[tuple[str, int, int]] | None = None) -> None:
+    for kind, tokens, hidden in shapes or _norm_shapes(quick):
         inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
         x, _, g, b = inputs[0]
         auto = _auto(kind, x, g, b, epsilon=1e-6, zero_centered_gamma=False) if kind == "layernorm" else \
@@ -201,6 +201,13 @@ def _softmax_case(rows, quick: bool) -> None:
 
 
 CASES = (_norm_cases, _fp8_case, _residual_case, _activation_cases, _softmax_case)
+
+
+def main_cases(rows, quick: bool) -> None:
+    """LayerNorm and RMSNorm at the main shape only, then every other case (one shape each)."""
+    _norm_cases(rows, quick, _norm_shapes(quick)[:2])
+    for case in CASES[1:]:
+        case(rows, quick)
 
 
 def run(quick: bool) -> list[dict]:
