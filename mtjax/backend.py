@@ -122,17 +122,27 @@ def triton_problem() -> str | None:
     return None
 
 
+# The jax-triton releases the native kernels were tested with (pyproject.toml's gpu extra): 0.4.1 fails
+# under jax 0.12 (its dead-code rule takes the arguments of jax 0.11's) and needs Triton 3.7.
+JAX_TRITON_VERSIONS = ((0, 3), (0, 4))
+
+
 @functools.cache
 def native_triton_problem() -> str | None:
     """Why native Triton kernels cannot be lowered in this process (``triton`` and ``jax_triton``,
-    which needs a jax with GPU support, must import), or ``None``."""
+    which needs a jax with GPU support, must import, in a version of `JAX_TRITON_VERSIONS`), or ``None``."""
     reason = triton_problem()
     if reason is not None:
         return reason
     try:
-        importlib.import_module("jax_triton")
+        jax_triton = importlib.import_module("jax_triton")
     except Exception as err:  # jax_triton raises ImportError or ValueError without a GPU jax
         return f"jax_triton cannot be imported ({type(err).__name__}: {err}); install mtjax[gpu]"
+    version = tuple(int(p) for p in jax_triton.__version__.split(".")[:2])
+    low, high = JAX_TRITON_VERSIONS
+    if not low <= version < high:
+        return (f"jax_triton {jax_triton.__version__} is outside the tested range >={low[0]}.{low[1]},<{high[0]}."
+                f"{high[1]}; install mtjax[gpu]")
     return None
 
 

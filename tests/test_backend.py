@@ -119,6 +119,18 @@ def test_triton_kernels_follow_the_installed_packages(monkeypatch):
         assert backend.capabilities("cpu") == {"pallas_mosaic_gpu", "pallas_triton"}
 
 
+def test_native_triton_needs_a_tested_jax_triton(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setattr(backend, "triton_problem", lambda: None)
+    for version, accepted in (("0.3.1", True), ("0.4.1", False), ("0.2.0", False)):
+        monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(__version__=version))
+        problem = backend.native_triton_problem.__wrapped__()
+        assert (problem is None) == accepted, (version, problem)
+    assert "outside the tested range >=0.3,<0.4" in problem
+
+
 def test_selection_takes_the_native_kernels_without_pallas_triton(monkeypatch):
     """A jax without Pallas' Triton backend: automatic selection moves to the native Triton kernels,
     or to the reference (with the reason) when jax-triton is missing too."""

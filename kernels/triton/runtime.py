@@ -9,8 +9,8 @@ tests check every kernel against its reference.
 
 Conventions of every kernel launched here: its parameters are the input arrays, then the output
 arrays, then ``tl.constexpr`` parameters (passed as keywords). No runtime scalars (jax-triton 0.3
-passes Python floats as float64 and 0.4 bakes them in as constants; constexprs behave the same in
-both) and no aliased or pre-zeroed outputs: every kernel writes every element of its outputs.
+passes Python floats as float64 arguments, 0.4 bakes them in as constants; constexprs behave the same
+in both) and no aliased or pre-zeroed outputs: every kernel writes every element of its outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -41,26 +40,6 @@ def _jax_triton() -> Any:
     import jax_triton
 
     return jax_triton
-
-
-@functools.cache
-def _output_keyword() -> str:
-    """jax-triton 0.4 names the outputs ``out_type`` (``out_shape`` is deprecated there); 0.3 ``out_shape``."""
-    parameters = inspect.signature(_jax_triton().triton_call).parameters
-    return "out_type" if "out_type" in parameters else "out_shape"
-
-
-def supports_tensor_descriptors() -> bool:
-    """Whether kernels may build TMA tensor descriptors on the device (``tl.make_tensor_descriptor``).
-
-    They need a global scratch buffer per program, which jaxlib allocates when told its size; jax-triton
-    0.4 passes it, 0.3 does not (the kernel would write its descriptors through a null pointer).
-    Triton's interpreter emulates descriptors on the host.
-    """
-    if interpret():
-        return True
-    jt = _jax_triton()
-    return not isinstance(jt, str) and tuple(jt.__version_info__[:2]) >= (0, 4)
 
 
 def compute_capability() -> int:
@@ -158,7 +137,7 @@ def launch(kernel: Any, *inputs: jax.Array, out_shape: Sequence[jax.ShapeDtypeSt
     if isinstance(jt, str):
         raise RuntimeError(f"{name}: native Triton kernels need jax-triton: {jt}")
     outs = jt.triton_call(*inputs, kernel=kernel, grid=grid, name=name, num_warps=num_warps, num_stages=num_stages,
-                          compute_capability=compute_capability(), **{_output_keyword(): out_shape}, **constexprs)
+                          compute_capability=compute_capability(), out_shape=out_shape, **constexprs)
     return list(outs)
 
 
