@@ -22,17 +22,15 @@ from mtjax.kernels.triton.runtime import launch, stand_in
 # The activation of each name as the kernels' ACT code, and whether it is gated.
 CODES = {"gelu": 0, "silu": 1, "relu": 2, "quick_gelu": 3, "swiglu": 1, "geglu": 0, "reglu": 2}
 
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_GELU_CUBIC = tl.constexpr(0.044715)
-
-
 @triton.jit
 def _act(x, ACT: tl.constexpr):
-    """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS`."""
+    """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS` (gelu: sqrt(2 / pi)
+    = 0.7978845608028654, cubic coefficient 0.044715; literals, which Triton's compiler and interpreter
+    both take inside a kernel)."""
     if ACT == 0:
-        t = tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x))
+        t = tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
         y = 0.5 * x * (1.0 + t)
-        dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
+        dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
     elif ACT == 2:
         y = tl.maximum(x, 0.0)
         dy = tl.where(x > 0.0, 1.0, 0.0)

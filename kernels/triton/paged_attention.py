@@ -19,7 +19,7 @@ from mtjax.kernels.common import Launchers
 from mtjax.kernels.triton.language import tanh
 from mtjax.kernels.triton.runtime import launch
 
-LOG2E = tl.constexpr(math.log2(math.e))
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -28,8 +28,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v
                    HEAD_DIM: tl.constexpr, PADDED_ROWS: tl.constexpr, PADDED_PAGES: tl.constexpr,
                    NUM_ROW_BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                    PAGES_PER_BLOCK: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, Q_LEN: tl.constexpr,
-                   GROUPS: tl.constexpr, ROWS: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-                   CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_LEFT: tl.constexpr, FP8: tl.constexpr):
+                   GROUPS: tl.constexpr, ROWS: tl.constexpr, SCALE2: tl.constexpr, SOFT_CAP: tl.constexpr,
+                   CAP2: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW_LEFT: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     kv_h = tl.program_id(1) // NUM_ROW_BLOCKS
     row_block = tl.program_id(1) % NUM_ROW_BLOCKS
@@ -59,7 +59,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v
     else:
         k_scale = 1.0
         v_scale = 1.0
-    logit_scale = SCALE * k_scale
+    logit_scale2 = SCALE2 * k_scale  # the logit scale times log2 e
     keys = tl.arange(0, BLOCK_K)
     page_base = (kv_h * NUM_PAGES).to(tl.int64)
 
@@ -73,10 +73,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v
         k = tl.load(k_ptr + kv_offsets).to(q.dtype)
         v = tl.load(v_ptr + kv_offsets).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if q.dtype == tl.float32 else "tf32")
-        if SOFT_CAP:
-            s = (CAP * LOG2E) * tanh(s * (logit_scale / CAP))
+        if SOFT_CAP:  # CAP2 = cap * log2 e
+            s = CAP2 * tanh(s * (logit_scale2 / CAP2))
         else:
-            s = s * (logit_scale * LOG2E)
+            s = s * logit_scale2
         k_pos = page0 * PAGE_SIZE + keys
         keep = k_pos[None, :] <= q_pos[:, None]
         if HAS_WINDOW:
@@ -114,8 +114,9 @@ def _decode(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st, num_r
         KV_HEADS=kv_heads, NUM_PAGES=k_pages.shape[1], PAGE_SIZE=k_pages.shape[2], HEAD_DIM=head_dim,
         PADDED_ROWS=padded_rows, PADDED_PAGES=tables.shape[1], NUM_ROW_BLOCKS=num_row_blocks,
         BLOCK_ROWS=st.block_rows, BLOCK_K=st.pages_per_block * k_pages.shape[2], PAGES_PER_BLOCK=st.pages_per_block,
-        PAGES_PER_SPLIT=st.pages_per_split, Q_LEN=st.q_len, GROUPS=st.groups, ROWS=st.rows, SCALE=st.scale,
-        SOFT_CAP=st.soft_cap is not None, CAP=st.soft_cap or 1.0, HAS_WINDOW=st.window_left is not None,
+        PAGES_PER_SPLIT=st.pages_per_split, Q_LEN=st.q_len, GROUPS=st.groups, ROWS=st.rows,
+        SCALE2=st.scale * LOG2E, SOFT_CAP=st.soft_cap is not None,
+        CAP2=(st.soft_cap or 1.0) * LOG2E, HAS_WINDOW=st.window_left is not None,
         WINDOW_LEFT=st.window_left or 0, FP8=st.fp8,
     )
     return out, lse

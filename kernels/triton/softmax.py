@@ -15,7 +15,7 @@ from mtjax.kernels import softmax as pallas_softmax
 from mtjax.kernels.common import Launchers, check_size
 from mtjax.kernels.triton.runtime import launch, stand_in
 
-LOG2E = tl.constexpr(math.log2(math.e))
+LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -27,7 +27,7 @@ def _tile(M: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr, BLOCK_M: tl.con
 
 @triton.jit
 def _forward_kernel(x_ptr, mask_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, Q_LEN: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, Q_LEN: tl.constexpr, SCALE2: tl.constexpr, CAUSAL: tl.constexpr,
                     MASK_ROWS_PER: tl.constexpr):
     rows, cols, valid = _tile(M, N, N_PAD, BLOCK_M)
     offsets = rows[:, None] * N + cols[None, :]
@@ -39,7 +39,7 @@ def _forward_kernel(x_ptr, mask_ptr, y_ptr, M: tl.constexpr, N: tl.constexpr, N_
     if MASK_ROWS_PER > 0:
         mask_offsets = (rows // MASK_ROWS_PER)[:, None] * N + cols[None, :]
         keep = keep & (tl.load(mask_ptr + mask_offsets, mask=valid, other=0) != 0)
-    z = tl.where(keep, x * (SCALE * LOG2E), float("-inf"))  # base 2: exp(s) = exp2(s log2 e)
+    z = tl.where(keep, x * SCALE2, float("-inf"))  # base 2: SCALE2 = scale * log2 e
     row_max = tl.max(z, axis=1)
     row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row: no NaN from inf - inf
     e = tl.where(keep, tl.exp2(z - row_max[:, None]), 0.0)
@@ -57,7 +57,7 @@ def forward(logits, mask, *, scale: float, causal: bool, tile_override=None):
         _forward_kernel, logits.reshape(spec.m, spec.n), stand_in() if compact is None else compact,
         out_shape=[jax.ShapeDtypeStruct((spec.m, spec.n), logits.dtype)], grid=(triton.cdiv(spec.m, spec.block_m),),
         name="mtjax_triton_softmax_fwd", num_warps=spec.num_warps, num_stages=1,
-        M=spec.m, N=spec.n, N_PAD=spec.n_pad, BLOCK_M=spec.block_m, Q_LEN=spec.q_len, SCALE=float(scale),
+        M=spec.m, N=spec.n, N_PAD=spec.n_pad, BLOCK_M=spec.block_m, Q_LEN=spec.q_len, SCALE2=float(scale) * LOG2E,
         CAUSAL=bool(causal), MASK_ROWS_PER=rows_per,
     )
     return y.reshape(logits.shape)
