@@ -22,8 +22,10 @@ TILE = pallas_quantize.TILE
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def _amax(x, axis: tl.constexpr):
+    """``max |x|`` along ``axis``, NaN where a NaN is (as jax.numpy's max on the GPU)."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=axis))
 
 
 @triton.jit
@@ -65,12 +67,12 @@ def _tile_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.con
     cols = j * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = _load_tile(x_ptr, rows, cols, M, K, EXACT)
-    scale, scale_inv = _tile_scales(tl.reduce(tl.abs(x), 1, _max_nan), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+    scale, scale_inv = _tile_scales(_amax(x, 1), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
     q = saturate(x * scale[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
     _store(q_ptr, rows[:, None] * K + cols[None, :], q, mask, EXACT)
     _store(s_ptr, rows * tl.num_programs(1) + j, scale_inv, rows < M, EXACT)
     if TRANSPOSE:  # the same 128 x 128 tile, cut into row tiles of x.T (columns of x)
-        scale_t, scale_inv_t = _tile_scales(tl.reduce(tl.abs(x), 0, _max_nan), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+        scale_t, scale_inv_t = _tile_scales(_amax(x, 0), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
         q_t = saturate(x * scale_t[None, :], FP8_MAX).to(qt_ptr.dtype.element_ty)
         _store(qt_ptr, cols[:, None] * M + rows[None, :], tl.trans(q_t), tl.trans(mask), EXACT)
         _store(st_ptr, cols * tl.num_programs(0) + i, scale_inv_t, cols < K, EXACT)
@@ -106,7 +108,8 @@ def _block_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, K: tl.constexpr, N: tl.constexpr,
     cols = j * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < K) & (cols[None, :] < N)
     w = _load_tile(w_ptr, rows, cols, K, N, EXACT)
-    amax = tl.reduce(tl.reduce(tl.abs(w), 1, _max_nan), 0, _max_nan)
+    row_amax = _amax(w, 1)
+    amax = tl.where(tl.max((row_amax != row_amax).to(tl.int32), axis=0) > 0, float("nan"), tl.max(row_amax, axis=0))
     scale, scale_inv = _tile_scales(amax, FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
     q = saturate(w * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
     _store(q_ptr, rows[:, None] * N + cols[None, :], q, mask, EXACT)

@@ -142,6 +142,30 @@ def _dropped(x, seed, row_ids, cols, DROPOUT: tl.constexpr, THRESHOLD: tl.conste
     return x
 
 
+@triton.jit
+def _query_block(q_seg_ptr, seed_ptr, k_ptr, v_ptr, kv_seg_ptr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_LEN: tl.constexpr,
+                 KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr,
+                 LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, SEGMENTS: tl.constexpr):
+    """What a program over a query block (grid: query block, batch, head) starts from: its batch and
+    head, rows, the offsets of its ``[BLOCK_Q, HEAD_DIM]`` tile, segment ids, dropout row counters
+    and seed, the bases of its kv head's K, V and segment ids, and the bounds of its key blocks."""
+    # The grid runs query blocks last-first: under a causal mask they carry the most work.
+    q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kv_h = h // (HEADS // KV_HEADS)
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    q_offsets = ((b * Q_PAD + rows[:, None]) * HEADS + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    q_seg = tl.load(q_seg_ptr + b * Q_PAD + rows) if SEGMENTS else rows
+    row_ids = ((b * HEADS + h) * Q_LEN + rows).to(tl.uint32, bitcast=True)
+    seed = tl.load(seed_ptr).to(tl.uint32, bitcast=True)
+    kv_base = (b * KV_PAD * KV_HEADS + kv_h) * HEAD_DIM
+    lo, full_lo, full_hi, hi = _kv_blocks(q0, BLOCK_Q, BLOCK_K, KV_LEN - Q_LEN, KV_LEN, HAS_LO, LO, HAS_HI, HI)
+    return (b, h, rows, q_offsets, q_seg, row_ids, seed, k_ptr + kv_base, v_ptr + kv_base, kv_seg_ptr + b * KV_PAD,
+            lo, full_lo, full_hi, hi)
+
+
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
@@ -184,24 +208,12 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, q_seg_ptr, kv_seg_ptr, seed_ptr, o_ptr, lse
                 HI: tl.constexpr, SEGMENTS: tl.constexpr, C: tl.constexpr, SOFT_CAP: tl.constexpr,
                 CAP2: tl.constexpr, CAP_SCALE: tl.constexpr, PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
                 THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr):
-    # The grid runs query blocks last-first: under a causal mask they carry the most work.
-    q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    kv_h = h // (HEADS // KV_HEADS)
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, HEAD_DIM)
-    q_offsets = ((b * Q_PAD + rows[:, None]) * HEADS + h) * HEAD_DIM + dims[None, :]
-    q = tl.load(q_ptr + q_offsets)
-    q_seg = tl.load(q_seg_ptr + b * Q_PAD + rows) if SEGMENTS else rows
-    row_ids = ((b * HEADS + h) * Q_LEN + rows).to(tl.uint32, bitcast=True)
-    seed = tl.load(seed_ptr).to(tl.uint32, bitcast=True)
     KV_STRIDE: tl.constexpr = KV_HEADS * HEAD_DIM
-    k_base = k_ptr + b * KV_PAD * KV_STRIDE + kv_h * HEAD_DIM
-    v_base = v_ptr + b * KV_PAD * KV_STRIDE + kv_h * HEAD_DIM
-    kv_seg_base = kv_seg_ptr + b * KV_PAD
     OFFSET: tl.constexpr = KV_LEN - Q_LEN
-    lo, full_lo, full_hi, hi = _kv_blocks(q0, BLOCK_Q, BLOCK_K, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI)
+    (b, h, rows, q_offsets, q_seg, row_ids, seed, k_base, v_base, kv_seg_base, lo, full_lo, full_hi,
+     hi) = _query_block(q_seg_ptr, seed_ptr, k_ptr, v_ptr, kv_seg_ptr, Q_PAD, KV_PAD, HEADS, KV_HEADS, HEAD_DIM, Q_LEN,
+                        KV_LEN, BLOCK_Q, BLOCK_K, HAS_LO, LO, HAS_HI, HI, SEGMENTS)
+    q = tl.load(q_ptr + q_offsets)
 
     acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
@@ -336,26 +348,15 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_se
                HI: tl.constexpr, SEGMENTS: tl.constexpr, SCALE: tl.constexpr, C: tl.constexpr,
                SOFT_CAP: tl.constexpr, CAP2: tl.constexpr, CAP_SCALE: tl.constexpr, PRECISION: tl.constexpr,
                DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr):
-    q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    kv_h = h // (HEADS // KV_HEADS)
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, HEAD_DIM)
-    q_offsets = ((b * Q_PAD + rows[:, None]) * HEADS + h) * HEAD_DIM + dims[None, :]
+    KV_STRIDE: tl.constexpr = KV_HEADS * HEAD_DIM
+    OFFSET: tl.constexpr = KV_LEN - Q_LEN
+    (b, h, rows, q_offsets, q_seg, row_ids, seed, k_base, v_base, kv_seg_base, lo, full_lo, full_hi,
+     hi) = _query_block(q_seg_ptr, seed_ptr, k_ptr, v_ptr, kv_seg_ptr, Q_PAD, KV_PAD, HEADS, KV_HEADS, HEAD_DIM, Q_LEN,
+                        KV_LEN, BLOCK_Q, BLOCK_K, HAS_LO, LO, HAS_HI, HI, SEGMENTS)
     q = tl.load(q_ptr + q_offsets)
     do = tl.load(do_ptr + q_offsets)
     lse = tl.load(lse_ptr + (b * HEADS + h) * Q_PAD + rows)
     delta = tl.load(delta_ptr + (b * HEADS + h) * Q_PAD + rows)
-    q_seg = tl.load(q_seg_ptr + b * Q_PAD + rows) if SEGMENTS else rows
-    row_ids = ((b * HEADS + h) * Q_LEN + rows).to(tl.uint32, bitcast=True)
-    seed = tl.load(seed_ptr).to(tl.uint32, bitcast=True)
-    KV_STRIDE: tl.constexpr = KV_HEADS * HEAD_DIM
-    k_base = k_ptr + b * KV_PAD * KV_STRIDE + kv_h * HEAD_DIM
-    v_base = v_ptr + b * KV_PAD * KV_STRIDE + kv_h * HEAD_DIM
-    kv_seg_base = kv_seg_ptr + b * KV_PAD
-    OFFSET: tl.constexpr = KV_LEN - Q_LEN
-    lo, full_lo, full_hi, hi = _kv_blocks(q0, BLOCK_Q, BLOCK_K, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI)
     dq = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     dq = _dq_blocks(dq, q, do, lse, delta, q_seg, rows, row_ids, seed, k_base, v_base, kv_seg_base, full_hi, hi, True,
                     KV_STRIDE, HEAD_DIM, BLOCK_K, C, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI, SEGMENTS, SOFT_CAP, CAP2,

@@ -93,17 +93,7 @@ def _precision(*dtypes) -> str:
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
         transpose_rhs: bool = False, out_dtype=None, tiles: gg.GemmTiles | None = None) -> jax.Array:
     """`mtjax.kernels.grouped_gemm.gmm` (same arguments but ``interpret``, same result) in native Triton."""
-    gg._check("gmm", lhs, rhs)
-    m, k = lhs.shape
-    g = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != k:
-        raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} (transpose_rhs={transpose_rhs}) disagree on K")
-    if group_sizes.shape != (g,):
-        raise ValueError(f"gmm: group_sizes has shape {group_sizes.shape}; expected ({g},)")
-    gg._check_group_scale("gmm", group_scale, g)
-    tiles = gg._fp8_contraction((tiles or gg.GemmTiles()).clamp(m=m, n=n, k=k), "block_k", lhs.dtype, rhs.dtype)
-    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k, n, g, tiles, out_dtype = gg.prepare_gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs, out_dtype, tiles)
     visits = gg.num_visits(m, g, tiles.block_m)
     num_tiles = visits * triton.cdiv(n, tiles.block_n)
     [out] = launch(
@@ -148,19 +138,10 @@ def _tgmm_kernel(offsets_ptr, lhs_ptr, dy_ptr, scale_ptr, out_ptr, M: tl.constex
 def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
          out_dtype=None, tiles: gg.GemmTiles | None = None) -> jax.Array:
     """`mtjax.kernels.grouped_gemm.tgmm` (same arguments but ``interpret``, same result) in native Triton."""
-    gg._check("tgmm", lhs, jax.ShapeDtypeStruct((1, dy.shape[-1], dy.shape[0]), dy.dtype))
-    m, k = lhs.shape
-    if dy.ndim != 2 or dy.shape[0] != m:
-        raise ValueError(f"tgmm: lhs {lhs.shape} and dy {dy.shape} must share M")
-    n = dy.shape[1]
-    g = group_sizes.shape[0]
-    gg._check_group_scale("tgmm", group_scale, g)
-    tiles = gg._fp8_contraction((tiles or gg.BlockSizes().wgrad).clamp(m=m, n=n, k=k), "block_m", lhs.dtype, dy.dtype)
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    m, k, n, g, tiles, out_dtype, offsets = gg.prepare_tgmm(lhs, dy, group_sizes, group_scale, out_dtype, tiles)
     [out] = launch(
         _tgmm_kernel, offsets, lhs, dy, stand_in() if group_scale is None else group_scale.astype(jnp.float32),
-        out_shape=[jax.ShapeDtypeStruct((g, k, n), jnp.dtype(out_dtype or lhs.dtype))],
+        out_shape=[jax.ShapeDtypeStruct((g, k, n), out_dtype)],
         grid=(triton.cdiv(n, tiles.block_n), triton.cdiv(k, tiles.block_k), g), name="mtjax_triton_grouped_gemm_wgrad",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         M=m, K=k, N=n, SCALED=group_scale is not None, MIXED=jnp.dtype(lhs.dtype) != jnp.dtype(dy.dtype),

@@ -92,7 +92,7 @@ def test_attention_multi_block_bfloat16(interpret):
     from mtjax.kernels import flash_attention as fa
     from mtjax.kernels.triton import flash_attention as native
 
-    q, k, v, do = _inputs(3, (1, 70, 2, 32), (1, 90, 1, 32), (1, 90, 1, 32), (1, 70, 2, 32), dtype=jnp.bfloat16)
+    q, k, v, do = _inputs(3, (1, 40, 2, 32), (1, 56, 1, 32), (1, 56, 1, 32), (1, 40, 2, 32), dtype=jnp.bfloat16)
     blocks = fa.BlockSizes(block_q=32, block_k=16, dkdv_block_q=16, dkdv_block_k=32, dq_block_q=32, dq_block_k=16)
 
     def out_and_grads(f):
@@ -100,8 +100,8 @@ def test_attention_multi_block_bfloat16(interpret):
         return (out, *vjp(do))
 
     got = out_and_grads(lambda q, k, v: native.flash_attention(q, k, v, scale=0.25, causal=True,
-                                                                window_size=(40, -1), block_sizes=blocks))
-    want = out_and_grads(lambda q, k, v: ops.attention(q, k, v, scale=0.25, mask_type="causal", window_size=(40, -1),
+                                                                window_size=(20, -1), block_sizes=blocks))
+    want = out_and_grads(lambda q, k, v: ops.attention(q, k, v, scale=0.25, mask_type="causal", window_size=(20, -1),
                                                        implementation="xla"))
     _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
 
@@ -120,7 +120,7 @@ def test_attention_with_lse_matches_reference(interpret):
     _tree_allclose(got, want, 1e-5, ("dq", "dk", "dv"))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [128, 256])
 def test_attention_compiles_for_hopper(head_dim):
     """The three kernels at the default tiles, with every mask feature on, compile for sm_90 and fit
     in an SM's shared memory."""
@@ -492,7 +492,7 @@ def _assert_identical(got, want):
 
 
 @pytest.mark.parametrize("m,k,transpose,dtype,out_dtype,power_of_two", [
-    (200, 300, True, jnp.bfloat16, jnp.float8_e4m3fn, False),
+    (130, 140, True, jnp.bfloat16, jnp.float8_e4m3fn, False),
     (5, 130, False, jnp.float32, jnp.float8_e5m2, True),
 ])
 def test_tile_quantize_is_bit_identical(interpret, m, k, transpose, dtype, out_dtype, power_of_two):
@@ -507,10 +507,22 @@ def test_tile_quantize_is_bit_identical(interpret, m, k, transpose, dtype, out_d
 def test_block_quantize_is_bit_identical(interpret):
     from tests.kernels.test_block_fp8 import _x
 
-    w = _x(5, (130, 200), jnp.bfloat16, 0.05)
+    w = _x(5, (100, 130), jnp.bfloat16, 0.05)
     options = dict(power_of_two=False, amax_epsilon=1e-2)
     _assert_identical(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton", **options),
                       ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla", **options))
+
+
+def test_a_nan_tile_gets_scale_one(interpret):
+    """`block_quantize.tile_scales`: a tile whose amax is NaN keeps scale 1 and its NaN (the reference on
+    the CPU cannot show this: XLA's CPU max drops NaNs)."""
+    from mtjax.kernels.triton import block_fp8 as native
+
+    x = jnp.ones((4, 256), jnp.float32).at[1, 5].set(jnp.nan).at[2, 200].set(3.0)
+    q, scale_inv = native.tile_quantize(x, jnp.float8_e4m3fn, fp8_max=448.0)
+    assert np.isnan(np.asarray(q[1, 5], np.float32)) and float(scale_inv[1, 0]) == 1.0
+    f32 = np.float32
+    assert scale_inv[1, 1] == f32(1) / (f32(448) / f32(1)) and scale_inv[2, 1] == f32(1) / (f32(448) / f32(3))
 
 
 @pytest.mark.parametrize("b_blocks,b_dtype", [(True, jnp.float8_e4m3fn), (False, jnp.float8_e5m2)])
@@ -518,7 +530,7 @@ def test_block_fp8_gemm_matches_reference(interpret, b_blocks, b_dtype):
     """Per-row and per-128x128-block scales of b; E4M3 x E5M2 mixes the formats (bfloat16 dots)."""
     from tests.kernels.test_block_fp8 import _operands
 
-    a, a_s, b, b_s = _operands(0, 37, 300, 70, b_blocks, b_dtype)
+    a, a_s, b, b_s = _operands(0, 37, 200, 40, b_blocks, b_dtype)
     got = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="triton")
     want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
     _tree_allclose((got,), (want,), 1e-6, ("out",))
