@@ -6,7 +6,8 @@ store keeps each visit to its own group's rows), programs walk the (visit, N-til
 ``group_m`` visits for L2 reuse, optionally as ``num_programs`` persistent programs.
 ``tgmm``: ``out[g] = lhs[rows of g]^T @ dy[rows of g]``, one program per (N-tile, K-tile, group)
 looping over the group's rows. Both accumulate in float32 with ``tl.dot``, software-pipeline their
-inner loop over ``num_stages`` stages and apply an optional per-group scale in the epilogue.
+inner loop over ``num_stages`` stages and scale each K step's product by an optional per-group scale
+(FP8's promotion, as the Pallas kernels do).
 """
 
 import jax
@@ -20,13 +21,19 @@ from mtjax.kernels.triton.runtime import launch, stand_in
 
 
 @triton.jit
-def _operands(a, b, MIXED: tl.constexpr):
-    # Two FP8 formats (E5M2 gradients against E4M3 weights) multiply as bfloat16, which holds every
-    # E4M3 and E5M2 value exactly, as the Pallas kernel does.
+def _accumulate(a, b, acc, scale, SCALED: tl.constexpr, MIXED: tl.constexpr, PRECISION: tl.constexpr):
+    """`mtjax.kernels.grouped_gemm._accumulate`: ``acc + dot(a, b) [* scale]``. With a scale (FP8
+    operands) each K step's product is scaled and added outside the tensor core ("promotion"): Hopper's
+    FP8 MMA accumulates with fewer mantissa bits than float32. Two FP8 formats (E5M2 gradients against
+    E4M3 weights) multiply as bfloat16, which holds every E4M3 and E5M2 value exactly."""
     if MIXED:
         a = a.to(tl.bfloat16)
         b = b.to(tl.bfloat16)
-    return a, b
+    if SCALED:
+        acc += tl.dot(a, b, input_precision=PRECISION) * scale
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -49,8 +56,9 @@ def _gmm_tile(pid, group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_
     ks = tl.arange(0, BLOCK_K)
     if lo < hi:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        # The pseudo-group past the last group runs no iteration: its rows are zeros.
+        # The pseudo-group past the last group runs no iteration: its rows are zeros whatever scale they get.
         steps = tl.where(group < G, (K + BLOCK_K - 1) // BLOCK_K, 0)
+        scale = tl.load(scale_ptr + tl.minimum(group, G - 1)) if SCALED else 1.0
         rhs_base = rhs_ptr + group.to(tl.int64) * K * N
         for kk in tl.range(0, steps):
             k = kk * BLOCK_K + ks
@@ -62,10 +70,7 @@ def _gmm_tile(pid, group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_
             else:
                 b = tl.load(rhs_base + k[:, None] * N + cols[None, :], mask=(k[:, None] < K) & (cols[None, :] < N),
                             other=0.0)
-            a, b = _operands(a, b, MIXED)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if SCALED:  # the pseudo-group's rows are zeros whatever scale they get
-            acc = acc * tl.load(scale_ptr + tl.minimum(group, G - 1))
+            acc = _accumulate(a, b, acc, scale, SCALED, MIXED, PRECISION)
         keep = (rows[:, None] >= lo) & (rows[:, None] < hi) & (cols[None, :] < N)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
 
@@ -120,6 +125,7 @@ def _tgmm_kernel(offsets_ptr, lhs_ptr, dy_ptr, scale_ptr, out_ptr, M: tl.constex
     start = tl.load(offsets_ptr + g)
     end = tl.load(offsets_ptr + g + 1)
     row_ids = tl.arange(0, BLOCK_M)
+    scale = tl.load(scale_ptr + g) if SCALED else 1.0
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for i in tl.range(0, cdiv(end - start, BLOCK_M)):
         rows = start + i * BLOCK_M + row_ids
@@ -127,10 +133,7 @@ def _tgmm_kernel(offsets_ptr, lhs_ptr, dy_ptr, scale_ptr, out_ptr, M: tl.constex
                     other=0.0)
         b = tl.load(dy_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < end) & (cols[None, :] < N),
                     other=0.0)
-        a, b = _operands(a, b, MIXED)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-    if SCALED:
-        acc = acc * tl.load(scale_ptr + g)
+        acc = _accumulate(tl.trans(a), b, acc, scale, SCALED, MIXED, PRECISION)
     out = out_ptr + g.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
 
