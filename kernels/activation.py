@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
+    Launchers,
     check_kernel_fp8_dtype,
     check_size,
     interpret,
@@ -33,6 +34,9 @@ from mtjax.kernels.common import (
     reduce_tile_maxima,
     saturate_cast,
     unsupported_array,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -323,46 +327,54 @@ def _flat_bias(bias):
     return None if bias is None else bias.reshape(-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _activation(x, bias, activation):
-    return _activation_fwd(x, bias, activation)[0]
+# forward(x, bias, scale=None, *, activation, out_dtype=None) and backward(x, bias, dy, *, activation), as above.
+PALLAS = Launchers(forward=forward, backward=backward)
 
 
-def _activation_fwd(x, bias, activation):
-    (y,) = forward(_rows(x, activation), _flat_bias(bias), activation=activation)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _activation(x, bias, activation, launchers):
+    return _activation_fwd(x, bias, activation, launchers)[0]
+
+
+def _activation_fwd(x, bias, activation, launchers):
+    (y,) = launchers.forward(_rows(x, activation), _flat_bias(bias), activation=activation)
     return y.reshape(_out_shape(x.shape, activation)), (x, bias)
 
 
-def _activation_bwd(activation, saved, dy):
+def _activation_bwd(activation, launchers, saved, dy):
     x, bias = saved
-    dx, dbias = backward(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]), activation=activation)
+    dx, dbias = launchers.backward(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]),
+                                   activation=activation)
     return dx.reshape(x.shape), None if bias is None else dbias.reshape(bias.shape)
 
 
 _activation.defvjp(_activation_fwd, _activation_bwd)
 
 
-def activation(x: jax.Array, bias: jax.Array | None, *, activation: str) -> jax.Array:
+def activation(x: jax.Array, bias: jax.Array | None, *, activation: str, launchers: Launchers = PALLAS) -> jax.Array:
     """``act(x + bias)`` over ``x [..., hidden]`` (``[..., 2, hidden]`` and bias ``[2, hidden]`` when gated);
-    returns ``[..., hidden]`` in x.dtype."""
-    return _activation(x, bias, activation)
+    returns ``[..., hidden]`` in x.dtype. ``launchers``: these Pallas kernels or the native Triton ones
+    (`mtjax.kernels.triton.activation.NATIVE`)."""
+    return _activation(x, bias, activation, launchers)
 
 
 def activation_grad_fp8(x: jax.Array, bias: jax.Array | None, dy: jax.Array, scale: jax.Array, *, activation: str,
-                        out_dtype) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """`backward_fp8` over the layouts of `activation`: ``x [..., hidden]`` (``[..., 2, hidden]``
-    gated) and ``dy [..., hidden]`` give ``(dx_q`` shaped like x, ``dx_q`` flattened to 2-D and
-    transposed, ``max |dx|``, ``dbias`` shaped like bias``)``."""
+                        out_dtype, launch: Callable = backward_fp8
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """`backward_fp8` (or ``launch``, its native Triton port) over the layouts of `activation`:
+    ``x [..., hidden]`` (``[..., 2, hidden]`` gated) and ``dy [..., hidden]`` give ``(dx_q`` shaped
+    like x, ``dx_q`` flattened to 2-D and transposed, ``max |dx|``, ``dbias`` shaped like bias``)``."""
     check_kernel_fp8_dtype("activation_grad_fp8", out_dtype)
-    dx_q, dx_q_t, amax, dbias = backward_fp8(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]),
-                                             scale, activation=activation, out_dtype=out_dtype)
+    dx_q, dx_q_t, amax, dbias = launch(_rows(x, activation), _flat_bias(bias), dy.reshape(-1, dy.shape[-1]),
+                                       scale, activation=activation, out_dtype=out_dtype)
     return dx_q.reshape(x.shape), dx_q_t, amax, None if bias is None else dbias.reshape(bias.shape)
 
 
 def activation_fp8(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation: str,
-                   out_dtype) -> tuple[jax.Array, jax.Array]:
+                   out_dtype, launchers: Launchers = PALLAS) -> tuple[jax.Array, jax.Array]:
     """``(saturate_cast(y * scale, out_dtype), max |y|)`` for ``y = act(x + bias)`` (layouts as
     `activation`); forward only."""
     check_kernel_fp8_dtype("activation_fp8", out_dtype)
-    y, amax = forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation, out_dtype=out_dtype)
+    y, amax = launchers.forward(_rows(x, activation), _flat_bias(bias), scale, activation=activation,
+                                out_dtype=out_dtype)
     return y.reshape(_out_shape(x.shape, activation)), amax

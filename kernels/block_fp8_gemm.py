@@ -23,13 +23,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
     MAX_ELEMENTS,
+    Launchers,
     interpret,
     next_power_of_2,
     unsupported_fp8_dtype,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 BLOCK_K = 128  # the scales' K block: one promotion per block
@@ -108,8 +111,31 @@ def _pad(x: jax.Array, rows: int, cols: int, value: float = 0.0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value) if pad[0][1] or pad[1][1] else x
 
 
+def _launch(a: jax.Array, sa_t: jax.Array, b: jax.Array, sb_t: jax.Array, out_dtype, config: GemmConfig) -> jax.Array:
+    """The kernel on operands padded to whole tiles: ``a [mp, kp]``, ``sa_t [kp/128, mp]``, ``b [np, kp]``,
+    ``sb_t [kp/128, np]``; returns ``[mp, np]`` in ``out_dtype``."""
+    (mp, kp), np_ = a.shape, b.shape[0]
+    kb = kp // BLOCK_K
+    bm, bn = config.block_m, config.block_n
+    return pl.pallas_call(
+        functools.partial(_kernel, num_k_blocks=kb),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
+                  pl.BlockSpec((bn, kp), lambda i, j: (j, 0)), pl.BlockSpec((kb, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret(),
+        name="mtjax_block_fp8_gemm",
+    )(a, sa_t, b, sb_t)
+
+
+# forward(a, sa_t, b, sb_t, out_dtype, config) -> out on operands padded to whole tiles, as `_launch`.
+PALLAS = Launchers(forward=_launch)
+
+
 def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out_dtype, *,
-                   config: GemmConfig = DEFAULT_CONFIG) -> jax.Array:
+                   config: GemmConfig = DEFAULT_CONFIG, launchers: Launchers = PALLAS) -> jax.Array:
     """``out [m, n]`` (see the module docstring) for ``a [m, k]``, ``sa [m, ceil(k/128)]``, ``b [n, k]``,
     ``sb [n, ceil(k/128)]`` (float32 dequantization scales per row and K block). Forward only: the
     block-scaled matmul's custom_vjp (`mtjax.fp8`) runs this for its three GEMMs."""
@@ -123,15 +149,5 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
     a, b = _pad(a, mp, kp), _pad(b, np_, kp)
     # Scales of padded rows are 1, so a padded row stays a row of zeros (never 0 * Inf).
     sa_t, sb_t = _pad(sa.T.astype(jnp.float32), kb, mp, 1.0), _pad(sb.T.astype(jnp.float32), kb, np_, 1.0)
-    out = pl.pallas_call(
-        functools.partial(_kernel, num_k_blocks=kb),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
-                  pl.BlockSpec((bn, kp), lambda i, j: (j, 0)), pl.BlockSpec((kb, bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret(),
-        name="mtjax_block_fp8_gemm",
-    )(a, sa_t, b, sb_t)
+    out = launchers.forward(a, sa_t, b, sb_t, out_dtype, config)
     return out[:m, :n] if (mp, np_) != (m, n) else out

@@ -24,13 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
     interpret,
     saturate_cast,
     unsupported_array,
     unsupported_fp8_dtype,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 TILE = 128  # the width of a row tile and the side of a weight block

@@ -7,12 +7,35 @@ Offsets are int32 inside the kernels: launchers reject arrays of ``2**31`` eleme
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mtjax.config import config
 from mtjax.dtypes import OCP_FP8_DTYPES, fp8_max
+
+try:  # Pallas' Triton backend (deprecated in jax 0.11): without it the Pallas kernels here cannot run,
+    from jax.experimental.pallas import triton as pallas_triton  # and `mtjax.backend` offers none of them
+except ImportError:
+    pallas_triton = None
+
+@dataclasses.dataclass(frozen=True)
+class Launchers:
+    """The launch functions behind a kernel family's differentiable entry points: the Pallas ones of
+    this folder (the default everywhere) or their native Triton ports (`mtjax.kernels.triton`), which
+    share the entry points' padding, tiles and custom_vjp glue. Each family documents the signatures.
+
+    Attributes:
+      forward: launches the forward kernel.
+      backward: launches the backward kernel(s); ``None`` for forward-only families.
+    """
+
+    forward: Callable
+    backward: Callable | None = None
+
 
 MAX_ELEMENTS = 2**31 - 1
 # The widest row a kernel keeps in registers (f32 elements per row tile).

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from mtjax.kernels.common import MAX_ELEMENTS, dropout_keep
+from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep
+from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -219,6 +219,11 @@ class _Static:
     interpret: bool
     dropout_rate: float = 0.0
     ptx_exp2: bool = False
+    launchers: Launchers | None = None  # None: the Pallas kernels here
+
+    @property
+    def kernels(self) -> Launchers:
+        return self.launchers or PALLAS
 
 
 def _logits2(q, k, st: _Static):
@@ -519,19 +524,25 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st: _Static):
 # --------------------------------------------------------------------------------------------------
 
 
+# forward(q, k, v, q_seg, kv_seg, seed, st) -> (out, lse) on padded arrays, lse [batch, heads, q_pad]
+# float32 in base 2 (+inf for rows that see no key); backward(q, k, v, q_seg, kv_seg, seed, out, lse,
+# do, st) -> (dq, dk, dv).
+PALLAS = Launchers(forward=_forward, backward=_backward)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _flash(q, k, v, q_seg, kv_seg, seed, st: _Static):
-    return _forward(q, k, v, q_seg, kv_seg, seed, st)[0]
+    return st.kernels.forward(q, k, v, q_seg, kv_seg, seed, st)[0]
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, seed, st: _Static):
-    out, lse = _forward(q, k, v, q_seg, kv_seg, seed, st)
+    out, lse = st.kernels.forward(q, k, v, q_seg, kv_seg, seed, st)
     return out, (q, k, v, q_seg, kv_seg, seed, out, lse)
 
 
 def _flash_bwd(st: _Static, residuals, do):
     q, k, v, q_seg, kv_seg, seed, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st)
+    dq, dk, dv = st.kernels.backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st)
     return dq, dk, dv, None, None, None
 
 
@@ -567,6 +578,7 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     ptx_exp2: bool | None = None,
+    launchers: Launchers = PALLAS,
 ) -> jax.Array:
     """Flash attention over BTNH arrays; differentiable in ``q``, ``k``, ``v``.
 
@@ -588,6 +600,7 @@ def flash_attention(
       ptx_exp2: compute the softmax probabilities' exponentials with PTX ``fma`` + ``ex2.approx.ftz``
         inline assembly (NVIDIA only); ``None``: wherever the lowering platform is ``cuda`` (through
         `jax.lax.platform_dependent`), never in interpret mode.
+      launchers: the kernels: `PALLAS`, or `mtjax.kernels.triton.flash_attention.NATIVE`.
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``; rows that see no key are zeros.
     """
@@ -599,7 +612,7 @@ def flash_attention(
     q_len = q.shape[1]
     st, args = _prepare(q, k, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window_size=window_size,
                         logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, block_sizes=block_sizes,
-                        interpret=interpret)
+                        interpret=interpret, launchers=launchers)
     seed = None if dropout_rate == 0.0 else jnp.asarray(dropout_seed, jnp.uint32)
 
     def run(ptx, *args):
@@ -610,7 +623,7 @@ def flash_attention(
 
 
 def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, scale, causal, window_size, logits_soft_cap, dropout_rate,
-             block_sizes, interpret):
+             block_sizes, interpret, launchers):
     """The static configuration and the inputs padded to whole blocks (the kernels mask the key
     tail; padded queries are dropped): ``(st, (q, k, v, q_seg, kv_seg))``."""
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
@@ -619,7 +632,7 @@ def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, scale, causal, window_si
     st = _Static(
         mask=MaskSpec.build(q_len, kv_len, causal=causal, window_size=window_size, segments=segments),
         scale=float(scale), soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate),
+        blocks=blocks, interpret=interpret, dropout_rate=float(dropout_rate), launchers=launchers,
     )
     q_pad = -q_len % blocks.q_multiple
     kv_pad = -kv_len % blocks.kv_multiple
@@ -669,6 +682,7 @@ def flash_attention_forward(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     ptx_exp2: bool | None = None,
+    launchers: Launchers = PALLAS,
 ) -> tuple[jax.Array, jax.Array]:
     """The forward kernel alone: ``(out, lse)``, for attention over key blocks merged outside
     (ring / context-parallel attention merges partial results by their log-sum-exp).
@@ -682,10 +696,10 @@ def flash_attention_forward(
     q_len = q.shape[1]
     st, args = _prepare(q, k, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window_size=None,
                         logits_soft_cap=logits_soft_cap, dropout_rate=0.0, block_sizes=block_sizes,
-                        interpret=interpret)
+                        interpret=interpret, launchers=launchers)
 
     def run(ptx, *args):
-        return tuple(_forward(*args, None, dataclasses.replace(st, ptx_exp2=ptx)))
+        return tuple(st.kernels.forward(*args, None, dataclasses.replace(st, ptx_exp2=ptx)))
 
     out, lse2 = _per_platform(ptx_exp2, interpret, run, *args)
     lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 * (1.0 / LOG2E))  # base 2 -> e; empty rows +inf -> -inf
@@ -708,6 +722,7 @@ def flash_attention_backward(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
     ptx_exp2: bool | None = None,
+    launchers: Launchers = PALLAS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The backward kernels alone: ``(dq, dk, dv)`` of this block of keys, given the attention's
     final ``out [batch, q_len, heads, head_dim]``, ``lse [batch, heads, q_len]`` (natural log,
@@ -725,7 +740,8 @@ def flash_attention_backward(
                          f"match q {q.shape}")
     st, (q, k, v, q_seg, kv_seg) = _prepare(
         q, k, v, q_segment_ids, kv_segment_ids, scale=scale, causal=causal, window_size=None,
-        logits_soft_cap=logits_soft_cap, dropout_rate=0.0, block_sizes=block_sizes, interpret=interpret)
+        logits_soft_cap=logits_soft_cap, dropout_rate=0.0, block_sizes=block_sizes, interpret=interpret,
+        launchers=launchers)
     q_pad = q.shape[1] - q_len
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)  # the kernels' convention: base 2, +inf empty
     rows = ((0, 0), (0, q_pad), (0, 0), (0, 0))
@@ -733,7 +749,8 @@ def flash_attention_backward(
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad)), constant_values=jnp.inf)
 
     def run(ptx, q, k, v, q_seg, kv_seg, out, lse2, d_out):
-        return _backward(q, k, v, q_seg, kv_seg, None, out, lse2, d_out, dataclasses.replace(st, ptx_exp2=ptx))
+        return st.kernels.backward(q, k, v, q_seg, kv_seg, None, out, lse2, d_out,
+                                   dataclasses.replace(st, ptx_exp2=ptx))
 
     dq, dk, dv = _per_platform(ptx_exp2, interpret, run, q, k, v, q_seg, kv_seg, out, lse2, d_out)
     return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

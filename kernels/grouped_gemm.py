@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from mtjax.kernels.common import MAX_ELEMENTS
+from mtjax.kernels.common import pallas_triton as pltriton
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16,
           jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
@@ -338,6 +338,22 @@ def _gmm_tile(pid, group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, scale_
                        mask=jnp.broadcast_to(store_mask, (bm, bn)))
 
 
+def prepare_gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs: bool, out_dtype, tiles: GemmTiles | None):
+    """Check `gmm`'s arguments; ``(m, k, n, num_groups, tiles, out_dtype)`` with the tiles clamped to
+    the shapes (and FP8's contraction block)."""
+    _check("gmm", lhs, rhs)
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != k:
+        raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} (transpose_rhs={transpose_rhs}) disagree on K")
+    if group_sizes.shape != (g,):
+        raise ValueError(f"gmm: group_sizes has shape {group_sizes.shape}; expected ({g},)")
+    _check_group_scale("gmm", group_scale, g)
+    tiles = _fp8_contraction((tiles or GemmTiles()).clamp(m=m, n=n, k=k), "block_k", lhs.dtype, rhs.dtype)
+    return m, k, n, g, tiles, jnp.dtype(out_dtype or lhs.dtype)
+
+
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
         transpose_rhs: bool = False, out_dtype: Any = None, tiles: GemmTiles | None = None,
         interpret: bool = False) -> jax.Array:
@@ -354,17 +370,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
     Returns:
       ``[M, N]``, zeros past ``sum(group_sizes)``.
     """
-    _check("gmm", lhs, rhs)
-    m, k = lhs.shape
-    g = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != k:
-        raise ValueError(f"gmm: lhs {lhs.shape} and rhs {rhs.shape} (transpose_rhs={transpose_rhs}) disagree on K")
-    if group_sizes.shape != (g,):
-        raise ValueError(f"gmm: group_sizes has shape {group_sizes.shape}; expected ({g},)")
-    _check_group_scale("gmm", group_scale, g)
-    tiles = _fp8_contraction((tiles or GemmTiles()).clamp(m=m, n=n, k=k), "block_k", lhs.dtype, rhs.dtype)
-    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    m, k, n, g, tiles, out_dtype = prepare_gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs, out_dtype, tiles)
     st = _GmmStatic(m=m, k=k, n=n, num_groups=g, num_visits=num_visits(m, g, tiles.block_m),
                     transpose_rhs=transpose_rhs, scaled=group_scale is not None, tiles=tiles)
     schedule = visits(group_sizes, m, tiles.block_m)
@@ -425,6 +431,23 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, *refs, st: _TgmmStatic):
         pltriton.store(out, acc.astype(out_ref.dtype), mask=jnp.broadcast_to(out_mask, (bk, bn)))
 
 
+def prepare_tgmm(lhs, dy, group_sizes, group_scale, out_dtype, tiles: GemmTiles | None):
+    """Check `tgmm`'s arguments; ``(m, k, n, num_groups, tiles, out_dtype, offsets)`` with the tiles
+    clamped and ``offsets [G + 1]`` the groups' first rows (and the end)."""
+    # The arrays the kernel indexes: lhs [M, K], dy [M, N] and the output [G, K, N].
+    _check("tgmm", lhs, jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[-1], dy.shape[-1]), dy.dtype))
+    m, k = lhs.shape
+    if dy.ndim != 2 or dy.shape[0] != m:
+        raise ValueError(f"tgmm: lhs {lhs.shape} and dy {dy.shape} must share M")
+    n = dy.shape[1]
+    g = group_sizes.shape[0]
+    _check_group_scale("tgmm", group_scale, g)
+    tiles = _fp8_contraction((tiles or BlockSizes().wgrad).clamp(m=m, n=n, k=k), "block_m", lhs.dtype, dy.dtype)
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    return m, k, n, g, tiles, jnp.dtype(out_dtype or lhs.dtype), offsets
+
+
 def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
          out_dtype: Any = None, tiles: GemmTiles | None = None, interpret: bool = False) -> jax.Array:
     """``out[g] = lhs[rows of g]^T @ dy[rows of g]`` into ``[G, K, N]`` (module docstring).
@@ -437,18 +460,7 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
       tiles: default ``BlockSizes().wgrad``, clamped to the shapes.
       interpret: run in Pallas interpret mode.
     """
-    # The arrays the kernel indexes: lhs [M, K], dy [M, N] and the output [G, K, N].
-    _check("tgmm", lhs, jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[-1], dy.shape[-1]), dy.dtype))
-    m, k = lhs.shape
-    if dy.ndim != 2 or dy.shape[0] != m:
-        raise ValueError(f"tgmm: lhs {lhs.shape} and dy {dy.shape} must share M")
-    n = dy.shape[1]
-    g = group_sizes.shape[0]
-    _check_group_scale("tgmm", group_scale, g)
-    tiles = _fp8_contraction((tiles or BlockSizes().wgrad).clamp(m=m, n=n, k=k), "block_m", lhs.dtype, dy.dtype)
-    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    m, k, n, g, tiles, out_dtype, offsets = prepare_tgmm(lhs, dy, group_sizes, group_scale, out_dtype, tiles)
     st = _TgmmStatic(m=m, k=k, n=n, scaled=group_scale is not None, tiles=tiles)
     scale = () if group_scale is None else (group_scale.astype(jnp.float32),)
     return pl.pallas_call(

@@ -29,9 +29,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from mtjax.kernels.common import (
+    Launchers,
     check_kernel_fp8_dtype,
     check_size,
     dropout_keep,
@@ -39,6 +39,9 @@ from mtjax.kernels.common import (
     next_power_of_2,
     reduce_tile_maxima,
     saturate_cast,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
 )
 
 # Programs of both kernels: two per SM of an H100/H200 (132 SMs), so each SM interleaves two
@@ -384,21 +387,27 @@ def backward(h, gamma, dy, dresidual=None, seed=None, *, rms: bool, epsilon: flo
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _norm(x, gamma, beta, rms, epsilon, zero_centered_gamma):
-    return _norm_fwd(x, gamma, beta, rms, epsilon, zero_centered_gamma)[0]
+# forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms, epsilon, zero_centered_gamma,
+# dropout_rate=0.0, out_dtype=None) and backward(h, gamma, dy, dresidual=None, seed=None, *, rms, epsilon,
+# zero_centered_gamma, has_beta, dropout_rate=0.0, dx_dtype=None), as above.
+PALLAS = Launchers(forward=forward, backward=backward)
 
 
-def _norm_fwd(x, gamma, beta, rms, epsilon, zero_centered_gamma):
-    (y,) = forward(x.reshape(-1, x.shape[-1]), gamma, beta, rms=rms, epsilon=epsilon,
-                   zero_centered_gamma=zero_centered_gamma)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _norm(x, gamma, beta, rms, epsilon, zero_centered_gamma, launchers):
+    return _norm_fwd(x, gamma, beta, rms, epsilon, zero_centered_gamma, launchers)[0]
+
+
+def _norm_fwd(x, gamma, beta, rms, epsilon, zero_centered_gamma, launchers):
+    (y,) = launchers.forward(x.reshape(-1, x.shape[-1]), gamma, beta, rms=rms, epsilon=epsilon,
+                             zero_centered_gamma=zero_centered_gamma)
     return y.reshape(x.shape), (x, gamma, beta)
 
 
-def _norm_bwd(rms, epsilon, zero_centered_gamma, saved, dy):
+def _norm_bwd(rms, epsilon, zero_centered_gamma, launchers, saved, dy):
     x, gamma, beta = saved
     n = x.shape[-1]
-    dx, _, dgamma, dbeta = backward(
+    dx, _, dgamma, dbeta = launchers.backward(
         x.reshape(-1, n), gamma, dy.reshape(-1, n), rms=rms, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, has_beta=beta is not None,
     )
@@ -410,24 +419,27 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 def layer_norm(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, *, epsilon: float,
-               zero_centered_gamma: bool) -> jax.Array:
-    """LayerNorm over the last axis of ``x [..., hidden]``; ``gamma``/``beta`` ``[hidden]``; returns x.dtype."""
-    return _norm(x, gamma, beta, False, epsilon, zero_centered_gamma)
+               zero_centered_gamma: bool, launchers: Launchers = PALLAS) -> jax.Array:
+    """LayerNorm over the last axis of ``x [..., hidden]``; ``gamma``/``beta`` ``[hidden]``; returns x.dtype.
+    ``launchers``: the kernels (these Pallas ones, or `mtjax.kernels.triton.layer_norm.NATIVE`)."""
+    return _norm(x, gamma, beta, False, epsilon, zero_centered_gamma, launchers)
 
 
-def rms_norm(x: jax.Array, gamma: jax.Array, *, epsilon: float, zero_centered_gamma: bool) -> jax.Array:
+def rms_norm(x: jax.Array, gamma: jax.Array, *, epsilon: float, zero_centered_gamma: bool,
+             launchers: Launchers = PALLAS) -> jax.Array:
     """RMSNorm over the last axis of ``x [..., hidden]``; ``gamma`` ``[hidden]``; returns x.dtype."""
-    return _norm(x, gamma, None, True, epsilon, zero_centered_gamma)
+    return _norm(x, gamma, None, True, epsilon, zero_centered_gamma, launchers)
 
 
 def norm_fp8(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, scale: jax.Array, *, rms: bool,
-             epsilon: float, zero_centered_gamma: bool, out_dtype) -> tuple[jax.Array, jax.Array]:
+             epsilon: float, zero_centered_gamma: bool, out_dtype,
+             launchers: Launchers = PALLAS) -> tuple[jax.Array, jax.Array]:
     """Normalize, multiply by ``scale`` and saturate-cast to ``out_dtype`` (FP8) in one pass.
 
     Returns ``(y_fp8 [..., hidden], amax)`` with ``amax = max |y|`` of the normalized output
     before scaling (float32 scalar). Forward only.
     """
     check_kernel_fp8_dtype("norm_fp8", out_dtype)
-    y, amax = forward(x.reshape(-1, x.shape[-1]), gamma, beta, scale=scale, rms=rms, epsilon=epsilon,
-                      zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
+    y, amax = launchers.forward(x.reshape(-1, x.shape[-1]), gamma, beta, scale=scale, rms=rms, epsilon=epsilon,
+                                zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
     return y.reshape(x.shape), amax

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from mtjax.kernels.common import KERNEL_FP8_DTYPES, MAX_ELEMENTS
+from mtjax.kernels.common import KERNEL_FP8_DTYPES, MAX_ELEMENTS, Launchers
+from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -147,6 +147,37 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, ks_ref, vs_ref, o_ref, 
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, denom)))
 
 
+def _decode(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st: _Static, num_row_blocks: int,
+            num_splits: int, blocks: DecodeBlocks, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Launch the decode kernel on the prepared arrays (`paged_attention`): ``(out [splits, batch,
+    kv_heads, rows, head_dim], lse [splits, batch, kv_heads, rows])`` float32, normalised per split."""
+    batch, kv_heads, padded_rows, head_dim = qr.shape
+    nrb = num_row_blocks
+    block_rows = st.block_rows
+    grid = (batch, kv_heads * nrb, num_splits)
+    q_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, s: (b, h // nrb, h % nrb, 0))
+    page_spec = pl.BlockSpec((None,) + tuple(k_pages.shape[1:]), lambda b, h, s: (h // nrb, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, 1), lambda b, h, s: (h // nrb, 0))
+    return pl.pallas_call(
+        functools.partial(_decode_kernel, st=st, num_row_blocks=nrb),
+        grid=grid,
+        in_specs=[q_spec, page_spec, page_spec, pl.BlockSpec((None, tables.shape[1]), lambda b, h, s: (b, 0)),
+                  pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)), scale_spec, scale_spec],
+        out_specs=[pl.BlockSpec((None, None, None, block_rows, head_dim), lambda b, h, s: (s, b, h // nrb, h % nrb, 0)),
+                   pl.BlockSpec((None, None, None, block_rows), lambda b, h, s: (s, b, h // nrb, h % nrb))],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, kv_heads, padded_rows, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, batch, kv_heads, padded_rows), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="mtjax_paged_attention",
+    )(qr, k_pages, v_pages, tables, lens, k_scales, v_scales)
+
+
+# forward(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st, num_row_blocks, num_splits, blocks,
+# interpret) -> (out, lse), as `_decode`.
+PALLAS = Launchers(forward=_decode)
+
+
 def merge_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
     """Combine normalised partial results ``out [splits, ..., d]`` with their base-2 log-sum-exp
     ``lse [splits, ...]`` into the softmax over all splits (zeros where no split saw a key)."""
@@ -192,6 +223,7 @@ def paged_attention(
     window_left: int | None = None,
     blocks: DecodeBlocks | None = None,
     interpret: bool = False,
+    launchers: Launchers = PALLAS,
 ) -> jax.Array:
     """Paged attention of the last ``q_len`` tokens of each sequence (module docstring).
 
@@ -205,6 +237,7 @@ def paged_attention(
       window_left: a query at position ``i`` sees keys ``i - window_left .. i`` (``None``: unbounded).
       blocks: tiles, launch parameters and the context split; default `DecodeBlocks.default`.
       interpret: run in Pallas interpret mode (any backend, e.g. CPU tests).
+      launchers: the kernel: `PALLAS`, or `mtjax.kernels.triton.paged_attention.NATIVE`.
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``; queries that see no key are zeros.
     """
@@ -253,24 +286,8 @@ def paged_attention(
     else:  # unused placeholders, so the kernel has one signature
         scales = (jnp.ones((kv_heads, 1), jnp.float32),) * 2
 
-    nrb = num_row_blocks
-    grid = (batch, kv_heads * nrb, num_splits)
-    q_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, s: (b, h // nrb, h % nrb, 0))
-    page_spec = pl.BlockSpec((None,) + tuple(k_pages.shape[1:]), lambda b, h, s: (h // nrb, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, 1), lambda b, h, s: (h // nrb, 0))
-    out, lse = pl.pallas_call(
-        functools.partial(_decode_kernel, st=st, num_row_blocks=nrb),
-        grid=grid,
-        in_specs=[q_spec, page_spec, page_spec, pl.BlockSpec((None, padded_pages), lambda b, h, s: (b, 0)),
-                  pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)), scale_spec, scale_spec],
-        out_specs=[pl.BlockSpec((None, None, None, block_rows, head_dim), lambda b, h, s: (s, b, h // nrb, h % nrb, 0)),
-                   pl.BlockSpec((None, None, None, block_rows), lambda b, h, s: (s, b, h // nrb, h % nrb))],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, kv_heads, nrb * block_rows, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((num_splits, batch, kv_heads, nrb * block_rows), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-        interpret=interpret,
-        name="mtjax_paged_attention",
-    )(qr, k_pages, v_pages, tables, lens, *scales)
+    out, lse = launchers.forward(qr, k_pages, v_pages, tables, lens, *scales, st=st, num_row_blocks=num_row_blocks,
+                                 num_splits=num_splits, blocks=blocks, interpret=interpret)
     merged = out[0] if num_splits == 1 else merge_splits(out, lse)
     merged = merged[:, :, :rows].reshape(batch, kv_heads, q_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
     return merged.reshape(batch, q_len, heads, head_dim).astype(q.dtype)

@@ -15,9 +15,17 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels.common import interpret, reduce_tile_maxima, saturate_cast, unsupported_array, unsupported_fp8_dtype
+from mtjax.kernels.common import (
+    interpret,
+    reduce_tile_maxima,
+    saturate_cast,
+    unsupported_array,
+    unsupported_fp8_dtype,
+)
+from mtjax.kernels.common import (
+    pallas_triton as plgpu,
+)
 
 # Square 64x64 tiles, 8 warps: the fastest of 32/64/128 tiles and 4/8 warps on square and on
 # tall bf16 inputs in the cast benchmark (docs/kernels.md), and faster than XLA's passes there.

@@ -15,16 +15,17 @@ import functools
 import jax
 
 from mtjax.kernels import layer_norm as norm_kernels
+from mtjax.kernels.common import Launchers
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _residual_norm(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, dropout_rate):
-    return _fwd(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, dropout_rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _residual_norm(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, dropout_rate, launchers):
+    return _fwd(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, dropout_rate, launchers)[0]
 
 
-def _fwd(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, dropout_rate):
+def _fwd(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, dropout_rate, launchers):
     n = x.shape[-1]
-    normalized, new_residual = norm_kernels.forward(
+    normalized, new_residual = launchers.forward(
         x.reshape(-1, n), gamma, beta, residual.reshape(-1, n), seed, rms=rms, epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, dropout_rate=dropout_rate,
     )
@@ -33,11 +34,11 @@ def _fwd(x, residual, gamma, beta, seed, rms, epsilon, zero_centered_gamma, drop
     return (normalized.reshape(x.shape), new_residual), saved
 
 
-def _bwd(rms, epsilon, zero_centered_gamma, dropout_rate, saved, cotangents):
+def _bwd(rms, epsilon, zero_centered_gamma, dropout_rate, launchers, saved, cotangents):
     new_residual, gamma, beta, seed = saved
     d_normalized, d_residual = cotangents
     n = new_residual.shape[-1]
-    dh, dx, dgamma, dbeta = norm_kernels.backward(
+    dh, dx, dgamma, dbeta = launchers.backward(
         new_residual.reshape(-1, n), gamma, d_normalized.reshape(-1, n), d_residual.reshape(-1, n), seed,
         rms=rms, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma, has_beta=beta is not None,
         dropout_rate=dropout_rate, dx_dtype=d_normalized.dtype,  # normalized has x's dtype, so does its cotangent
@@ -52,7 +53,7 @@ _residual_norm.defvjp(_fwd, _bwd)
 
 def residual_norm(x: jax.Array, residual: jax.Array, gamma: jax.Array, beta: jax.Array | None,
                   seed: jax.Array | None, *, rms: bool, epsilon: float, zero_centered_gamma: bool,
-                  dropout_rate: float) -> tuple[jax.Array, jax.Array]:
+                  dropout_rate: float, launchers: Launchers = norm_kernels.PALLAS) -> tuple[jax.Array, jax.Array]:
     """``(norm(new_residual), new_residual)`` with ``new_residual = dropout(x) + residual``.
 
     Args:
@@ -61,8 +62,9 @@ def residual_norm(x: jax.Array, residual: jax.Array, gamma: jax.Array, beta: jax
       gamma, beta: ``[hidden]``; ``beta`` ``None`` for RMSNorm.
       seed: uint32 scalar drawing the dropout mask (`common.dropout_keep`); unused when
         ``dropout_rate == 0``.
+      launchers: the norm kernels (`layer_norm.PALLAS`, or `mtjax.kernels.triton.layer_norm.NATIVE`).
     """
     if dropout_rate > 0.0 and seed is None:
         raise ValueError("residual_norm: dropout_rate > 0 needs a seed")
     return _residual_norm(x, residual, gamma, beta, seed, rms, float(epsilon), bool(zero_centered_gamma),
-                          float(dropout_rate))
+                          float(dropout_rate), launchers)

@@ -17,9 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from mtjax.kernels.common import check_size, interpret, next_power_of_2, unsupported_array
+from mtjax.kernels.common import Launchers, check_size, interpret, next_power_of_2, unsupported_array
+from mtjax.kernels.common import pallas_triton as plgpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,19 +109,25 @@ def _forward_kernel(*refs, spec: SoftmaxSpec):
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=valid)
 
 
+def mask_rows(mask, logits_shape) -> tuple[int, jax.Array | None]:
+    """``(logits rows per mask row, the mask as int8 rows [mask_rows, kv_len])`` of a mask accepted
+    by `mask_layout`; ``(0, None)`` without a mask."""
+    if mask is None:
+        return 0, None
+    rows_per = mask_layout(mask.shape, logits_shape)
+    if rows_per is None:
+        raise ValueError(f"softmax kernel: mask of shape {mask.shape} is not row-shared with logits {logits_shape}")
+    count = math.prod(logits_shape[:-1]) // rows_per
+    full_rank = mask.reshape((1,) * (len(logits_shape) - mask.ndim) + mask.shape)
+    compact = full_rank.reshape(count, mask.shape[-1]).astype(jnp.int8)
+    return rows_per, jnp.broadcast_to(compact, (count, logits_shape[-1]))
+
+
 def forward(logits, mask, *, scale: float, causal: bool, tile_override=None):
     """Softmax of ``logits [..., kv_len]`` (any rank) with a mask accepted by `mask_layout`."""
     check_size("softmax forward", logits)
-    rows_per = 0
-    inputs = [logits.reshape(-1, logits.shape[-1])]
-    if mask is not None:
-        rows_per = mask_layout(mask.shape, logits.shape)
-        if rows_per is None:
-            raise ValueError(f"softmax kernel: mask of shape {mask.shape} is not row-shared with logits {logits.shape}")
-        mask_rows = math.prod(logits.shape[:-1]) // rows_per
-        full_rank = mask.reshape((1,) * (logits.ndim - mask.ndim) + mask.shape)
-        compact = full_rank.reshape(mask_rows, mask.shape[-1]).astype(jnp.int8)
-        inputs.append(jnp.broadcast_to(compact, (mask_rows, logits.shape[-1])))
+    rows_per, compact = mask_rows(mask, logits.shape)
+    inputs = [logits.reshape(-1, logits.shape[-1])] + ([] if compact is None else [compact])
     spec = _spec(logits.shape, scale, causal, rows_per, tile_override)
     y = pl.pallas_call(
         functools.partial(_forward_kernel, spec=spec),
@@ -164,23 +170,29 @@ def unsupported(logits_shape, logits_dtype, mask_shape) -> str | None:
     return reason
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _softmax(logits, mask, scale, causal):
-    return forward(logits, mask, scale=scale, causal=causal)
+# forward(logits, mask, *, scale, causal) and backward(y, dy, *, scale), as above.
+PALLAS = Launchers(forward=forward, backward=backward)
 
 
-def _softmax_fwd(logits, mask, scale, causal):
-    y = forward(logits, mask, scale=scale, causal=causal)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _softmax(logits, mask, scale, causal, launchers):
+    return launchers.forward(logits, mask, scale=scale, causal=causal)
+
+
+def _softmax_fwd(logits, mask, scale, causal, launchers):
+    y = launchers.forward(logits, mask, scale=scale, causal=causal)
     return y, y
 
 
-def _softmax_bwd(scale, causal, y, dy):
-    return backward(y, dy, scale=scale), None
+def _softmax_bwd(scale, causal, launchers, y, dy):
+    return launchers.backward(y, dy, scale=scale), None
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def softmax(logits: jax.Array, mask: jax.Array | None, *, scale: float, causal: bool) -> jax.Array:
-    """``softmax(scale * logits)`` over the last axis, in ``logits.dtype``; ``mask`` True keeps."""
-    return _softmax(logits, mask, float(scale), bool(causal))
+def softmax(logits: jax.Array, mask: jax.Array | None, *, scale: float, causal: bool,
+            launchers: Launchers = PALLAS) -> jax.Array:
+    """``softmax(scale * logits)`` over the last axis, in ``logits.dtype``; ``mask`` True keeps.
+    ``launchers``: these Pallas kernels or the native Triton ones (`mtjax.kernels.triton.softmax.NATIVE`)."""
+    return _softmax(logits, mask, float(scale), bool(causal), launchers)

@@ -2,7 +2,8 @@
 
 Every fused op (``layernorm``, ``rmsnorm``, ``softmax``, ``activation``, ``attention``, ``fp8_gemm``,
 ...) has named implementations: ``"xla"`` (the plain jax.numpy reference, runs everywhere) and
-kernels such as ``"pallas_triton"`` or ``"cudnn"``. Each declares
+kernels such as ``"pallas_triton"`` (Pallas on its Triton lowering, while the jax in use has it),
+``"triton"`` (native Triton through jax-triton) or ``"cudnn"``. Each declares
 the capabilities it needs (and optionally the platforms it is limited to and an ``unsupported``
 predicate saying why it cannot run a call). `dispatch` picks one:
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
+import importlib
 import logging
 import math
 import os
@@ -43,8 +46,9 @@ REFERENCE = "xla"
 FP8_GEMM = "fp8_gemm"
 PALLAS_TRITON = "pallas_triton"
 PALLAS_MOSAIC_GPU = "pallas_mosaic_gpu"
+TRITON = "triton"  # native Triton kernels through jax-triton
 CUDNN_ATTENTION = "cudnn_attention"
-ALL_CAPABILITIES = (FP8_GEMM, PALLAS_TRITON, PALLAS_MOSAIC_GPU, CUDNN_ATTENTION)
+ALL_CAPABILITIES = (FP8_GEMM, PALLAS_TRITON, PALLAS_MOSAIC_GPU, TRITON, CUDNN_ATTENTION)
 
 BUILTIN_PLATFORMS = ("cpu", "cuda", "rocm")
 
@@ -98,12 +102,68 @@ def _jax_gpu_backend_reachable() -> bool:
     return platform() != "cuda" or "cuda" in xla_bridge.backends()
 
 
+@functools.cache
+def pallas_triton_present() -> bool:
+    """Whether the jax in use still has Pallas' Triton backend (deprecated in jax 0.11)."""
+    try:
+        importlib.import_module("jax.experimental.pallas.triton")
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def triton_problem() -> str | None:
+    """Why the ``triton`` package (the compiler, and its interpreter) cannot be imported, or ``None``."""
+    try:
+        importlib.import_module("triton")
+    except Exception as err:  # a broken install raises more than ImportError
+        return f"triton cannot be imported ({type(err).__name__}: {err}); install mtjax[gpu]"
+    return None
+
+
+# The jax-triton releases the native kernels were tested with (pyproject.toml's gpu extra): 0.4.1 fails
+# under jax 0.12 (its dead-code rule takes the arguments of jax 0.11's) and needs Triton 3.7.
+JAX_TRITON_VERSIONS = ((0, 3), (0, 4))
+
+
+@functools.cache
+def native_triton_problem() -> str | None:
+    """Why native Triton kernels cannot be lowered in this process (``triton`` and ``jax_triton``,
+    which needs a jax with GPU support, must import, in a version of `JAX_TRITON_VERSIONS`), or ``None``."""
+    reason = triton_problem()
+    if reason is not None:
+        return reason
+    try:
+        jax_triton = importlib.import_module("jax_triton")
+    except Exception as err:  # jax_triton raises ImportError or ValueError without a GPU jax
+        return f"jax_triton cannot be imported ({type(err).__name__}: {err}); install mtjax[gpu]"
+    version = tuple(int(p) for p in jax_triton.__version__.split(".")[:2])
+    low, high = JAX_TRITON_VERSIONS
+    if not low <= version < high:
+        return (f"jax_triton {jax_triton.__version__} is outside the tested range >={low[0]}.{low[1]},<{high[0]}."
+                f"{high[1]}; install mtjax[gpu]")
+    return None
+
+
+def _triton_kernels() -> set[str]:
+    """The kernel capabilities a Triton-capable GPU gets from this process's packages."""
+    caps = set()
+    if pallas_triton_present():
+        caps.add(PALLAS_TRITON)
+    if native_triton_problem() is None:
+        caps.add(TRITON)
+    return caps
+
+
 def capabilities(platform_name: str | None = None) -> frozenset[str]:
     """What ``platform_name`` (default: the current platform) can run.
 
     For ``cuda`` the compute capability of the local devices decides; without one (lowering for
-    ``cuda`` on a CPU-only host) ``config.cuda_compute_capability`` is assumed. On any platform,
-    ``config.pallas_interpret`` makes the Pallas kernels runnable (in interpret mode).
+    ``cuda`` on a CPU-only host) ``config.cuda_compute_capability`` is assumed. The Triton kernels
+    need their packages: ``pallas_triton`` a jax with Pallas' Triton backend, ``triton`` the
+    ``triton`` and ``jax_triton`` packages. On any platform, ``config.pallas_interpret`` makes the
+    kernels runnable in interpret mode (Pallas', and Triton's interpreter, which needs ``triton``).
     """
     name = platform() if platform_name is None else platform_name
     caps: set[str] = set()
@@ -112,7 +172,7 @@ def capabilities(platform_name: str | None = None) -> frozenset[str]:
     elif name == "cuda":
         cc = cuda_compute_capability()
         if cc >= (8, 0):
-            caps.add(PALLAS_TRITON)
+            caps |= _triton_kernels()
             if _jax_gpu_backend_reachable():
                 caps.add(CUDNN_ATTENTION)
         if cc >= (8, 9):
@@ -120,13 +180,17 @@ def capabilities(platform_name: str | None = None) -> frozenset[str]:
         if cc[0] in (9, 10):
             caps.add(PALLAS_MOSAIC_GPU)
     elif name == "rocm":
-        caps.add(PALLAS_TRITON)
+        caps |= _triton_kernels()
         devices = _local_devices_of("rocm")
         arch = str(getattr(devices[0], "compute_capability", "")) if devices else ""
         if arch.startswith(("gfx94", "gfx95")):
             caps.add(FP8_GEMM)
     if config.pallas_interpret:
-        caps |= {PALLAS_TRITON, PALLAS_MOSAIC_GPU}
+        caps.add(PALLAS_MOSAIC_GPU)
+        if pallas_triton_present():
+            caps.add(PALLAS_TRITON)
+        if triton_problem() is None:
+            caps.add(TRITON)
     return frozenset(caps)
 
 
@@ -147,8 +211,8 @@ def register_platform(
       name: the platform name jax lowers for (what ``jax.devices()[0].platform`` reports).
       kernels: ``{op: implementation}`` to prefer on this platform, e.g. ``{"layernorm": "pallas_triton"}``.
       capabilities: capability names from `ALL_CAPABILITIES`; a Triton-capable vendor GPU passes
-        ``("pallas_triton",)`` and gets every Pallas Triton kernel. A platform registered with none
-        gets the references only.
+        ``("pallas_triton",)`` and gets every Pallas Triton kernel, ``("triton",)`` every native
+        Triton kernel. A platform registered with none gets the references only.
     """
     caps = frozenset(capabilities)
     unknown = caps - set(ALL_CAPABILITIES)
@@ -168,6 +232,8 @@ def register_platform(
     _registered_platforms[name] = info
     if PALLAS_TRITON in caps:
         _lower_pallas_triton_on(name)
+    if TRITON in caps:
+        _lower_native_triton_on(name)
     return info
 
 
@@ -187,6 +253,23 @@ def _lower_pallas_triton_on(platform_name: str) -> None:
         return pallas_call_lib._pallas_call_lowering(cuda_ctx, *args, **params)
 
     mlir.register_lowering(pallas_call_lib.pallas_call_p, lowering, platform=platform_name)
+
+
+def _lower_native_triton_on(platform_name: str) -> None:
+    """Lower jax-triton's kernel calls on ``platform_name`` with its ``cuda`` rule (as
+    `_lower_pallas_triton_on` does for Pallas); nothing if jax-triton is missing (then the platform
+    cannot run the ``triton`` kernels, and selection says why when it skips them)."""
+    if platform_name in BUILTIN_PLATFORMS or native_triton_problem() is not None:
+        return
+    from jax._src.interpreters import mlir
+
+    primitive = importlib.import_module("jax_triton.triton_lib").triton_kernel_call_p
+    cuda_rule = mlir._platform_specific_lowerings["cuda"][primitive]
+
+    def lowering(ctx, *args, **params):
+        return cuda_rule(ctx.replace(module_context=ctx.module_context.replace(platforms=("cuda",))), *args, **params)
+
+    mlir.register_lowering(primitive, lowering, platform=platform_name)
 
 
 @contextlib.contextmanager

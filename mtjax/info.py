@@ -25,11 +25,15 @@ def collect() -> dict:
     """Everything ``mtjax info`` prints, as a dict."""
     devices = jax.devices()
     return {
-        "versions": {p: _version(p) for p in ("mtjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")},
+        "versions": {p: _version(p) for p in ("mtjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+                                              "triton", "jax-triton")},
         "platform": backend.platform(),
         "devices": [f"{d.id}: {d.device_kind}" for d in devices],
         "process": f"{jax.process_index()} of {jax.process_count()}",
         "capabilities": sorted(backend.capabilities()),
+        "kernel_packages": {"pallas_triton": "jax has Pallas' Triton backend" if backend.pallas_triton_present()
+                            else "this jax has no Pallas Triton backend",
+                            "triton": backend.native_triton_problem() or "triton and jax_triton import"},
         "plugins": backend.loaded_plugins(),
         "config": {
             "implementations": config.implementations,
@@ -58,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     more = " ..." if len(info["devices"]) > 8 else ""
     print(f"devices:     {len(info['devices'])}: " + "; ".join(info["devices"][:8]) + more)
     print(f"capabilities: {', '.join(info['capabilities']) or 'none (references only)'}")
+    print("kernel packages: " + "; ".join(f"{k}: {v}" for k, v in info["kernel_packages"].items()))
     print(f"plugins:     {info['plugins'] or 'none'}")
     print(f"config:      {info['config']}")
     print(f"XLA_FLAGS:   {info['xla_flags'] or '(none)'}")

@@ -89,12 +89,60 @@ def test_unsupported_predicate_declines_unsupported_configurations():
     assert backend.select("_test_op", platform_name="cuda", args=[jnp.ones((2, 2))])[0].name == "pallas_triton"
 
 
+def _triton_kernels() -> set[str]:
+    """The Triton kernel capabilities this environment's packages give a GPU."""
+    return {"pallas_triton"} | ({"triton"} if backend.native_triton_problem() is None else set())
+
+
 def test_capabilities_by_compute_capability():
     assert backend.capabilities("cpu") == frozenset()
-    assert {"fp8_gemm", "pallas_triton", "pallas_mosaic_gpu", "cudnn_attention"} == backend.capabilities("cuda")
+    assert {"fp8_gemm", "pallas_mosaic_gpu", "cudnn_attention"} | _triton_kernels() == backend.capabilities("cuda")
     with override(cuda_compute_capability="8.0"):
-        assert backend.capabilities("cuda") == {"pallas_triton", "cudnn_attention"}
-    assert backend.capabilities("rocm") == {"pallas_triton"}
+        assert backend.capabilities("cuda") == {"cudnn_attention"} | _triton_kernels()
+    assert backend.capabilities("rocm") == _triton_kernels()
+
+
+def test_triton_kernels_follow_the_installed_packages(monkeypatch):
+    """``pallas_triton`` needs a jax with Pallas' Triton backend, ``triton`` the triton and jax_triton
+    packages; interpret mode needs only triton for the native kernels (Triton's interpreter)."""
+    monkeypatch.setattr(backend, "pallas_triton_present", lambda: False)
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: None)
+    assert backend.capabilities("rocm") == {"triton"}
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: "jax_triton cannot be imported")
+    monkeypatch.setattr(backend, "triton_problem", lambda: None)
+    assert backend.capabilities("rocm") == frozenset()
+    with override(pallas_interpret=True):
+        assert backend.capabilities("cpu") == {"pallas_mosaic_gpu", "triton"}
+    monkeypatch.setattr(backend, "pallas_triton_present", lambda: True)
+    monkeypatch.setattr(backend, "triton_problem", lambda: "triton cannot be imported")
+    with override(pallas_interpret=True):
+        assert backend.capabilities("cpu") == {"pallas_mosaic_gpu", "pallas_triton"}
+
+
+def test_native_triton_needs_a_tested_jax_triton(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setattr(backend, "triton_problem", lambda: None)
+    for version, accepted in (("0.3.1", True), ("0.4.1", False), ("0.2.0", False)):
+        monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(__version__=version))
+        problem = backend.native_triton_problem.__wrapped__()
+        assert (problem is None) == accepted, (version, problem)
+    assert "outside the tested range >=0.3,<0.4" in problem
+
+
+def test_selection_takes_the_native_kernels_without_pallas_triton(monkeypatch):
+    """A jax without Pallas' Triton backend: automatic selection moves to the native Triton kernels,
+    or to the reference (with the reason) when jax-triton is missing too."""
+    monkeypatch.setattr(backend, "pallas_triton_present", lambda: False)
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: None)
+    x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((2048,), jnp.float32)
+    static = dict(epsilon=1e-6, zero_centered_gamma=False)
+    assert backend.select("rmsnorm", platform_name="cuda", args=(x, g), static=static)[0].name == "triton"
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: "jax_triton cannot be imported")
+    impl, why = backend.select("rmsnorm", platform_name="cuda", args=(x, g), static=static)
+    assert impl.name == "xla" and "needs ['triton']" in why
 
 
 def test_cuda_compute_capability_off_cuda_comes_from_config(monkeypatch):
@@ -106,7 +154,7 @@ def test_cuda_compute_capability_off_cuda_comes_from_config(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [RocmDevice()])
     with override(cuda_compute_capability="8.0"):
         assert backend.cuda_compute_capability() == (8, 0)
-        assert backend.capabilities("cuda") == {"pallas_triton", "cudnn_attention"}
+        assert backend.capabilities("cuda") == {"cudnn_attention"} | _triton_kernels()
         q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
         static = dict(mask_type="causal", scale=1.0, dropout_rate=0.0, window_size=None, logits_soft_cap=None)
         impl, _ = backend.select("attention", platform_name="cuda", args=(q, q, q) + (None,) * 5, static=static)

@@ -1,9 +1,11 @@
-"""`mtjax bench attention`: `mtjax.ops.attention` (its default choice and the Pallas Triton kernel)
-side by side with cuDNN and XLA, forward and forward+backward, bf16.
+"""`mtjax bench attention`: `mtjax.ops.attention` (its default choice, the Pallas Triton kernel and its
+native Triton port) side by side with cuDNN and XLA, forward and forward+backward, bf16.
 
 FLOPs as in docs/performance.md: ``4·B·H·Tq·Tk·D`` forward (halved when causal), 3.5x that for
 forward+backward. The ``mtjax`` row is the implementation the default selection picks for the case
 (named in ``extra["chosen"]``), so its time is that implementation's; the peer of every mtjax row is cuDNN.
+An implementation that fails (a kernel that does not compile, out of memory) gives a row with the
+error instead of numbers, and the run goes on.
 
 ``python -m mtjax.bench.attention --sweep`` times block-size candidates of the kernel on the headline
 case (how `kernels.flash_attention.BlockSizes.default` was tuned).
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend, ops
-from mtjax.bench.timing import measure, random_array, rotating, row
+from mtjax.bench.timing import error_row, measure, random_array, rotating, row
 from mtjax.kernels import flash_attention as fa
 
 
@@ -95,12 +97,15 @@ def _runnable(implementation: str) -> bool:
     return backend.get_implementation("attention", implementation).runs_on(backend.platform()) is None
 
 
+IMPLEMENTATIONS = ("pallas_triton", "triton", "cudnn", "xla")
+
+
 def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
     """The rows of one case: each runnable implementation, forward and forward+backward."""
     rows = []
     inputs = rotating(case.inputs)
     chosen = _chosen(case)
-    implementations = [i for i in ("pallas_triton", "cudnn", "xla") if _runnable(i)]
+    implementations = [i for i in IMPLEMENTATIONS if _runnable(i)]
     if case not in XLA_CASES and chosen != "xla":
         implementations.remove("xla")
     for backward in (False, True):
@@ -112,9 +117,13 @@ def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
         peer = "cudnn" if "cudnn" in implementations else None
         timings = {}
         for implementation in implementations:
-            timings[implementation] = measure(_function(case, implementation, backward), inputs, runs=runs,
-                                              min_sample_s=SAMPLE_S)
             label = implementation if implementation in ("cudnn", "xla") else f"mtjax {implementation}"
+            try:
+                timings[implementation] = measure(_function(case, implementation, backward), inputs, runs=runs,
+                                                  min_sample_s=SAMPLE_S)
+            except Exception as err:  # noqa: BLE001 - a failing implementation becomes a row; the run goes on
+                rows.append(error_row("attention", name, label, err, **extra))
+                continue
             rows.append(row("attention", name, label, timings[implementation], flops=flops,
                             peer=None if implementation == "cudnn" else peer, ceiling="bf16_gemm_tflops", **extra))
         if chosen in timings:
@@ -170,6 +179,9 @@ def main() -> None:
         new = report.complete(case_rows(case, runs=5 if args.quick else 10), {}, report.H200_BF16_PEAK_TFLOPS)
         rows += new
         for r in new:
+            if r["time_ms"] is None:
+                print(f"{r['name']:<58} {r['implementation']}", flush=True)
+                continue
             versus = f"  {r['speedup_vs_peer']:.2f}x vs {r['peer']}" if r["speedup_vs_peer"] else ""
             print(f"{r['name']:<58} {r['implementation']:<20} {r['time_ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s"
                   + versus, flush=True)

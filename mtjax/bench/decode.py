@@ -65,12 +65,8 @@ QUICK = Sizes(("tiny",), (2,), (32, 64), (2, 32), steps=2, runs=2, hf_batches=(1
 
 
 def error_row(name: str, implementation: str, err: BaseException | str, **extra: Any) -> dict:
-    """A row for a case that could not run: no numbers, the error in the implementation label and ``extra``."""
-    text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-    short = " ".join(text.split())[:100]
-    row = timing.row(SUITE, name, f"{implementation} FAILED: {short}", timing.Timing(math.nan, math.nan, math.nan, 0),
-                     **extra, error=text[:2000])
-    return row | {"time_ms": None, "time_ms_min": None, "time_ms_max": None}
+    """`timing.error_row` of this suite."""
+    return timing.error_row(SUITE, name, implementation, err, **extra)
 
 
 def skipped_row(name: str, implementation: str, reason: str) -> dict:

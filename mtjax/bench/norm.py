@@ -1,11 +1,13 @@
 """`mtjax bench norm`: the fused norm / residual / activation / softmax kernels against XLA.
 
-Every case times the op through `mtjax.ops` twice, ``implementation="pallas_triton"`` (row
-``mtjax``) and ``implementation="xla"`` (row ``xla``, the peer); each row's ``extra["auto"]`` names
-the implementation the dispatcher picks for that case, so the selection rule in `mtjax.ops` can be
-checked against the same run. Bytes are the measured function's inputs read once and outputs
-written once; rows are judged against the copy bandwidth (``ceiling="copy_gbps"``). Without a GPU
-the kernels run in Pallas interpret mode (``--quick`` smoke test on the CPU).
+Every case times the op through `mtjax.ops` with each implementation that can run here:
+``implementation="pallas_triton"`` (row ``mtjax``), ``"triton"`` (row ``triton``, the native Triton
+port) and ``"xla"`` (row ``xla``, the peer); each row's ``extra["auto"]`` names the implementation
+the dispatcher picks for that case, so the selection rule in `mtjax.ops` can be checked against the
+same run. An implementation that fails gives a row with its error, and the run goes on. Bytes are
+the measured function's inputs read once and outputs written once; rows are judged against the
+copy bandwidth (``ceiling="copy_gbps"``). Without a GPU the kernels run in interpret mode
+(``--quick`` smoke test on the CPU).
 
 Cases: LayerNorm and RMSNorm forward and forward+backward over the table (hidden 1024..12288,
 tokens 2048..65536, bf16); LayerNorm + FP8 cast vs XLA's norm then quantize; residual add +
@@ -33,7 +35,8 @@ from mtjax.kernels import layer_norm as norm_kernels
 MAIN_SHAPE = (16384, 8192)
 TABLE_HIDDEN = (1024, 2048, 4096, 8192, 12288)
 TABLE_TOKENS = (2048, 16384, 65536)
-IMPLEMENTATIONS = (("mtjax", "pallas_triton"), ("xla", "xla"))
+# (row label, implementation); those the platform cannot run are left out (`_implementations`).
+IMPLEMENTATIONS = (("mtjax", "pallas_triton"), ("triton", "triton"), ("xla", "xla"))
 
 
 def _inputs(shape, hidden, dtype, *, count_arrays: int, seed: int = 0) -> list[tuple]:
@@ -61,16 +64,28 @@ def _case(rows, name: str, fns: dict[str, Callable], inputs, nbytes: int, quick:
     """
     with _on_gpu_or_interpret():
         for implementation, fn in fns.items():
-            t = timing.measure(fn, inputs, runs=3 if quick else 20)
+            try:
+                t = timing.measure(fn, inputs, runs=3 if quick else 20)
+            except Exception as err:  # noqa: BLE001 - a failing implementation becomes a row; the run goes on
+                rows.append(timing.error_row("norm", name, implementation, err, auto=auto))
+                continue
             rows.append(timing.row("norm", name, implementation, t, bytes=nbytes,
                                    peer=None if implementation == "xla" else "xla", ceiling="copy_gbps", auto=auto))
 
 
 def _on_gpu_or_interpret():
-    """Pallas interpret mode where the platform cannot run the Triton kernels (CPU smoke runs)."""
-    if backend.PALLAS_TRITON in backend.capabilities():
+    """Interpret mode where the platform can run no Triton kernel (CPU smoke runs)."""
+    if {backend.PALLAS_TRITON, backend.TRITON} & backend.capabilities():
         return contextlib.nullcontext()
     return override(pallas_interpret=True)
+
+
+def _implementations() -> tuple[tuple[str, str], ...]:
+    """`IMPLEMENTATIONS` that can run here (in interpret mode on a CPU)."""
+    with _on_gpu_or_interpret():
+        platform = backend.platform()
+        return tuple((label, impl) for label, impl in IMPLEMENTATIONS
+                     if backend.get_implementation("layernorm", impl).runs_on(platform) is None)
 
 
 def _norm_fns(kind: str, backward: bool) -> dict[str, Callable]:
@@ -87,7 +102,7 @@ def _norm_fns(kind: str, backward: bool) -> dict[str, Callable]:
         return (y,) + vjp(dy)
 
     body = fwd_bwd if backward else fwd
-    return {label: jax.jit(functools.partial(body, impl)) for label, impl in IMPLEMENTATIONS}
+    return {label: jax.jit(functools.partial(body, impl)) for label, impl in _implementations()}
 
 
 def _norm_shapes(quick: bool) -> list[tuple[str, int, int]]:
@@ -100,8 +115,8 @@ def _norm_shapes(quick: bool) -> list[tuple[str, int, int]]:
     return shapes
 
 
-def _norm_cases(rows, quick: bool) -> None:
-    for kind, tokens, hidden in _norm_shapes(quick):
+def _norm_cases(rows, quick: bool, shapes: list[tuple[str, int, int]] | None = None) -> None:
+    for kind, tokens, hidden in shapes or _norm_shapes(quick):
         inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=2)
         x, _, g, b = inputs[0]
         auto = _auto(kind, x, g, b, epsilon=1e-6, zero_centered_gamma=False) if kind == "layernorm" else \
@@ -119,7 +134,7 @@ def _fp8_case(rows, quick: bool) -> None:
     scale = jnp.float32(4.0)
     fns = {
         label: jax.jit(lambda x, g, b, impl=impl: ops.norm_fp8(x, g, b, scale, implementation=impl))
-        for label, impl in IMPLEMENTATIONS
+        for label, impl in _implementations()
     }
     x, g, b = inputs[0]
     auto = _auto("norm_fp8", x, g, b, scale, layernorm_type="layernorm", epsilon=1e-6,
@@ -138,7 +153,7 @@ def _residual_case(rows, quick: bool) -> None:
         outs, vjp = jax.vjp(f, x, r, g, b)
         return outs + vjp((dr, dy))
 
-    fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
+    fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in _implementations()}
     x, r, _, _, g, b = inputs[0]
     auto = _auto("residual_norm", x, r, g, b, jnp.uint32(0), layernorm_type="layernorm", epsilon=1e-6,
                  zero_centered_gamma=False, dropout_rate=0.1)
@@ -162,7 +177,7 @@ def _activation_cases(rows, quick: bool) -> None:
             y, vjp = jax.vjp(lambda x, bias: ops.activation(x, act, bias, implementation=impl), x, bias)
             return (y,) + vjp(dy)
 
-        fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
+        fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in _implementations()}
         x, _, bias = inputs[0]
         # reads x, dy; writes y [tokens, hidden], dx [tokens, width]
         _case(rows, f"bias+{act} fwd+bwd {tokens}x{width} bf16", fns, inputs, 4 * (tokens * hidden + tokens * width),
@@ -179,13 +194,20 @@ def _softmax_case(rows, quick: bool) -> None:
         y, vjp = jax.vjp(lambda x: ops.softmax(x, scale=0.125, causal=True, implementation=impl), x)
         return (y,) + vjp(dy)
 
-    fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in IMPLEMENTATIONS}
+    fns = {label: jax.jit(functools.partial(fwd_bwd, impl)) for label, impl in _implementations()}
     auto = _auto("softmax", inputs[0][0], None, scale=0.125, causal=True)
     _case(rows, f"causal softmax fwd+bwd {'x'.join(map(str, shape))} bf16", fns, inputs,
           4 * math.prod(shape) * 2, quick, auto)
 
 
 CASES = (_norm_cases, _fp8_case, _residual_case, _activation_cases, _softmax_case)
+
+
+def main_cases(rows, quick: bool) -> None:
+    """LayerNorm and RMSNorm at the main shape only, then every other case (one shape each)."""
+    _norm_cases(rows, quick, _norm_shapes(quick)[:2])
+    for case in CASES[1:]:
+        case(rows, quick)
 
 
 def run(quick: bool) -> list[dict]:
@@ -227,6 +249,9 @@ def sweep(copy_gbps: float, hidden_sizes=(2048, 8192, 12288), tokens: int = 1638
 def _print(rows, copy_gbps: float) -> None:
     for r in rows:
         auto = r["extra"].get("auto", "")
+        if r["time_ms"] is None:
+            print(f"{r['name']:<58} {r['implementation']}", flush=True)
+            continue
         print(f"{r['name']:<58} {r['implementation']:<6} {r['time_ms']:8.3f} ms {r['gbps']:7.0f} GB/s "
               f"{r['gbps'] / copy_gbps:5.0%} of copy  auto={auto}", flush=True)
 

@@ -29,7 +29,8 @@ def complete(rows: Sequence[Mapping[str, Any]], ceilings: Mapping[str, float], p
     for r in rows:
         if r["peer"] is not None:
             peer = by_key.get((r["suite"], r["name"], r["peer"]))
-            r["speedup_vs_peer"] = None if peer is None else peer["time_ms"] / r["time_ms"]
+            timed = peer is not None and peer["time_ms"] is not None and r["time_ms"] is not None
+            r["speedup_vs_peer"] = peer["time_ms"] / r["time_ms"] if timed else None  # None: a row that failed
         if r["ceiling"] is not None and ceilings.get(r["ceiling"]):
             rate = r["gbps"] if r["ceiling"] == "copy_gbps" else r["tflops"]
             r["fraction_of_ceiling"] = None if rate is None else rate / ceilings[r["ceiling"]]

@@ -215,6 +215,15 @@ def report_progress(r: dict) -> None:
             f.write(json.dumps(r, default=str) + "\n")
 
 
+def error_row(suite: str, name: str, implementation: str, err: BaseException | str, **extra: Any) -> dict:
+    """A row for a case that could not run (out of memory, a kernel that does not compile...): no
+    numbers, the error in the implementation label and in ``extra["error"]``."""
+    text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+    short = " ".join(text.split())[:100]
+    nan = Timing(math.nan, math.nan, math.nan, 0)
+    out = row(suite, name, f"{implementation} FAILED: {short}", nan, **extra, error=text[:2000])
+    return out | {"time_ms": None, "time_ms_min": None, "time_ms_max": None}
+
 
 def _plain(value: Any) -> Any:
     """A JSON-serializable version of ``value`` (numpy scalars become Python numbers)."""

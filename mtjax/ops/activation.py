@@ -324,3 +324,29 @@ def _activation_grad_fp8_pallas(x, bias, dy, scale, *, activation_type: str, out
 @backend.register("activation_fp8", "pallas_triton", **_KERNEL)
 def _activation_fp8_pallas(x, bias, scale, *, activation_type: str, out_dtype):
     return activation_kernels.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype)
+
+
+# Native Triton ports of the same kernels (kernels/triton/activation.py): the same declines and size
+# rule, below the Pallas ones while both can run.
+_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 9}
+
+
+@backend.register("activation", "triton", **_NATIVE)
+def _activation_triton(x, bias, *, activation_type: str):
+    from mtjax.kernels.triton import activation as native
+
+    return native.activation(x, bias, activation=activation_type)
+
+
+@backend.register("activation_grad_fp8", "triton", **_NATIVE)
+def _activation_grad_fp8_triton(x, bias, dy, scale, *, activation_type: str, out_dtype):
+    from mtjax.kernels.triton import activation as native
+
+    return native.activation_grad_fp8(x, bias, dy, scale, activation=activation_type, out_dtype=out_dtype)
+
+
+@backend.register("activation_fp8", "triton", **_NATIVE)
+def _activation_fp8_triton(x, bias, scale, *, activation_type: str, out_dtype):
+    from mtjax.kernels.triton import activation as native
+
+    return native.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype)

@@ -204,7 +204,8 @@ def attention(
 # --------------------------------------------------------------------------------------------------
 # Kernels. Priorities follow the attention benchmark (`mtjax bench attention`, docs/performance.md):
 # cuDNN was faster than the Triton kernel at every benchmarked shape, so cuDNN (20) goes first where
-# it applies; the kernel (10) takes what cuDNN declines and every Triton-capable plugin platform.
+# it applies; the Pallas kernel (10) takes what cuDNN declines and every Triton-capable plugin
+# platform; its native Triton port (9) takes over where the jax in use has no Pallas Triton backend.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -231,6 +232,18 @@ def _attention_pallas_triton(query, key, value, bias, mask, q_segment_ids, kv_se
         query, key, value, q_segment_ids, kv_segment_ids, scale=scale, causal=_is_causal(mask_type),
         window_size=window_size, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_seed=dropout_seed,
         interpret=kernel_interpret(),
+    )
+
+
+@backend.register("attention", "triton", requires=(backend.TRITON,), unsupported=_pallas_triton_unsupported,
+                  priority=9, single_device=True)
+def _attention_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
+                      mask_type, scale, dropout_rate, window_size, logits_soft_cap):
+    from mtjax.kernels.triton import flash_attention as native
+
+    return native.flash_attention(
+        query, key, value, q_segment_ids, kv_segment_ids, scale=scale, causal=_is_causal(mask_type),
+        window_size=window_size, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, dropout_seed=dropout_seed,
     )
 
 

@@ -59,6 +59,14 @@ def _block_fp8_gemm_pallas(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     return gemm_kernel.block_fp8_gemm(a, a_scale_inv, b, _row_scales(b_scale_inv, b.shape[0]), out_dtype)
 
 
+@backend.register("block_fp8_gemm", "triton", requires=(backend.TRITON,), priority=9, single_device=True,
+                  unsupported=lambda a, sa, b, sb, **_: gemm_kernel.unsupported(a.shape, a.dtype, b.shape, b.dtype))
+def _block_fp8_gemm_triton(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
+    from mtjax.kernels.triton import block_fp8 as native
+
+    return native.block_fp8_gemm(a, a_scale_inv, b, _row_scales(b_scale_inv, b.shape[0]), out_dtype)
+
+
 def block_fp8_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
                    out_dtype: Any, implementation: str | None = None) -> jax.Array:
     """``(a @ b^T)`` with block scales, in ``out_dtype``: the GEMM every block-scaled FP8 dot reduces to.
@@ -70,8 +78,8 @@ def block_fp8_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_i
       b_scale_inv: float32 ``[n, ceil(k/128)]`` (per row and K block, as ``a``'s) or
         ``[ceil(n/128), ceil(k/128)]`` (per 128x128 block).
       out_dtype: dtype of the ``[m, n]`` result.
-      implementation: ``"xla"`` (a loop of FP8 dots) or ``"pallas_triton"`` (the kernel,
-        `mtjax.kernels.block_fp8_gemm`).
+      implementation: ``"xla"`` (a loop of FP8 dots), ``"pallas_triton"`` (the kernel,
+        `mtjax.kernels.block_fp8_gemm`) or ``"triton"`` (its native Triton port).
     """
     for name, x in (("a", a), ("b", b)):
         if not is_fp8(x.dtype):

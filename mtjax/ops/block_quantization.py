@@ -55,6 +55,16 @@ def _tile_quantize_pallas(x, *, out_dtype, transpose, power_of_two, amax_epsilon
                                        power_of_two=power_of_two, amax_epsilon=amax_epsilon)
 
 
+@backend.register("tile_quantize", "triton", requires=(backend.TRITON,), priority=9, single_device=True,
+                  prefer=too_small,
+                  unsupported=lambda x, **kw: block_kernels.unsupported(x.shape, x.dtype, kw["out_dtype"]))
+def _tile_quantize_triton(x, *, out_dtype, transpose, power_of_two, amax_epsilon):
+    from mtjax.kernels.triton import block_fp8 as native
+
+    return native.tile_quantize(x, out_dtype, transpose=transpose, fp8_max=fp8_max(out_dtype),
+                                power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+
+
 def _check(op: str, x: jax.Array, dtype: Any, power_of_two: bool, amax_epsilon: float) -> Any:
     check_float(op, "x", x)
     check_rank(op, "x", x, 2)
@@ -104,6 +114,16 @@ def block_quantize_reference(w: jax.Array, *, out_dtype: Any, power_of_two: bool
 def _block_quantize_pallas(w, *, out_dtype, power_of_two, amax_epsilon):
     return block_kernels.block_quantize(w, out_dtype, fp8_max=fp8_max(out_dtype), power_of_two=power_of_two,
                                         amax_epsilon=amax_epsilon)
+
+
+@backend.register("block_quantize", "triton", requires=(backend.TRITON,), priority=9, single_device=True,
+                  prefer=too_small,
+                  unsupported=lambda w, **kw: block_kernels.unsupported(w.shape, w.dtype, kw["out_dtype"]))
+def _block_quantize_triton(w, *, out_dtype, power_of_two, amax_epsilon):
+    from mtjax.kernels.triton import block_fp8 as native
+
+    return native.block_quantize(w, out_dtype, fp8_max=fp8_max(out_dtype), power_of_two=power_of_two,
+                                 amax_epsilon=amax_epsilon)
 
 
 def block_quantize(w: jax.Array, dtype: Any, *, power_of_two: bool = False, amax_epsilon: float = 0.0,

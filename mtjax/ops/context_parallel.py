@@ -135,6 +135,25 @@ def _attention_with_lse_backward_pallas(query, key, value, q_segment_ids, kv_seg
                                                     interpret=kernel_interpret())
 
 
+@backend.register("attention_with_lse", "triton", requires=(backend.TRITON,), unsupported=_pallas_unsupported,
+                  priority=9, single_device=True)
+def _attention_with_lse_triton(query, key, value, q_segment_ids, kv_segment_ids, *, causal, scale, logits_soft_cap):
+    from mtjax.kernels.triton import flash_attention as native
+
+    return native.flash_attention_forward(query, key, value, q_segment_ids, kv_segment_ids, scale=scale,
+                                          causal=causal, logits_soft_cap=logits_soft_cap)
+
+
+@backend.register("attention_with_lse_backward", "triton", requires=(backend.TRITON,),
+                  unsupported=_pallas_unsupported, priority=9, single_device=True)
+def _attention_with_lse_backward_triton(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out, *,
+                                        causal, scale, logits_soft_cap):
+    from mtjax.kernels.triton import flash_attention as native
+
+    return native.flash_attention_backward(query, key, value, q_segment_ids, kv_segment_ids, out, lse, d_out,
+                                           scale=scale, causal=causal, logits_soft_cap=logits_soft_cap)
+
+
 def attention_with_lse(query: jax.Array, key: jax.Array, value: jax.Array, q_segment_ids: jax.Array | None = None,
                        kv_segment_ids: jax.Array | None = None, *, causal: bool = False, scale: float,
                        logits_soft_cap: float | None = None,

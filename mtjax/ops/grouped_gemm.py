@@ -12,7 +12,8 @@ most ``M``; larger sums are clipped at ``M`` by the kernels (the result is then 
 gradient with ``rhs`` transposed, ``d rhs`` the per-group ``lhs^T dy`` into ``[G, K, N]``
 (`grouped_gemm_wgrad`). Each of the three GEMMs dispatches on its own through `mtjax.backend`:
 ``"xla"`` is `jax.lax.ragged_dot` (and `jax.lax.ragged_dot_general` for the weight gradient),
-``"pallas_triton"`` the kernels of `mtjax.kernels.grouped_gemm`.
+``"pallas_triton"`` the kernels of `mtjax.kernels.grouped_gemm`, ``"triton"`` their native Triton ports
+(`mtjax.kernels.triton.grouped_gemm`).
 
 `grouped_gemm_fp8` is the FP8 variant (E4M3 operands, E5M2 output gradient by default) with current
 scaling: a per-tensor scale for ``lhs`` and the output gradient, a per-group scale for ``rhs``,
@@ -157,6 +158,24 @@ def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype
                            interpret=kernel_interpret())
 
 
+_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 9}
+
+
+@backend.register("grouped_gemm", "triton", unsupported=_kernel_unsupported_gmm, **_NATIVE)
+def _grouped_gemm_triton(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
+    from mtjax.kernels.triton import grouped_gemm as native
+
+    return native.gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                      tiles=tiles)
+
+
+@backend.register("grouped_gemm_wgrad", "triton", unsupported=_kernel_unsupported_wgrad, **_NATIVE)
+def _grouped_gemm_wgrad_triton(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles):
+    from mtjax.kernels.triton import grouped_gemm as native
+
+    return native.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles)
+
+
 def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, implementation, group_scale=None):
     return backend.dispatch("grouped_gemm", lhs, rhs, group_sizes, group_scale, implementation=implementation,
                             transpose_rhs=transpose_rhs, out_dtype=jnp.dtype(out_dtype), tiles=tiles)
@@ -208,7 +227,7 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tran
       preferred_element_type: output dtype (default ``lhs.dtype``); accumulation is float32 always.
       block_sizes: tiles of the three kernels (forward, ``d lhs``, weight gradient); default
         `BlockSizes.default` for the shapes. The ``"xla"`` implementation ignores them.
-      implementation: ``"xla"`` or ``"pallas_triton"`` for all three GEMMs; default per platform.
+      implementation: ``"xla"``, ``"pallas_triton"`` or ``"triton"`` for all three GEMMs; default per platform.
     Returns:
       ``[M, N]``; rows past ``sum(group_sizes)`` are zeros.
     """

@@ -13,7 +13,9 @@ applied as ``1 + gamma``), which keeps weight decay from pulling the scale towar
   `mtjax.fp8.fp8_dot_general` can apply, quantize (`Norm.fp8`) and differentiate.
 
 Each has a ``"pallas_triton"`` kernel (kernels/layer_norm.py, kernels/residual_norm.py) that the
-automatic selection picks only for the shapes where the norm benchmark found it at least as fast as XLA.
+automatic selection picks only for the shapes where the norm benchmark found it at least as fast as XLA,
+and its native Triton port ``"triton"`` (kernels/triton/layer_norm.py), picked by the same rules where
+the jax in use has no Pallas Triton backend.
 """
 
 from __future__ import annotations
@@ -347,3 +349,40 @@ def _residual_norm_pallas(x, residual, gamma, beta, seed, *, layernorm_type: str
         x, residual, gamma, beta, seed, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
         zero_centered_gamma=zero_centered_gamma, dropout_rate=dropout_rate,
     )
+
+
+# Native Triton ports of the same kernels: the same declines and shape rules, below the Pallas ones
+# while both can run.
+_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 9}
+
+
+@backend.register("layernorm", "triton", **_NATIVE)
+def _layernorm_triton(x, gamma, beta, *, epsilon: float, zero_centered_gamma: bool):
+    from mtjax.kernels.triton import layer_norm as native
+
+    return native.layer_norm(x, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
+@backend.register("rmsnorm", "triton", **{**_NATIVE, "prefer": _rms_kernel_preferred})
+def _rmsnorm_triton(x, gamma, *, epsilon: float, zero_centered_gamma: bool):
+    from mtjax.kernels.triton import layer_norm as native
+
+    return native.rms_norm(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
+@backend.register("norm_fp8", "triton", **{**_NATIVE, "unsupported": _fp8_kernel_unsupported})
+def _norm_fp8_triton(x, gamma, beta, scale, *, layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
+                     out_dtype):
+    from mtjax.kernels.triton import layer_norm as native
+
+    return native.norm_fp8(x, gamma, beta, scale, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
+                           zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
+
+
+@backend.register("residual_norm", "triton", **_NATIVE)
+def _residual_norm_triton(x, residual, gamma, beta, seed, *, layernorm_type: str, epsilon: float,
+                          zero_centered_gamma: bool, dropout_rate: float):
+    from mtjax.kernels.triton import layer_norm as native
+
+    return native.residual_norm(x, residual, gamma, beta, seed, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
+                                zero_centered_gamma=zero_centered_gamma, dropout_rate=dropout_rate)

@@ -196,6 +196,17 @@ def _paged_attention_pallas_triton(q, k_pages, v_pages, block_tables, lengths, k
         window_left=left, interpret=kernel_interpret())
 
 
+@backend.register("paged_attention", "triton", requires=(backend.TRITON,), unsupported=_pallas_triton_unsupported,
+                  priority=9, single_device=True)
+def _paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale, logits_soft_cap,
+                            window_size):
+    from mtjax.kernels.triton import paged_attention as native
+
+    left = None if window_size is None or window_size[0] < 0 else window_size[0]
+    return native.paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, scale=scale,
+                                  logits_soft_cap=logits_soft_cap, window_left=left)
+
+
 def cudnn_paged_attention(q: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array, block_tables: jax.Array,
                           lengths: jax.Array, *, scale: float) -> jax.Array:
     """Decode attention (``q_len == 1``) through cuDNN's paged flash attention, in cuDNN's own cache layout.

@@ -48,6 +48,15 @@ def _cast_transpose_pallas(x, scale, *, out_dtype):
     return quantize_kernels.cast_transpose(x, scale, out_dtype)
 
 
+@backend.register("cast_transpose", "triton", requires=(backend.TRITON,), priority=9, single_device=True,
+                  prefer=too_small,
+                  unsupported=lambda x, scale, *, out_dtype: quantize_kernels.unsupported(x.shape, x.dtype, out_dtype))
+def _cast_transpose_triton(x, scale, *, out_dtype):
+    from mtjax.kernels.triton import quantize as native
+
+    return native.cast_transpose(x, scale, out_dtype)
+
+
 def cast_transpose(x: jax.Array, scale: jax.Array, dtype: Any, *,
                    implementation: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(q, swapaxes(q, -1, -2), max |x|)`` with ``q = quantize(x, scale, dtype)``: what an FP8 GEMM

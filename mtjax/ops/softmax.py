@@ -93,3 +93,11 @@ def _kernel_unsupported(logits, mask, **_) -> str | None:
                   prefer=too_small, priority=10, single_device=True)
 def _softmax_pallas(logits, mask, *, scale: float, causal: bool):
     return softmax_kernels.softmax(logits, mask, scale=scale, causal=causal)
+
+
+@backend.register("softmax", "triton", requires=(backend.TRITON,), unsupported=_kernel_unsupported, prefer=too_small,
+                  priority=9, single_device=True)
+def _softmax_triton(logits, mask, *, scale: float, causal: bool):
+    from mtjax.kernels.triton import softmax as native
+
+    return native.softmax(logits, mask, scale=scale, causal=causal)

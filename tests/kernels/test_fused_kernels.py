@@ -434,5 +434,6 @@ def test_bench_norm_rows_fit_the_report():
     rows: list[dict] = []
     norm_bench._softmax_case(rows, quick=True)
     rows = report.complete(rows, {"copy_gbps": 1.0}, 989.0)
-    assert [r["implementation"] for r in rows] == ["mtjax", "xla"]
-    assert rows[0]["speedup_vs_peer"] > 0 and rows[0]["extra"]["auto"]
+    native = ["triton"] if backend.triton_problem() is None else []  # the native kernels need the triton package
+    assert [r["implementation"] for r in rows] == ["mtjax", *native, "xla"]
+    assert all(r["speedup_vs_peer"] > 0 for r in rows[:-1]) and rows[0]["extra"]["auto"]

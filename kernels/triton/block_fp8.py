@@ -1,0 +1,178 @@
+"""Block-scaled FP8 in native Triton: the kernels of `mtjax.kernels.block_quantize` (1x128 row tiles,
+128x128 blocks, each with its own scale, plus transposed copies) and `mtjax.kernels.block_fp8_gemm`
+(one float32 promotion per 128-wide K block, DeepGEMM-style).
+
+The scale math is `block_quantize.tile_scales` (``fp8_max / max(amax, amax_epsilon)``, 1 where that is
+not finite or the amax is 0 or NaN, optionally rounded down to a power of two) with IEEE division, so
+the casts agree bit for bit with the references.
+"""
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from mtjax.kernels import block_fp8_gemm as pallas_gemm
+from mtjax.kernels import block_quantize as pallas_quantize
+from mtjax.kernels.common import Launchers
+from mtjax.kernels.triton.language import saturate
+from mtjax.kernels.triton.runtime import launch
+
+TILE = pallas_quantize.TILE
+
+
+@triton.jit
+def _amax(x, axis: tl.constexpr):
+    """``max |x|`` along ``axis``, NaN where a NaN is (as jax.numpy's max on the GPU)."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=axis))
+
+
+@triton.jit
+def _tile_scales(amax, FP8_MAX: tl.constexpr, POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr):
+    """`block_quantize.tile_scales` of float32 amaxes (NaN amaxes stay NaN, as in jax.numpy)."""
+    amax = tl.maximum(amax, AMAX_EPSILON, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    usable = (amax < float("inf")) & (amax > 0.0) & (scale < float("inf"))  # False for NaN
+    scale = tl.where(usable, scale, 1.0)
+    if POWER_OF_TWO:
+        scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
+    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _load_tile(x_ptr, rows, cols, M: tl.constexpr, K: tl.constexpr, EXACT: tl.constexpr):
+    offsets = rows[:, None] * K + cols[None, :]
+    if EXACT:
+        return tl.load(x_ptr + offsets).to(tl.float32)
+    # Masked elements load as 0, which never raises a max of absolute values.
+    return tl.load(x_ptr + offsets, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, offsets, value, mask, EXACT: tl.constexpr):
+    if EXACT:
+        tl.store(ptr + offsets, value)
+    else:
+        tl.store(ptr + offsets, value, mask=mask)
+
+
+@triton.jit
+def _tile_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+                 TILE: tl.constexpr, TRANSPOSE: tl.constexpr, EXACT: tl.constexpr, FP8_MAX: tl.constexpr,
+                 POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    rows = i * ROWS + tl.arange(0, ROWS)
+    cols = j * TILE + tl.arange(0, TILE)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = _load_tile(x_ptr, rows, cols, M, K, EXACT)
+    scale, scale_inv = _tile_scales(_amax(x, 1), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+    q = saturate(x * scale[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
+    _store(q_ptr, rows[:, None] * K + cols[None, :], q, mask, EXACT)
+    _store(s_ptr, rows * tl.num_programs(1) + j, scale_inv, rows < M, EXACT)
+    if TRANSPOSE:  # the same 128 x 128 tile, cut into row tiles of x.T (columns of x)
+        scale_t, scale_inv_t = _tile_scales(_amax(x, 0), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+        q_t = saturate(x * scale_t[None, :], FP8_MAX).to(qt_ptr.dtype.element_ty)
+        _store(qt_ptr, cols[:, None] * M + rows[None, :], tl.trans(q_t), tl.trans(mask), EXACT)
+        _store(st_ptr, cols * tl.num_programs(0) + i, scale_inv_t, cols < K, EXACT)
+
+
+def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: float, power_of_two: bool = False,
+                  amax_epsilon: float = 0.0, num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, ...]:
+    """`mtjax.kernels.block_quantize.tile_quantize` (same arguments and results) in native Triton."""
+    why = pallas_quantize.unsupported(x.shape, x.dtype, out_dtype)
+    if why is not None:
+        raise ValueError(f"tile_quantize: unsupported input: {why}")
+    m, k = x.shape
+    rows = TILE if transpose else pallas_quantize.ROWS
+    grid = (triton.cdiv(m, rows), triton.cdiv(k, TILE))
+    out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
+    out_shape += ([jax.ShapeDtypeStruct((k, m), out_dtype), jax.ShapeDtypeStruct((k, grid[0]), jnp.float32)]
+                  if transpose else [jax.ShapeDtypeStruct((1,), out_dtype), jax.ShapeDtypeStruct((1,), jnp.float32)])
+    outs = launch(
+        _tile_kernel, x, out_shape=out_shape, grid=grid, name="mtjax_triton_tile_quantize", num_warps=num_warps,
+        num_stages=1, M=m, K=k, ROWS=rows, TILE=TILE, TRANSPOSE=bool(transpose), EXACT=m % rows == 0 and k % TILE == 0,
+        FP8_MAX=float(fp8_max), POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon),
+    )
+    return tuple(outs if transpose else outs[:2])
+
+
+@triton.jit
+def _block_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, K: tl.constexpr, N: tl.constexpr, TILE: tl.constexpr,
+                  EXACT: tl.constexpr,
+                  FP8_MAX: tl.constexpr, POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    rows = i * TILE + tl.arange(0, TILE)
+    cols = j * TILE + tl.arange(0, TILE)
+    mask = (rows[:, None] < K) & (cols[None, :] < N)
+    w = _load_tile(w_ptr, rows, cols, K, N, EXACT)
+    row_amax = _amax(w, 1)
+    amax = tl.where(tl.max((row_amax != row_amax).to(tl.int32), axis=0) > 0, float("nan"), tl.max(row_amax, axis=0))
+    scale, scale_inv = _tile_scales(amax, FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+    q = saturate(w * scale, FP8_MAX).to(q_ptr.dtype.element_ty)
+    _store(q_ptr, rows[:, None] * N + cols[None, :], q, mask, EXACT)
+    _store(qt_ptr, cols[:, None] * K + rows[None, :], tl.trans(q), tl.trans(mask), EXACT)
+    tl.store(s_ptr + i * tl.num_programs(1) + j, scale_inv)
+
+
+def block_quantize(w: jax.Array, out_dtype, *, fp8_max: float, power_of_two: bool = False, amax_epsilon: float = 0.0,
+                   num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`mtjax.kernels.block_quantize.block_quantize` (same arguments and results) in native Triton."""
+    why = pallas_quantize.unsupported(w.shape, w.dtype, out_dtype)
+    if why is not None:
+        raise ValueError(f"block_quantize: unsupported input: {why}")
+    k, n = w.shape
+    grid = (triton.cdiv(k, TILE), triton.cdiv(n, TILE))
+    q, qt, scale_inv = launch(
+        _block_kernel, w,
+        out_shape=[jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((n, k), out_dtype),
+                   jax.ShapeDtypeStruct(grid, jnp.float32)],
+        grid=grid, name="mtjax_triton_block_quantize", num_warps=num_warps, num_stages=1,
+        K=k, N=n, TILE=TILE, EXACT=k % TILE == 0 and n % TILE == 0, FP8_MAX=float(fp8_max),
+        POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon),
+    )
+    return q, qt, scale_inv
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, o_ptr, MP: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MIXED: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in tl.range(0, KP // BLOCK_K):
+        a = tl.load(a_ptr + rows[:, None] * KP + kb * BLOCK_K + ks[None, :])
+        b = tl.load(b_ptr + cols[:, None] * KP + kb * BLOCK_K + ks[None, :])
+        if MIXED:  # E4M3 x E5M2 (HYBRID's gradients): bfloat16 holds both exactly
+            a = a.to(tl.bfloat16)
+            b = b.to(tl.bfloat16)
+        partial = tl.dot(a, tl.trans(b))
+        # Promotion: this K block's partial product with its scales, accumulated in float32.
+        scales = tl.load(sa_ptr + kb * MP + rows)[:, None] * tl.load(sb_ptr + kb * NP + cols)[None, :]
+        acc += partial * scales
+    tl.store(o_ptr + rows[:, None] * NP + cols[None, :], acc.to(o_ptr.dtype.element_ty))
+
+
+def _gemm(a, sa_t, b, sb_t, out_dtype, config):
+    """`mtjax.kernels.block_fp8_gemm._launch` (same arguments and result) on the native Triton kernel."""
+    (mp, kp), np_ = a.shape, b.shape[0]
+    [out] = launch(
+        _gemm_kernel, a, sa_t, b, sb_t, out_shape=[jax.ShapeDtypeStruct((mp, np_), out_dtype)],
+        grid=(mp // config.block_m, np_ // config.block_n), name="mtjax_triton_block_fp8_gemm",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        MP=mp, NP=np_, KP=kp, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=pallas_gemm.BLOCK_K,
+        MIXED=jnp.dtype(a.dtype) != jnp.dtype(b.dtype),
+    )
+    return out
+
+
+NATIVE = Launchers(forward=_gemm)
+
+
+def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out_dtype, *,
+                   config: pallas_gemm.GemmConfig = pallas_gemm.DEFAULT_CONFIG) -> jax.Array:
+    """`mtjax.kernels.block_fp8_gemm.block_fp8_gemm` on the native Triton kernel."""
+    return pallas_gemm.block_fp8_gemm(a, sa, b, sb, out_dtype, config=config, launchers=NATIVE)
