@@ -52,11 +52,11 @@ def greedy_decode(step: StepFn, cache: Any, logits: jax.Array, num_steps: int, e
     return tokens.T
 
 
-def t5_generate(model: T5, params: Any, encoder_tokens: jax.Array, *, max_new_tokens: int, start_id: int,
+def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new_tokens: int, start_id: int,
                 eos_id: int | None = None, encoder_segment_ids: jax.Array | None = None) -> jax.Array:
-    """Greedy output ``[batch, max_new_tokens]`` of a `T5` for ``encoder_tokens`` (the decoder starts from
-    ``start_id``; ``encoder_segment_ids`` mark padding as in `T5`)."""
-    variables = {"params": params}
+    """Greedy output ``[batch, max_new_tokens]`` of a `T5` (``variables``: its ``"params"``, and
+    ``"fp8_meta"`` to decode under `mtjax.fp8.fp8_autocast`) for ``encoder_tokens`` (the decoder starts
+    from ``start_id``; ``encoder_segment_ids`` mark padding as in `T5`)."""
     encoded = model.apply(variables, encoder_tokens, encoder_segment_ids=encoder_segment_ids, method=T5.encode)
     batch = encoder_tokens.shape[0]
 
@@ -72,11 +72,10 @@ def t5_generate(model: T5, params: Any, encoder_tokens: jax.Array, *, max_new_to
     return greedy_decode(run, cache, logits[:, -1], max_new_tokens, eos_id)
 
 
-def vlm_generate(model: VLM, params: Any, images: jax.Array, prompt: jax.Array, *, max_new_tokens: int,
+def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Array, *, max_new_tokens: int,
                  eos_id: int | None = None) -> jax.Array:
     """Greedy continuation ``[batch, max_new_tokens]`` of ``prompt [batch, prompt_len]`` (e.g. the start
-    token alone) about ``images``: captions."""
-    variables = {"params": params}
+    token alone) about ``images``: captions. ``variables`` as `t5_generate`'s."""
     image_tokens = model.apply(variables, images, method=VLM.encode_images)
     prefix = model.config.fusion == "prefix"
 
