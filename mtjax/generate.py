@@ -163,11 +163,12 @@ def _restore(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
     return 0
 
 
-def _scenes(args: argparse.Namespace, image_size: int, task: str) -> list[Any]:
+def _scenes(args: argparse.Namespace, image_size: int, task: str, tokenizer: Any = None) -> list[Any]:
     from mtjax.train.scenes import SceneDataset
     from mtjax.train.tasks import Captioning
 
-    held_out = SceneDataset(task, "eval", image_size=image_size, max_objects=Captioning.max_objects)
+    held_out = SceneDataset(task, "eval", image_size=image_size, max_objects=Captioning.max_objects,
+                            tokenizer=tokenizer)
     return [held_out.scene(i) for i in args.image_index]
 
 
@@ -177,7 +178,7 @@ def _caption(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
 
     from mtjax.train.tasks import jitted_vlm_generate
 
-    scenes = _scenes(args, model.config.vision.image_size, "captioning")
+    scenes = _scenes(args, model.config.vision.image_size, "captioning", tokenizer)
     prompt = np.full((len(scenes), 1), tokenizer.eos_id, np.int32)
     out = jitted_vlm_generate(model, {"params": params}, np.stack([s.image for s in scenes]), prompt,
                    max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id)

@@ -55,8 +55,8 @@ PRESETS: dict[str, TrainPreset] = {
     "moe-deepseek-1b": TrainPreset("moe-deepseek-1b", batch_size=8, seq_len=2048, steps=1000, learning_rate=3e-4,
                                    warmup_steps=100, save_every=250, eval_every=250, log_every=10),
     # Multimodal and encoder-decoder presets (mtjax.train.tasks): CPU-sized, then the benchmark's shapes.
-    "vit-tiny": TrainPreset("vit-tiny", batch_size=64, seq_len=65, steps=1000, learning_rate=2e-3, warmup_steps=50,
-                            save_every=500, eval_every=250, log_every=25),
+    "vit-tiny": TrainPreset("vit-tiny", batch_size=64, seq_len=16, steps=1500, learning_rate=3e-3, warmup_steps=50,
+                            save_every=500, eval_every=500, log_every=50),
     "t5-tiny": TrainPreset("t5-tiny", batch_size=32, seq_len=48, steps=600, learning_rate=3e-3, warmup_steps=50,
                            save_every=300, eval_every=200, log_every=20),
     "vlm-tiny": TrainPreset("vlm-tiny", batch_size=32, seq_len=64, steps=600, learning_rate=2e-3, warmup_steps=50,

@@ -110,16 +110,23 @@ class T5Config:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
         return encoder + decoder + relpos + embeddings
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token pair, one encoder and one decoder token, both
-        sequences ``seq_len`` long: ``6 *`` the GEMM parameters each token passes through plus attention
-        (bidirectional in the encoder, causal self- and full cross-attention in the decoder)."""
+    def flops_per_example(self, encoder_len: int, decoder_len: int) -> float:
+        """Training FLOPs (forward + backward) of one example: ``6 *`` each GEMM's parameters times the
+        tokens through it (cross-attention's keys and values project the encoder's tokens) plus
+        attention: bidirectional in the encoder (``12 * len**2 * heads * head_dim`` per layer), causal
+        self-attention (half that) and full cross-attention in the decoder."""
         attention, mlp, _ = self._block_params()
-        q = self.num_heads * self.resolved_head_dim
-        encoder = self.num_encoder_layers * (attention + mlp)
-        decoder = self.num_decoder_layers * (2 * attention + mlp) + self.vocab_size * self.hidden_size
-        attend = 12 * seq_len * q * (self.num_encoder_layers + 1.5 * self.num_decoder_layers)
-        return 6.0 * (encoder + decoder) + attend
+        h, q = self.hidden_size, self.num_heads * self.resolved_head_dim
+        encoder = encoder_len * self.num_encoder_layers * (attention + mlp)
+        decoder = decoder_len * (self.num_decoder_layers * (attention + 2 * h * q + mlp) + self.vocab_size * h)
+        cross_kv = encoder_len * self.num_decoder_layers * 2 * h * q
+        attend = q * (12 * self.num_encoder_layers * encoder_len ** 2 + self.num_decoder_layers * (
+            6 * decoder_len ** 2 + 12 * decoder_len * encoder_len))
+        return 6.0 * (encoder + decoder + cross_kv) + attend
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """`flops_per_example` of a ``seq_len``-token input and target, per token pair."""
+        return self.flops_per_example(seq_len, seq_len) / seq_len
 
 
 _PRESETS: dict[str, dict[str, Any]] = {

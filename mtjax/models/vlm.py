@@ -87,9 +87,9 @@ class VLMConfig:
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    # CPU: a 4-layer ViT on the 32x32 procedural scenes (64 image tokens) and a 2-layer byte-level decoder.
-    "vlm-tiny": dict(vision=("vit-tiny", dict(pooling="mean", num_layers=3)),
-                     text=("tiny", dict(hidden_size=64, max_seq_len=192)), fusion="prefix"),
+    # CPU: vit-tiny's encoder on the 32x32 procedural scenes (16 image tokens) and the tiny GPT's decoder
+    # (byte-level, 2 layers).
+    "vlm-tiny": dict(vision=("vit-tiny", {}), text=("tiny", {}), fusion="prefix"),
 }
 VLM_PRESETS = tuple(_PRESETS)
 
