@@ -165,12 +165,14 @@ class FlaxGPT(nn.Module):
 
 
 class FlaxViT(nn.Module):
-    """A ViT of stock Flax modules: ``nn.Conv`` patch embedding (stride = patch), class token, learned
-    positions, scanned bidirectional `FlaxTransformerLayer` s (LayerNorm, GELU), final norm, head.
+    """A ViT of stock Flax modules: ``nn.Conv`` patch embedding (stride = patch), class token (or mean
+    pooling), learned positions, scanned bidirectional `FlaxTransformerLayer` s (LayerNorm, GELU),
+    final norm, head.
 
     Attributes:
       image_size, patch_size, num_channels, num_classes, hidden_size, num_layers, num_heads, mlp_dim:
         the model's sizes.
+      pooling: ``"cls"`` or ``"mean"``.
       dtype: compute dtype (parameters stay f32).
       fp8: Flax FP8 in every Dense of the layers.
 
@@ -185,30 +187,37 @@ class FlaxViT(nn.Module):
     num_layers: int
     num_heads: int
     mlp_dim: int
+    pooling: str = "cls"
     dtype: Any = jnp.bfloat16
     fp8: bool = False
 
     @classmethod
     def like(cls, config: Any, *, fp8: bool = False) -> FlaxViT:
-        """The stock-Flax model of an `mtjax.models.ViTConfig` (class-token pooling, learned positions)."""
+        """The stock-Flax model of an `mtjax.models.ViTConfig` with learned positions and GELU."""
+        if config.position_embedding != "learned" or tuple(config.activations) != ("gelu",):
+            raise ValueError("FlaxViT.like: the peer has learned positions and a GELU MLP; got position_embedding="
+                             f"{config.position_embedding!r}, activations={config.activations!r}")
         return cls(image_size=config.image_size, patch_size=config.patch_size, num_channels=config.num_channels,
                    num_classes=config.num_classes, hidden_size=config.hidden_size, num_layers=config.num_layers,
-                   num_heads=config.num_heads, mlp_dim=config.mlp_dim, dtype=config.dtype, fp8=fp8)
+                   num_heads=config.num_heads, mlp_dim=config.mlp_dim, pooling=config.pooling, dtype=config.dtype,
+                   fp8=fp8)
 
     @nn.compact
     def __call__(self, images: jax.Array) -> jax.Array:
         p, h = self.patch_size, self.hidden_size
         x = nn.Conv(h, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name="patch_embed")(images)
         x = x.reshape(x.shape[0], -1, h)
-        cls_token = self.param("cls_token", nn.initializers.zeros, (1, 1, h))
-        x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, h)).astype(x.dtype), x], axis=1)
+        if self.pooling == "cls":
+            cls_token = self.param("cls_token", nn.initializers.zeros, (1, 1, h))
+            x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, h)).astype(x.dtype), x], axis=1)
         x = x + self.param("position_embed", nn.initializers.normal(0.02), (1, x.shape[1], h)).astype(x.dtype)
         layers = nn.scan(FlaxTransformerLayer, variable_axes={"params": 0, FP8_COLLECTION: 0},
                          split_rngs={"params": True}, length=self.num_layers)
         x, _ = layers(h, self.num_heads, self.mlp_dim, None, "layernorm", ("gelu",), self.dtype, self.fp8, False,
                       name="layers")(x, None)
         x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
-        return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x[:, 0])
+        return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x[:, 0] if self.pooling == "cls" else
+                                                                          x.mean(axis=1))
 
 
 def relative_position_buckets(q_len: int, k_len: int, bidirectional: bool, num_buckets: int,

@@ -29,6 +29,8 @@ from mtjax.models import (
 )
 from mtjax.models.vit import patchify, sincos_2d_positions
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 VIT = ViTConfig(image_size=8, patch_size=4, num_classes=5, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32)
 T5_TINY = T5Config(vocab_size=40, hidden_size=16, num_encoder_layers=1, num_decoder_layers=2, num_heads=2, mlp_dim=32,
                    relative_buckets=8, relative_max_distance=16)

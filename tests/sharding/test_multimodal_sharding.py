@@ -4,6 +4,7 @@ tensor parallelism at once) give the single-device losses and gradients, which r
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax.core import meta
 
 from mtjax.models import T5, VLM, GPTConfig, T5Config, ViTConfig, VLMConfig
@@ -15,6 +16,8 @@ from mtjax.sharding import (
     named_sharding,
     shard_variables,
 )
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 T5_MODEL = T5(T5Config(vocab_size=40, hidden_size=16, num_encoder_layers=1, num_decoder_layers=1, num_heads=2,
                        mlp_dim=32, relative_buckets=8, relative_max_distance=16, tie_embeddings=False))

@@ -1,6 +1,7 @@
 """Generated scenes and shuffled lines (deterministic, held out, well-formed), the weighted loss, and
 ``mtjax train`` / ``mtjax generate`` end to end for the ViT, T5 and vision-language presets (shrunk)."""
 
+import dataclasses
 import json
 import os
 
@@ -17,6 +18,8 @@ from mtjax.train import next_token_loss
 from mtjax.train.lines import ShuffledLines
 from mtjax.train.scenes import CELLS, CLASSES, COLORS, SHAPES, SceneDataset, render_scene
 from mtjax.train.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 TOKENIZER = ByteTokenizer()
 
@@ -93,7 +96,7 @@ def small_presets(monkeypatch):
     """The CPU presets shrunk to one small layer, and two samples per evaluation."""
     small = dict(hidden_size=16, num_heads=2, mlp_dim=32)
     monkeypatch.setitem(vit_module._PRESETS, "vit-tiny", dict(image_size=16, patch_size=8, num_classes=16,
-                                                                num_layers=1, **small))
+                                                                num_layers=1, pooling="mean", **small))
     monkeypatch.setitem(t5_module._PRESETS, "t5-tiny", dict(vocab_size=384, num_encoder_layers=1,
                                                               num_decoder_layers=1, **small))
     monkeypatch.setitem(vlm_module._PRESETS, "vlm-tiny", dict(
@@ -109,19 +112,34 @@ def _train(workdir, preset, *extra):
         return [json.loads(line) for line in f]
 
 
-def test_vit_train_and_classify(tmp_path, small_presets, capsys):
-    workdir = str(tmp_path / "vit")
-    records = _train(workdir, "vit-tiny")
-    evaluated = [r for r in records if "eval_loss" in r]
-    assert len(evaluated) == 1 and 0 <= evaluated[0]["eval_accuracy"] <= 1
-    assert "image classification: generated 16x16 scenes" in capsys.readouterr().out
-    assert main(["generate", "--checkpoint", workdir, "--image-index", "0", "--image-index", "3"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("scene 0: ") and out[1].startswith("scene 3: ") and "(true: " in out[1]
-    assert main(["generate", "--checkpoint", workdir, "--prompt", "x"]) == 2
-    assert "a ViT checkpoint takes --image-index, not --prompt" in capsys.readouterr().err
-    assert main(["train", "--preset", "vit-tiny", "--workdir", str(tmp_path / "x"), "--seq-len", "8"]) == 2
-    assert "--seq-len: the vit-tiny preset's sequence is its 5 patch tokens" in capsys.readouterr().err
+def test_image_classification_task_fits_the_trainer():
+    """What ``mtjax train --preset vit-tiny`` builds, without compiling: scenes of the model's size, the
+    train state from the task's example batch, and rank-1 labels laid out over the 8 devices."""
+    from mtjax.models import ViT, model_config
+    from mtjax.sharding import MeshConfig, logical_axis_rules
+    from mtjax.train import abstract_train_state, batch_sharding, global_batch, make_optimizer
+    from mtjax.train.tasks import DataSpec, task_for
+
+    config = model_config("vit-tiny", image_size=16, hidden_size=16, num_layers=1)
+    task = task_for(config)
+    spec = DataSpec(paths=None, errors="strict", tokenizer=TOKENIZER, seq_len=config.seq_len, seed=0,
+                    eval_sequences=8, model_config=config)
+    train, held_out = task.datasets(spec)
+    batch = train.batch(0, 8)
+    assert batch["images"].shape == (8, 16, 16, 3) and batch["labels"].shape == (8,)
+    state = abstract_train_state(ViT(config), make_optimizer(1e-3, total_steps=2)[0], task.example_batch(8, 0, config),
+                                 model_inputs=task.model_inputs)
+    assert state.params["head"]["kernel"].shape == (16, len(CLASSES))
+    mesh_config = MeshConfig(dp=8)
+    placed = global_batch(batch, batch_sharding(mesh_config.make_mesh(), logical_axis_rules(mesh_config)), 8)
+    assert placed["labels"].sharding.shard_shape((8,)) == (1,)
+    with pytest.raises(ValueError, match="the image presets train on generated scenes"):
+        task.datasets(dataclasses.replace(spec, paths=["x"]))
+
+
+def test_train_cli_refuses_a_vit_sequence_length(tmp_path, capsys):
+    assert main(["train", "--preset", "vit-tiny", "--workdir", str(tmp_path), "--seq-len", "8"]) == 2
+    assert "--seq-len: the vit-tiny preset's sequence is its 16 patch tokens" in capsys.readouterr().err
 
 
 def test_t5_train_and_restore(tmp_path, small_presets, capsys):
