@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from mtjax.models.gpt import GPT, PRESETS, GPTConfig, gpt_config
 from mtjax.models.t5 import T5, T5_PRESETS, T5Config, t5_config
@@ -36,3 +38,23 @@ def build_model(config: Any) -> nn.Module:
         raise TypeError(f"build_model: config is a {type(config).__name__}; accepted: "
                         f"{', '.join(c.__name__ for c in _MODELS)}")
     return model(config)
+
+
+def example_inputs(config: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """The keyword arguments of a one-example call of ``build_model(config)`` (shapes and dtypes)."""
+    tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    if isinstance(config, VLMConfig | ViTConfig):
+        vision = config.vision if isinstance(config, VLMConfig) else config
+        images = jax.ShapeDtypeStruct((1, vision.image_size, vision.image_size, vision.num_channels), jnp.float32)
+        return {"images": images, "tokens": tokens} if isinstance(config, VLMConfig) else {"images": images}
+    if isinstance(config, T5Config):
+        return {"encoder_tokens": tokens, "decoder_tokens": tokens}
+    build_model(config)  # a TypeError for an unknown config
+    return {"tokens": tokens}
+
+
+def abstract_params(config: Any) -> Any:
+    """The boxed (logical axes) abstract ``"params"`` tree ``build_model(config)`` creates."""
+    model = build_model(config)
+    inputs = example_inputs(config)
+    return jax.eval_shape(lambda **x: model.init(jax.random.PRNGKey(0), **x), **inputs)["params"]
