@@ -183,6 +183,7 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
     import jax.numpy as jnp
 
     from mtjax.models import GPTConfig, ViTConfig, model_config
+    from mtjax.train.tasks import task_for
 
     preset = PRESETS[args.preset]
     model_fields = saved.model_fields if saved is not None else None
@@ -212,7 +213,7 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
             raise ValueError(f"--seq-len {seq_len}: the pretrained model's learned positions stop at "
                              f"max_seq_len={base.max_seq_len}")
     remat = args.remat if args.remat is not None or saved is None else _saved_remat(saved.model_overrides)
-    overrides = _model_overrides(base, tokenizer.vocab_size, seq_len, remat)
+    overrides = {**_model_overrides(base, tokenizer.vocab_size, seq_len, remat), **task_for(base).model_overrides(base)}
     run = RunConfig(
         preset=args.preset, model=preset.model if model_fields is None else "pretrained", model_overrides=overrides,
         tokenizer=tokenizer.spec, batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],

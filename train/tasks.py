@@ -89,6 +89,10 @@ class Task:
         """The tokens one example counts for in throughput figures (with ``config.flops_per_token``)."""
         return seq_len
 
+    def model_overrides(self, config: Any) -> dict[str, Any]:
+        """Fields of a model preset the task's data needs changed (e.g. a classifier's number of classes)."""
+        return {}
+
     def datasets(self, spec: DataSpec) -> tuple[Any, Any]:
         """``(train, held-out or None)``, each with ``batch(index, batch_size, rows)``."""
         errors = spec.errors if spec.paths else "skip"  # the default corpus holds a few legacy-encoded tests
@@ -127,6 +131,9 @@ class ImageClassification(Task):
 
     def tokens_per_example(self, seq_len: int, config: ViTConfig) -> int:
         return config.seq_len
+
+    def model_overrides(self, config: ViTConfig) -> dict[str, Any]:
+        return {} if config.num_classes == len(CLASSES) else {"num_classes": len(CLASSES)}
 
     def datasets(self, spec: DataSpec) -> tuple[SceneDataset, SceneDataset | None]:
         config = spec.model_config

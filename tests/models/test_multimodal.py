@@ -1,5 +1,5 @@
 """mtjax.models: ViT, T5 and the vision-language model (shapes, masks by perturbation, cached decoding,
-gradients, FP8, bad input), and T5's relative-position buckets against the published formula."""
+FP8, bad input). (T5's relative-position buckets against the published formula: tests/flax.)"""
 
 import dataclasses
 import functools
@@ -13,7 +13,8 @@ from flax.core import meta
 
 from mtjax import fp8
 from mtjax.config import override
-from mtjax.flax import RelativePositionBiases
+from mtjax.flax import TransformerLayer
+from mtjax.inference import Engine
 from mtjax.models import (
     T5,
     VLM,
@@ -23,6 +24,7 @@ from mtjax.models import (
     ViTConfig,
     VLMConfig,
     build_model,
+    greedy_decode,
     model_config,
     t5_generate,
     vlm_generate,
@@ -104,34 +106,6 @@ def test_patchify_and_sincos_positions_against_loops():
             np.testing.assert_allclose(got_k, want, atol=1e-6)
 
 
-def published_bucket(relative_position, bidirectional, num_buckets, max_distance):
-    """T5's ``_relative_position_bucket`` (Raffel et al.; mesh_tensorflow), one int at a time."""
-    ret, n = 0, -relative_position
-    if bidirectional:
-        num_buckets //= 2
-        ret += num_buckets if n < 0 else 0
-        n = abs(n)
-    else:
-        n = max(n, 0)
-    max_exact = num_buckets // 2
-    if n < max_exact:
-        return ret + n
-    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
-    return ret + min(large, num_buckets - 1)
-
-
-@pytest.mark.parametrize("bidirectional", [True, False])
-def test_relative_position_buckets_match_the_published_formula(bidirectional):
-    """The bias table holds each bucket's index, so the biases are the buckets."""
-    num_buckets, max_distance, q_len, k_len, offset = 16, 40, 5, 70, 9
-    module = RelativePositionBiases(num_buckets=num_buckets, max_distance=max_distance, num_attention_heads=1)
-    table = {"params": {"rel_embedding": jnp.arange(num_buckets, dtype=jnp.float32)[None]}}
-    got = module.apply(table, q_len, k_len, bidirectional, q_offset=jnp.int32(offset))[0, 0]
-    want = [[published_bucket(k - (q + offset), bidirectional, num_buckets, max_distance) for k in range(k_len)]
-            for q in range(q_len)]
-    np.testing.assert_array_equal(np.asarray(got).astype(int), want)
-
-
 def test_t5_masks_and_cached_decoding():
     """Encoder padding and future decoder tokens are never attended (perturbing them changes no other
     logit); decoding token by token on the cache (relative biases at the cache offset) gives the full
@@ -178,6 +152,12 @@ def test_t5_bad_input():
                        jax.random.key(0), tokens(0, (2, 7)), tokens(1, (2, 6)))
     with pytest.raises(ValueError, match="relative_max_distance=4 > relative_buckets // 2"):
         dataclasses.replace(T5_TINY, relative_max_distance=4)
+    layer = TransformerLayer(hidden_size=16, mlp_hidden_size=32, num_attention_heads=2, enable_relative_embedding=True)
+    with pytest.raises(ValueError, match="pass attention_bias or set enable_relative_embedding, not both"):
+        jax.eval_shape(functools.partial(layer.init, attention_bias=jnp.zeros((1, 2, 3, 3))), jax.random.key(0),
+                       jnp.zeros((1, 3, 16)))
+    with pytest.raises(ValueError, match=r"greedy_decode: logits has shape \(2, 1, 40\); expected \[batch, vocab\]"):
+        greedy_decode(None, None, jnp.zeros((2, 1, 40)), 3)
 
 
 @pytest.mark.parametrize("fusion", ["prefix", "cross_attention"])
@@ -216,6 +196,12 @@ def test_vlm_and_gpt_bad_input():
     with pytest.raises(ValueError, match="encoded .* goes with config.cross_attention=True"):
         jax.eval_shape(functools.partial(gpt.init, encoded=jnp.zeros((2, 4, 16))), jax.random.key(0),
                        jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="prefix does not combine with segment_ids"):
+        jax.eval_shape(functools.partial(gpt.init, prefix=jnp.zeros((2, 4, 16)), segment_ids=jnp.ones((2, 3), int)),
+                       jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    decoder = build_model(model.config.text)
+    with pytest.raises(ValueError, match="Engine: a GPT with cross_attention"):
+        Engine(decoder, {}, max_slots=1)
 
 
 def test_fp8_under_autocast_close_to_bf16():
