@@ -23,7 +23,8 @@ T5_MODEL = T5(T5Config(vocab_size=40, hidden_size=16, num_encoder_layers=1, num_
                        mlp_dim=32, relative_buckets=8, relative_max_distance=16, tie_embeddings=False))
 VLM_MODEL = VLM(VLMConfig(
     vision=ViTConfig(image_size=8, patch_size=4, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32, pooling="cls"),
-    text=GPTConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32, max_seq_len=16)))
+    text=GPTConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32, max_seq_len=16),
+    fusion="cross_attention"))
 RNG = np.random.default_rng(0)
 ENC, DEC, TEXT = (jnp.asarray(RNG.integers(1, 40, shape), jnp.int32) for shape in ((8, 7), (8, 7), (8, 6)))
 SEGMENT_IDS = jnp.asarray(np.arange(7)[None, :] < np.arange(4, 8).repeat(2)[:, None], jnp.int32)
@@ -55,7 +56,7 @@ def test_t5_and_vlm_loss_and_grads_equal_single_device():
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-    # Every parameter gets a gradient (the image encoder's through the projector and the prefix).
+    # Every parameter gets a gradient (the image encoder's through the projector and cross-attention).
     norms = {jax.tree_util.keystr(p): float(jnp.linalg.norm(g)) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
     assert all(np.isfinite(n) and n > 0 for n in norms.values()), norms
     # Tensor parallelism really splits the layers (the heads of T5's fused attention kernels).
