@@ -278,9 +278,10 @@ def _tensor_parallel_dims(config: Any) -> dict[str, int]:
     if isinstance(config, VLMConfig):
         return {**{f"vision {k}": v for k, v in _tensor_parallel_dims(config.vision).items()},
                 **_tensor_parallel_dims(config.text)}
-    dims = {"query heads": config.num_heads, "MLP width": config.mlp_dim}
+    dims = {"query heads": config.num_heads}
     if isinstance(config, GPTConfig):
         dims["key/value heads"] = config.resolved_num_kv_heads
+    dims["MLP width"] = config.mlp_dim
     if isinstance(config, GPTConfig | T5Config):
         dims["vocabulary"] = config.vocab_size
     return dims

@@ -2,7 +2,8 @@
 
 `task_for(config)` picks the task of a model config:
 
-- `LanguageModeling` (`mtjax.models.GPT`): next-token prediction on text files (`PackedDataset`);
+- `Task` itself, language modeling (`mtjax.models.GPT`): next-token prediction on text files
+  (`PackedDataset`);
 - `ImageClassification` (`mtjax.models.ViT`): the shape and cell of one-object procedural scenes
   (`mtjax.train.scenes`), held-out accuracy;
 - `Seq2Seq` (`mtjax.models.T5`): restore shuffled lines (`mtjax.train.lines`), held-out token
@@ -72,6 +73,7 @@ class Task:
       model_inputs: ``batch -> model keyword arguments`` (None: ``batch["inputs"]`` positionally).
       loss_fn: ``(logits, batch) -> scalar``.
       metrics_fn: ``(logits, batch) -> {name: scalar}`` of held-out evaluations, besides the loss.
+      accuracy_name: what the ``"accuracy"`` metric is called in the log.
     """
 
     name = "language modeling"
