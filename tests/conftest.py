@@ -73,3 +73,14 @@ def interpret():
 
     with override(pallas_interpret=True):
         yield
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """XLA without most optimizations: compiles of toy models take about half the time, and no
+    assertion about their results depends on the optimizations (use per module:
+    ``pytestmark = pytest.mark.usefixtures("fast_compiles")``)."""
+    saved = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", saved)

@@ -1,9 +1,16 @@
-"""``mtjax train``: train a GPT preset on text files (default: the tiny preset on Python's stdlib).
+"""``mtjax train``: train a preset (default: the tiny GPT on Python's stdlib).
 
     mtjax train                                   # tiny GPT, CPU, a few minutes, loss curve at the end
     mtjax train --preset gpt-1.3b --fp8 --steps 200
     mtjax train --resume                          # continue from the latest checkpoint in --workdir
     mtjax train --init-from Llama-3.2-1B --lr 2e-5 --data notes/ --workdir runs/ft   # fine-tune (docs/interop.md)
+    mtjax train --preset vit-tiny                 # ViT on generated scenes, held-out accuracy
+    mtjax train --preset t5-tiny                  # T5 restoring shuffled stdlib lines, samples in the log
+    mtjax train --preset vlm-tiny                 # vision-language model captioning generated scenes
+
+What each kind of model trains on is its task (`mtjax.train.tasks`): GPT presets read text files
+(``--data``), the image presets generate their data, T5 restores shuffled lines of ``--data`` (default:
+the standard library's top-level modules).
 
 Writes into ``--workdir`` (default ``runs/<preset>``): ``checkpoints/``, ``metrics.jsonl`` (one JSON
 object per logged step), ``tensorboard/`` (the same scalars as TensorBoard event files, with the
@@ -34,6 +41,9 @@ VOCAB_MULTIPLE = 128
 
 
 NONFINITE_POLICIES = ("stop", "skip")
+# Held-out examples decoded greedily at each evaluation of a seq2seq or captioning run, and how many
+# of them the log shows.
+SAMPLES, SHOWN = 64, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mtjax.xla_flags import XLA_PRESETS
 
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="model and run defaults (default: tiny, for the CPU)")
+                        help="model and run defaults (default: tiny, for the CPU; vit-tiny, t5-tiny and vlm-tiny "
+                             "are the CPU-sized image classifier, encoder-decoder and vision-language model)")
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=positive_int, help="optimizer steps")
     run.add_argument("--batch-size", type=positive_int, help="global batch size in sequences")
-    run.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    run.add_argument("--seq-len", type=positive_int,
+                     help="tokens per sequence (T5: per input and per output; VLM: per caption; not for ViT)")
     run.add_argument("--grad-accum", type=positive_int, help="micro-batches per step (default 1)")
     run.add_argument("--lr", type=positive_float, help="peak learning rate")
     run.add_argument("--warmup-steps", type=non_negative_int, help="linear warmup steps (fewer than --steps)")
@@ -64,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="check token ids inside the jitted step too (slower; mtjax.config.debug_checks)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", nargs="+", metavar="PATH",
-                      help="text files or folders (default: the Python standard library's source)")
+                      help="text files or folders (default: the Python standard library's source; the image "
+                           "presets generate their data and take none)")
     data.add_argument("--data-errors", choices=("strict", "replace"), default="strict",
                       help="a --data file that is not UTF-8: an error (default), or read its bad bytes as U+FFFD")
     data.add_argument("--tokenizer", help="'byte', 'hf:TOKENIZER_JSON', 'sentencepiece:MODEL_FILE' or a folder "
@@ -173,9 +186,17 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
     """
     import jax.numpy as jnp
 
-    from mtjax.models import GPTConfig, gpt_config
+    from mtjax.models import GPTConfig, ViTConfig, model_config
+    from mtjax.train.tasks import task_for
 
     preset = PRESETS[args.preset]
+    model_fields = saved.model_fields if saved is not None else None
+    if pretrained is not None:  # float32 master weights, whatever the checkpoint stores
+        model_fields = dataclasses.replace(pretrained.config, param_dtype=jnp.float32).to_dict()
+    base = model_config(preset.model) if model_fields is None else GPTConfig.from_dict(model_fields)
+    if isinstance(base, ViTConfig) and args.seq_len is not None:
+        raise ValueError(f"--seq-len: the {args.preset} preset's sequence is its {base.seq_len} patch tokens, fixed "
+                         "by the model's image and patch sizes")
     defaults = dict(steps=preset.steps, batch_size=preset.batch_size, seq_len=preset.seq_len,
                     learning_rate=preset.learning_rate, warmup_steps=preset.warmup_steps, seed=0, grad_accum=1)
     if saved is not None:  # a resumed run keeps its settings; grad_accum is a memory knob of this mesh
@@ -185,25 +206,18 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
     overridden = {name: (getattr(saved, name), values[name]) for name in RUN_FLAGS
                   if saved is not None and getattr(args, _ARG_NAMES[name]) is not None
                   and values[name] != getattr(saved, name)}
+    if isinstance(base, ViTConfig):
+        values["seq_len"] = base.seq_len
     seq_len = values["seq_len"]
-    model_fields = saved.model_fields if saved is not None else None
-    if pretrained is not None:  # float32 master weights, whatever the checkpoint stores
-        model_fields = dataclasses.replace(pretrained.config, param_dtype=jnp.float32).to_dict()
-    base = gpt_config(preset.model) if model_fields is None else GPTConfig.from_dict(model_fields)
-    overrides: dict[str, Any] = {}
-    if tokenizer.vocab_size > base.vocab_size:
-        if model_fields is not None:
+    if model_fields is not None:  # a pretrained model's vocabulary and learned positions are what they are
+        if tokenizer.vocab_size > base.vocab_size:
             raise ValueError(f"--tokenizer {tokenizer.spec}: {tokenizer.vocab_size} token ids, more than the "
                              f"pretrained model's vocab_size={base.vocab_size}")
-        overrides["vocab_size"] = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    if seq_len > base.max_seq_len:
-        if base.position_embedding == "learned" and model_fields is not None:
+        if seq_len > base.max_seq_len and base.position_embedding == "learned":
             raise ValueError(f"--seq-len {seq_len}: the pretrained model's learned positions stop at "
                              f"max_seq_len={base.max_seq_len}")
-        overrides["max_seq_len"] = seq_len
-    remat = args.remat if args.remat is not None or saved is None else saved.model_overrides.get("remat_policy")
-    if remat is not None:
-        overrides["remat_policy"] = remat
+    remat = args.remat if args.remat is not None or saved is None else _saved_remat(saved.model_overrides)
+    overrides = {**_model_overrides(base, tokenizer.vocab_size, seq_len, remat), **task_for(base).model_overrides(base)}
     run = RunConfig(
         preset=args.preset, model=preset.model if model_fields is None else "pretrained", model_overrides=overrides,
         tokenizer=tokenizer.spec, batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],
@@ -232,12 +246,56 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
     return run, preset, overridden
 
 
+def _model_overrides(base: Any, vocab_size: int, seq_len: int, remat: str | None) -> dict[str, Any]:
+    """The fields a run changes in its model preset ``base``: the vocabulary padded to hold the
+    tokenizer's ``vocab_size`` ids, a learned position table long enough for ``seq_len`` (after a
+    VLM's image prefix), the remat policy. A `VLMConfig`'s are ``{"text": {...}, "vision": {...}}``."""
+    from mtjax.models import GPTConfig, ViTConfig, VLMConfig
+
+    text = base.text if isinstance(base, VLMConfig) else base
+    fields: dict[str, Any] = {}
+    if not isinstance(base, ViTConfig):
+        if vocab_size > text.vocab_size:
+            fields["vocab_size"] = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        if isinstance(text, GPTConfig):
+            prefix = isinstance(base, VLMConfig) and base.fusion == "prefix"
+            longest = seq_len + (base.num_image_tokens if prefix else 0)
+            if longest > text.max_seq_len:
+                fields["max_seq_len"] = longest
+    if remat is not None:
+        fields["remat_policy"] = remat
+    if not isinstance(base, VLMConfig):
+        return fields
+    return {"text": fields, **({"vision": {"remat_policy": remat}} if remat is not None else {})}
+
+
+def _saved_remat(model_overrides: dict[str, Any]) -> str | None:
+    """The remat policy a checkpoint's run chose (`_model_overrides`), or None."""
+    return model_overrides.get("remat_policy", model_overrides.get("text", {}).get("remat_policy"))
+
+
+def _tensor_parallel_dims(config: Any) -> dict[str, int]:
+    """The dimensions of a model that tensor parallelism splits (Megatron: heads, KV heads, MLP
+    columns, vocabulary)."""
+    from mtjax.models import GPTConfig, T5Config, VLMConfig
+
+    if isinstance(config, VLMConfig):
+        return {**{f"vision {k}": v for k, v in _tensor_parallel_dims(config.vision).items()},
+                **_tensor_parallel_dims(config.text)}
+    dims = {"query heads": config.num_heads}
+    if isinstance(config, GPTConfig):
+        dims["key/value heads"] = config.resolved_num_kv_heads
+    dims["MLP width"] = config.mlp_dim
+    if isinstance(config, GPTConfig | T5Config):
+        dims["vocabulary"] = config.vocab_size
+    return dims
+
+
 def _check_tensor_parallel(model_config: Any, tp: int) -> None:
-    """The model dimensions split over ``tp`` (Megatron: heads, KV heads, MLP columns, vocabulary)."""
+    """The model dimensions split over ``tp`` (`_tensor_parallel_dims`)."""
     if tp == 1:
         return
-    dims = {"query heads": model_config.num_heads, "key/value heads": model_config.resolved_num_kv_heads,
-            "MLP width": model_config.mlp_dim, "vocabulary": model_config.vocab_size}
+    dims = _tensor_parallel_dims(model_config)
     bad = {name: size for name, size in dims.items() if size % tp}
     if bad:
         accepted = sorted(d for d in range(1, max(dims.values()) + 1) if all(v % d == 0 for v in dims.values()))
@@ -359,6 +417,7 @@ class _Setup:
     rules: Any
     train_data: Any
     eval_data: Any
+    tokenizer: Any
     workdir: str
     checkpointer: Any
     resume_candidates: list[int] | None  # steps to try, newest first (None: a fresh run)
@@ -417,9 +476,9 @@ def _setup(args: argparse.Namespace) -> _Setup:
 
     from mtjax.sharding import MeshConfig, logical_axis_rules
     from mtjax.train.checkpoint import Checkpointer
-    from mtjax.train.data import PackedDataset, default_corpus
     from mtjax.train.metrics import TENSORBOARD_DIR, tensorboard_available
     from mtjax.train.pretrained import open_pretrained
+    from mtjax.train.tasks import DataSpec, task_for
     from mtjax.train.tokenizer import load_tokenizer
 
     if args.resume_step is not None and not args.resume:
@@ -465,7 +524,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
         dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
         mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep)
         mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
-        num_experts = config.model_config().num_experts
+        model_config = config.model_config()
+        num_experts = getattr(model_config, "num_experts", 0)
         if args.ep > 1 and (not num_experts or num_experts % args.ep):
             raise ValueError(f"--ep {args.ep} needs a mixture-of-experts preset whose num_experts "
                              f"({num_experts}) it divides")
@@ -473,23 +533,16 @@ def _setup(args: argparse.Namespace) -> _Setup:
         if config.batch_size % (batch_ways * config.grad_accum):
             raise ValueError(f"--batch-size {config.batch_size} must be divisible by dp * fsdp * ep * grad-accum "
                              f"= {batch_ways * config.grad_accum}")
-        errors = args.data_errors if args.data else "skip"  # the default corpus holds a few legacy-encoded tests
-        dataset = PackedDataset.from_paths(args.data or default_corpus(), tokenizer, config.seq_len,
-                                           seed=config.seed, errors=errors,
-                                           vocab_size=config.model_config().vocab_size)
-        eval_sequences = args.eval_batches * config.batch_size
-        train_data, eval_data = dataset, None
-        if eval_sequences:
-            if eval_sequences * 10 > dataset.num_sequences:
-                raise ValueError(f"--data holds {dataset.num_sequences} sequences of {config.seq_len} tokens: too few "
-                                 f"to hold {eval_sequences} out for evaluation (use --eval-batches 0 or more data)")
-            train_data, eval_data = dataset.split(eval_sequences)
+        data_spec = DataSpec(paths=args.data, errors=args.data_errors, tokenizer=tokenizer, seq_len=config.seq_len,
+                             seed=config.seed, eval_sequences=args.eval_batches * config.batch_size,
+                             model_config=model_config)
+        train_data, eval_data = task_for(model_config).datasets(data_spec)
         checkpointer.save_every = preset.save_every if args.save_every is None else args.save_every or None
     except BaseException:
         checkpointer.close()
         raise
-    return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, candidates, overridden,
-                  os.path.join(workdir, TENSORBOARD_DIR) if tensorboard else None,
+    return _Setup(config, preset, mesh, rules, train_data, eval_data, tokenizer, workdir, checkpointer, candidates,
+                  overridden, os.path.join(workdir, TENSORBOARD_DIR) if tensorboard else None,
                   pretrained if candidates is None else None)
 
 
@@ -539,26 +592,27 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     from tqdm import tqdm
 
     from mtjax import fp8
-    from mtjax.models import GPT
+    from mtjax.models import build_model
     from mtjax.sharding import tree_shardings
     from mtjax.train.checkpoint import CheckpointError, NonFiniteStateError
     from mtjax.train.data import DataIterator
     from mtjax.train.distributed import global_batch, process_rows
     from mtjax.train.state import abstract_train_state, batch_sharding, compute_dtype_for, init_train_state
     from mtjax.train.step import make_eval_step, make_optimizer, make_train_step, throughput
+    from mtjax.train.tasks import exact_matches, task_for
 
     run_config, preset, mesh, rules = setup.config, setup.preset, setup.mesh, setup.rules
     checkpointer = setup.checkpointer
     is_main = jax.process_index() == 0
     config = run_config.model_config()
-    model = GPT(config)
+    model, task = build_model(config), task_for(config)
     optimizer, schedule = make_optimizer(run_config.learning_rate, total_steps=run_config.steps,
                                          warmup_steps=run_config.warmup_steps, clip_norm=args.clip_norm,
                                          weight_decay=args.weight_decay)
-    micro_batch_shape = (run_config.batch_size // run_config.grad_accum, run_config.seq_len)
+    example = task.example_batch(run_config.batch_size // run_config.grad_accum, run_config.seq_len, config)
     compute_dtype = compute_dtype_for(config.dtype, config.param_dtype)
-    abstract = abstract_train_state(model, optimizer, micro_batch_shape, mesh=mesh, rules=rules,
-                                    compute_dtype=compute_dtype)
+    abstract = abstract_train_state(model, optimizer, example, mesh=mesh, rules=rules, compute_dtype=compute_dtype,
+                                    model_inputs=task.model_inputs)
     tokens_sharding = batch_sharding(mesh, rules)
     rows = process_rows(tokens_sharding, run_config.batch_size)  # this process loads only these rows
     batches = DataIterator(setup.train_data, run_config.batch_size, rows=rows)
@@ -593,8 +647,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             if setup.pretrained is not None:
                 _note(f"starting from the weights of {setup.pretrained.source}")
                 params = setup.pretrained.load_params(config, mesh=mesh, rules=rules)
-            state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
-                                     mesh=mesh, rules=rules, compute_dtype=compute_dtype, params=params)
+            state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), example,
+                                     mesh=mesh, rules=rules, compute_dtype=compute_dtype,
+                                     model_inputs=task.model_inputs, params=params)
             hf_config = setup.pretrained.hf_config if setup.pretrained is not None else None
     except CheckpointError as err:
         checkpointer.close()
@@ -602,20 +657,28 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     state_sharding = tree_shardings(abstract)
     options = fp8.compiler_options() if run_config.fp8 else None
     skip_nonfinite = args.on_nonfinite == "skip"
-    train_step = make_train_step(model, optimizer, mesh=mesh, rules=rules, state_sharding=state_sharding,
+    bias_rate = config.expert_bias_update_rate if getattr(config, "use_expert_bias", False) else 0.0
+    train_step = make_train_step(model, optimizer, task.loss_fn, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                  grad_accum_steps=run_config.grad_accum, learning_rate=schedule,
                                  compiler_options=options, skip_nonfinite=skip_nonfinite,
-                                 expert_bias_update_rate=(config.expert_bias_update_rate if config.use_expert_bias
-                                                          else 0.0))
-    eval_step = make_eval_step(model, mesh=mesh, rules=rules, state_sharding=state_sharding, compiler_options=options)
+                                 expert_bias_update_rate=bias_rate, model_inputs=task.model_inputs)
+    eval_step = make_eval_step(model, task.loss_fn, mesh=mesh, rules=rules, state_sharding=state_sharding,
+                               compiler_options=options, model_inputs=task.model_inputs, metrics_fn=task.metrics_fn)
 
     def to_global(local_batch):
         return global_batch(local_batch, tokens_sharding, run_config.batch_size)
 
-    def evaluate() -> float:
+    def evaluate() -> dict[str, float]:
+        """The held-out loss and the task's metrics, means over ``--eval-batches`` batches."""
         held_out = DataIterator(setup.eval_data, run_config.batch_size, rows=rows)
-        losses = [eval_step(state, to_global(next(held_out)))["loss"] for _ in range(args.eval_batches)]
-        return float(sum(jax.device_get(losses)) / len(losses))
+        results = jax.device_get([eval_step(state, to_global(next(held_out))) for _ in range(args.eval_batches)])
+        return {name: float(sum(r[name] for r in results) / len(results)) for name in results[0]}
+
+    def decode_samples() -> list[tuple[str, str, str]] | None:
+        """Greedy outputs of held-out examples (seq2seq, captioning); single-process runs only."""
+        if jax.process_count() > 1:
+            return None
+        return task.samples(model, state.variables(), setup.eval_data, setup.tokenizer, SAMPLES)
 
     def meta() -> dict[str, Any]:
         # hf_config: the Hugging Face config.json the weights came from (`mtjax convert --to-hf` keeps its token ids).
@@ -632,15 +695,15 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         return _fail(str(err), 1)
     peak = args.peak_tflops or peak_tflops(jax.devices()[0].device_kind)
     log_every, eval_every = args.log_every or preset.log_every, args.eval_every or preset.eval_every
-    tokens_per_step = run_config.batch_size * run_config.seq_len
+    tokens_per_step = run_config.batch_size * task.tokens_per_example(run_config.seq_len, config)
     step = int(jax.device_get(state.step))
     if is_main:
-        active = (f", {config.num_active_params() / 1e6:.1f}M active" if config.num_experts else "")
+        active = (f", {config.num_active_params() / 1e6:.1f}M active" if getattr(config, "num_experts", 0) else "")
         name = run_config.preset if run_config.init_from is None else f"{run_config.init_from} (--init-from)"
         print(f"mtjax train: {name} ({config.num_params() / 1e6:.1f}M parameters{active}"
               f"{', FP8' if run_config.fp8 else ''}) on {jax.device_count()} {jax.devices()[0].platform} device(s), "
-              f"mesh {dict(mesh.shape)}; {setup.train_data.num_sequences} training sequences of "
-              f"{run_config.seq_len} tokens; steps {step}..{run_config.steps}; writing to {setup.workdir}", flush=True)
+              f"mesh {dict(mesh.shape)}; {task.name}: {task.describe_data(setup.train_data, run_config.seq_len)}; "
+              f"steps {step}..{run_config.steps}; writing to {setup.workdir}", flush=True)
     if setup.overridden:
         changes = {name: {"checkpoint": old, "now": new} for name, (old, new) in setup.overridden.items()}
         _note(f"--override: continuing step {step} with changed settings {changes}")
@@ -711,10 +774,21 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
                 progress.set_postfix(loss=f"{record['loss']:.3f}",
                                      **({"tok/s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record else {}))
             if setup.eval_data is not None and (step % eval_every == 0 or step == run_config.steps):
-                eval_loss = evaluate()
-                log.write({"step": step, "eval_loss": eval_loss})
+                evaluated = evaluate()
+                record = {"step": step, **{f"eval_{name}": value for name, value in evaluated.items()}}
+                text = f"step {step}: held-out loss {evaluated['loss']:.4f}"
+                if "accuracy" in evaluated:
+                    text += f", {task.accuracy_name} {evaluated['accuracy']:.1%}"
+                samples = decode_samples()
+                if samples:
+                    record["eval_exact_match"] = exact_matches(samples) / len(samples)
+                    record["samples"] = [{"input": i, "output": o, "reference": r} for i, o, r in samples[:SHOWN]]
+                    text += f", {exact_matches(samples)}/{len(samples)} greedy outputs exact"
+                    text += "".join(f"\n  {i + ' -> ' if i else ''}{o!r} (reference {r!r})"
+                                    for i, o, r in samples[:SHOWN])
+                log.write(record)
                 if is_main:
-                    progress.write(f"step {step}: held-out loss {eval_loss:.4f}")
+                    progress.write(text)
                 timer_start, timer_step = time.perf_counter(), step  # evaluation time is not training time
             progress.update(1)
             stopped = watcher.should_stop(step)

@@ -10,8 +10,10 @@ into every checkpoint (`mtjax.train.Checkpointer`), so a resumed run continues t
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
 
 import grain
 import numpy as np
@@ -159,10 +161,7 @@ class PackedDataset:
         ``rows`` (a process's share of every global batch, `mtjax.train.distributed.process_rows`)
         only those rows are read.
         """
-        _check_batch_size(batch_size)
-        start, stop, _ = (rows or slice(None)).indices(batch_size)
-        if rows is not None and (rows.step not in (None, 1) or stop <= start):
-            raise ValueError(f"rows={rows}: expected a non-empty slice of the batch's {batch_size} rows")
+        start, stop = check_rows(rows, batch_size)
         sequences = grain.MapDataset.source(self)
         if self.shuffle:
             sequences = sequences.shuffle(seed=self.seed)  # reshuffled every epoch: the seed + epoch
@@ -175,6 +174,28 @@ class PackedDataset:
         return sequences.batch(batch_size).map(lambda batch: {k: v[start:stop] for k, v in batch.items()})
 
 
+def batches_by_index(batch: Callable[[int], dict[str, np.ndarray]]) -> grain.MapDataset:
+    """The endless sequence ``batch(0), batch(1), ...`` as a grain ``MapDataset``, for sources that build
+    a whole batch from its index (`mtjax.train.scenes.SceneDataset`, `mtjax.train.lines.ShuffledLines`)."""
+    return grain.MapDataset.range(sys.maxsize).map(batch)
+
+
+class BatchSource(Protocol):
+    """What `DataIterator` reads: ``batches(batch_size, rows)``, the endless global batches as a grain
+    ``MapDataset`` (``rows``: this process's rows of each)."""
+
+    def batches(self, batch_size: int, rows: slice | None = None) -> grain.MapDataset: ...
+
+
+def check_rows(rows: slice | None, batch_size: int) -> tuple[int, int]:
+    """``(start, stop)`` of ``rows`` (a non-empty, contiguous slice of a batch's rows; None: all)."""
+    _check_batch_size(batch_size)
+    start, stop, _ = (rows or slice(None)).indices(batch_size)
+    if rows is not None and (rows.step not in (None, 1) or stop <= start):
+        raise ValueError(f"rows={rows}: expected a non-empty slice of the batch's {batch_size} rows")
+    return start, stop
+
+
 def _check_batch_size(batch_size: int) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
@@ -185,8 +206,9 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 
 
 class DataIterator(Iterator[dict[str, np.ndarray]]):
-    """Batches of a `PackedDataset` from batch ``position`` on (this process's ``rows`` of each): a grain
-    iterator over `PackedDataset.batches`, reading ahead in a background thread.
+    """Batches of a `BatchSource` (`PackedDataset`, the multimodal tasks' datasets) from batch
+    ``position`` on (this process's ``rows`` of each): a grain iterator over its ``batches``, reading
+    ahead in a background thread.
 
     Attributes:
       dataset: the dataset.
@@ -196,7 +218,7 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
         ``grain.checkpoint.CheckpointSave``).
     """
 
-    def __init__(self, dataset: PackedDataset, batch_size: int, *, position: int = 0, rows: slice | None = None):
+    def __init__(self, dataset: BatchSource, batch_size: int, *, position: int = 0, rows: slice | None = None):
         _check_batch_size(batch_size)
         self.dataset, self.batch_size, self.rows = dataset, batch_size, rows
         self.iterator = iter(dataset.batches(batch_size, rows).to_iter_dataset(_READ_OPTIONS))

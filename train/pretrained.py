@@ -30,7 +30,7 @@ from mtjax.interop import (
     param_shardings,
     read_hf_config,
 )
-from mtjax.models import GPTConfig, gpt_config
+from mtjax.models import GPTConfig, model_config
 from mtjax.train.checkpoint import Checkpointer, CheckpointError
 from mtjax.train.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, find_tokenizer
 
@@ -68,18 +68,20 @@ class Pretrained:
         model's logical axes and ``rules`` (without a mesh: the first device)."""
         config = self.config if config is None else config
         shape_fields = ("dtype", "param_dtype", "remat_policy", "max_seq_len")
-        if dataclasses.replace(config, **{f: getattr(self.config, f) for f in shape_fields}) != self.config:
+        if config is not self.config and dataclasses.replace(
+                config, **{f: getattr(self.config, f) for f in shape_fields}) != self.config:
             raise ValueError(f"load_params: the config differs from {self.source}'s in more than {shape_fields}")
         return self._load(config, mesh, rules)
 
 
-def run_model_config(run: Mapping[str, Any]) -> GPTConfig:
+def run_model_config(run: Mapping[str, Any]) -> Any:
     """The model of a run configuration (the fields of `mtjax.train.cli.RunConfig`): its ``model_fields``
-    (a run started from pretrained weights) or its preset ``model``, with its ``model_overrides``."""
+    (a GPT started from pretrained weights) or its preset ``model`` (any of `mtjax.models.model_config`),
+    with its ``model_overrides``."""
     overrides = run.get("model_overrides") or {}
     if run.get("model_fields") is not None:
         return GPTConfig.from_dict({**run["model_fields"], **overrides})
-    return gpt_config(run["model"], **overrides)
+    return model_config(run["model"], **overrides)
 
 
 def _hf_dtype(hf_config: dict[str, Any]) -> Any:
@@ -88,8 +90,8 @@ def _hf_dtype(hf_config: dict[str, Any]) -> Any:
     return getattr(jnp, name) if name in ("float32", "bfloat16", "float16") else jnp.float32
 
 
-def _abstract_params(config: GPTConfig, mesh: Any, rules: Any) -> Any:
-    """The ``"params"`` of `GPT(config)` as ``ShapeDtypeStruct`` leaves with their shardings."""
+def _abstract_params(config: Any, mesh: Any, rules: Any) -> Any:
+    """The ``"params"`` of ``config``'s model as ``ShapeDtypeStruct`` leaves with their shardings."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         nn.meta.unbox(abstract_params(config)), param_shardings(config, mesh, rules))
 

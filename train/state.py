@@ -15,6 +15,7 @@ mapped through the logical rules; optimizer moments inherit their parameter's la
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -97,21 +98,39 @@ def _check_compute_dtype(model: nn.Module, compute_dtype: Any) -> None:
     """A copy in another dtype than the model computes in would change what it computes."""
     if compute_dtype is None:
         return
-    model_dtype = getattr(getattr(model, "config", model), "dtype", None)  # GPT(config) or a module's dtype
+    model_dtype = getattr(getattr(model, "config", model), "dtype", None)  # a model's config or a module's dtype
     if not jnp.issubdtype(compute_dtype, jnp.floating) or (
             model_dtype is not None and jnp.dtype(model_dtype) != jnp.dtype(compute_dtype)):
         raise ValueError(f"compute_dtype={jnp.dtype(compute_dtype).name}: expected the model's compute dtype "
                          f"({'a floating dtype' if model_dtype is None else jnp.dtype(model_dtype).name}) or None")
 
 
-def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_shape: tuple[int, int],
-             compute_dtype: Any):
+# What the state is built from: a token batch's ``(batch, seq)``, or an example batch (arrays or
+# ``jax.ShapeDtypeStruct`` s, only shapes and dtypes matter) that ``model_inputs`` turns into the
+# model's keyword arguments.
+BatchShape = tuple[int, int] | Mapping[str, Any]
+
+
+def _init_inputs(batch_shape: BatchShape, model_inputs: Callable[[Any], dict[str, Any]] | None
+                 ) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+    """The positional and keyword arguments of ``model.init`` (zeros of the example's shapes)."""
+    if not isinstance(batch_shape, Mapping):
+        if model_inputs is not None:
+            raise ValueError("model_inputs needs an example batch ({name: shape/dtype}) as batch_shape, not "
+                             f"{batch_shape!r}")
+        return (jnp.zeros(batch_shape, jnp.int32),), {}
+    zeros = {name: jnp.zeros(x.shape, x.dtype) for name, x in batch_shape.items()}
+    return ((zeros["inputs"],), {}) if model_inputs is None else ((), model_inputs(zeros))
+
+
+def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_shape: BatchShape,
+             compute_dtype: Any, model_inputs: Callable[[Any], dict[str, Any]] | None = None):
     _check_compute_dtype(model, compute_dtype)
 
     def init(rng: jax.Array, params: Any = None) -> TrainState:
         params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
-        variables = model.init({"params": params_rng, "dropout": dropout_rng},
-                               jnp.zeros(batch_shape, jnp.int32))
+        args, kwargs = _init_inputs(batch_shape, model_inputs)
+        variables = model.init({"params": params_rng, "dropout": dropout_rng}, *args, **kwargs)
         if params is not None:  # given parameters replace the initial ones (whose computation XLA drops)
             variables = {**variables, "params": params}
         params = variables["params"]
@@ -125,22 +144,26 @@ def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_sh
 
 
 def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
-    """Token batches ``[batch, seq]``: split over the data-parallel axes (``activation_batch``)."""
-    return named_sharding(mesh, rules, (axes.ACTIVATION_BATCH, None))
+    """Batch arrays ``[batch, ...]`` (tokens ``[batch, seq]``, images, labels ``[batch]``): split over the
+    data-parallel axes (``activation_batch``), the other axes whole."""
+    return named_sharding(mesh, rules, (axes.ACTIVATION_BATCH,))
 
 
 def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
-                         batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
+                         batch_shape: BatchShape, *, mesh: Mesh | None = None,
                          rules: LogicalRules | None = None, compute_dtype: Any = None,
-                         rng_seed: int = 0) -> TrainState:
+                         rng_seed: int = 0, model_inputs: Callable[[Any], dict[str, Any]] | None = None
+                         ) -> TrainState:
     """The `TrainState` as ``jax.ShapeDtypeStruct`` leaves with their ``.sharding``.
 
-    Without ``mesh`` every leaf is on the first device. ``compute_dtype`` as `init_train_state`.
+    Without ``mesh`` every leaf is on the first device. ``compute_dtype``, ``batch_shape`` and
+    ``model_inputs`` as `init_train_state`.
 
     What `init_train_state` creates and what `mtjax.train.checkpoint.Checkpointer.restore` restores
     into (which is how a checkpoint moves to another mesh or device count).
     """
-    boxed = jax.eval_shape(_init_fn(model, optimizer, batch_shape, compute_dtype), jax.random.PRNGKey(rng_seed))
+    boxed = jax.eval_shape(_init_fn(model, optimizer, batch_shape, compute_dtype, model_inputs),
+                           jax.random.PRNGKey(rng_seed))
     abstract = nn.meta.unbox(boxed)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -152,15 +175,19 @@ def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformati
 
 
 def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
-                     batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
-                     rules: LogicalRules | None = None, compute_dtype: Any = None, params: Any = None) -> TrainState:
+                     batch_shape: BatchShape, *, mesh: Mesh | None = None,
+                     rules: LogicalRules | None = None, compute_dtype: Any = None,
+                     model_inputs: Callable[[Any], dict[str, Any]] | None = None, params: Any = None) -> TrainState:
     """A fresh `TrainState`, each leaf created directly in its sharding.
 
     Args:
       model: a linen module called as ``model(tokens [batch, seq] int32, deterministic=...)``.
       optimizer: the optax transformation.
       rng: a raw PRNG key (``jax.random.PRNGKey(seed)``).
-      batch_shape: ``(batch, seq)`` of the token batches (only the shape matters).
+      batch_shape: ``(batch, seq)`` of the token batches (only the shape matters), or an example
+        batch ``{name: array or jax.ShapeDtypeStruct}`` (only shapes and dtypes matter).
+      model_inputs: with an example batch, ``batch -> {argument: array}``, the model's keyword
+        arguments (`mtjax.train.step.apply_model`); None: the batch's ``"inputs"``, positionally.
       mesh, rules: lay the state out on ``mesh`` by the logical-axis ``rules``.
       compute_dtype: also keep ``compute_params``, the matrices in this dtype (the model's ``dtype``,
         e.g. bf16; any other would change what the model computes). ``None``: no copy.
@@ -171,9 +198,9 @@ def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, 
     Raises:
       ValueError: ``params`` do not have the model's parameter names and shapes.
     """
-    init = _init_fn(model, optimizer, batch_shape, compute_dtype)
+    init = _init_fn(model, optimizer, batch_shape, compute_dtype, model_inputs)
     abstract = abstract_train_state(model, optimizer, batch_shape, mesh=mesh, rules=rules,
-                                    compute_dtype=compute_dtype)
+                                    compute_dtype=compute_dtype, model_inputs=model_inputs)
     if params is not None:
         if jax.tree.structure(params) != jax.tree.structure(abstract.params) or any(
                 p.shape != a.shape for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract.params))):

@@ -43,11 +43,41 @@ from mtjax.train.state import TrainState, batch_sharding, cast_like
 
 Batch = Mapping[str, jax.Array]
 LossFn = Callable[[jax.Array, Batch], jax.Array]
+# batch -> the model's keyword arguments (``model.apply(variables, **model_inputs(batch), ...)``).
+ModelInputs = Callable[[Batch], dict[str, jax.Array]]
+# (logits, batch) -> scalar metrics an evaluation reports beside the loss (e.g. accuracy).
+MetricsFn = Callable[[jax.Array, Batch], dict[str, jax.Array]]
+# The batch entries holding token ids (checked against the vocabulary).
+TOKEN_KEYS = ("inputs", "targets", "encoder_inputs")
+
+
+def weighted_mean(values: jax.Array, batch: Batch) -> jax.Array:
+    """Mean of ``values [batch, seq]``, weighted by ``batch["weights"]`` when the batch has them (0 on
+    padding) and plain otherwise."""
+    if "weights" not in batch:
+        return values.mean()
+    weights = batch["weights"].astype(jnp.float32)
+    return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def next_token_loss(logits: jax.Array, batch: Batch) -> jax.Array:
-    """Mean cross-entropy of ``logits [batch, seq, vocab]`` against ``batch["targets"]``, in f32."""
-    return ops.softmax_cross_entropy(logits, batch["targets"]).mean()
+    """Mean cross-entropy of ``logits [batch, seq, vocab]`` against ``batch["targets"]``, in f32;
+    weighted by ``batch["weights"] [batch, seq]`` where present (0: padding, left out)."""
+    return weighted_mean(ops.softmax_cross_entropy(logits, batch["targets"]), batch)
+
+
+def classification_loss(logits: jax.Array, batch: Batch) -> jax.Array:
+    """Mean cross-entropy of ``logits [batch, classes]`` against ``batch["labels"] [batch]``, in f32."""
+    return ops.softmax_cross_entropy(logits, batch["labels"]).mean()
+
+
+def apply_model(model: nn.Module, variables: Any, batch: Batch, model_inputs: ModelInputs | None,
+                **kwargs: Any) -> Any:
+    """``model.apply`` on a batch: ``batch["inputs"]`` as the one positional argument (the language
+    models), or the keyword arguments ``model_inputs(batch)``."""
+    if model_inputs is None:
+        return model.apply(variables, batch["inputs"], **kwargs)
+    return model.apply(variables, **model_inputs(batch), **kwargs)
 
 
 def _micro_batches(batch: Batch, count: int) -> Batch:
@@ -80,7 +110,7 @@ def check_token_ids(batch: Batch, vocab_size: int) -> None:
     Device arrays are left alone (reading them would wait for the device); the train step's
     ``debug_checks`` checks those.
     """
-    for name in ("inputs", "targets"):
+    for name in TOKEN_KEYS:
         ids = batch.get(name)
         if not isinstance(ids, np.ndarray) or ids.size == 0:
             continue
@@ -92,7 +122,7 @@ def check_token_ids(batch: Batch, vocab_size: int) -> None:
 
 
 def _debug_check_token_ids(batch: Batch, vocab_size: int) -> None:
-    for name in ("inputs", "targets"):
+    for name in TOKEN_KEYS:
         if name in batch:
             ids = batch[name]
             checkify.check(jnp.all((ids >= 0) & (ids < vocab_size)),
@@ -122,12 +152,14 @@ def make_train_step(
     skip_nonfinite: bool = False,
     vocab_size: int | None = None,
     debug_checks: bool | None = None,
+    model_inputs: ModelInputs | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """A jitted ``step(state, batch) -> (state, metrics)``.
 
     Args:
       model: a linen module called as ``model(inputs [batch, seq] int32, deterministic=False)``
-        returning logits; dropout draws from the ``"dropout"`` rng.
+        returning logits (or with the keyword arguments ``model_inputs(batch)``); dropout draws
+        from the ``"dropout"`` rng.
       optimizer: the optax transformation (clipping and schedules included, e.g. from `make_optimizer`).
       loss_fn: ``loss_fn(logits, batch) -> scalar``; default `next_token_loss`.
       mesh, rules: run sharded on ``mesh`` with the logical-axis ``rules``; then ``state_sharding``
@@ -152,6 +184,8 @@ def make_train_step(
         ``config.vocab_size`` or ``vocab_size``); numpy batches are checked on every call.
       debug_checks: also check device batches, inside the jitted step (`jax.experimental.checkify`;
         each call then waits for its step). Default: ``mtjax.config.debug_checks``.
+      model_inputs: ``batch -> {argument: array}``, the model's inputs (`apply_model`); None:
+        ``batch["inputs"]``, positionally.
 
     Raises (from the returned step):
       ValueError: a token id outside ``[0, vocab_size)``.
@@ -172,8 +206,8 @@ def make_train_step(
 
         def grads_of(variables: dict[str, Any], batch: Batch, rng: jax.Array) -> tuple[Any, Any]:
             def loss_of(variables: dict[str, Any]) -> tuple[jax.Array, Any]:
-                logits, sown = model.apply(variables, batch["inputs"], deterministic=False, rngs={"dropout": rng},
-                                           mutable=[MOE_LOSSES, MOE_METRICS])
+                logits, sown = apply_model(model, variables, batch, model_inputs, deterministic=False,
+                                           rngs={"dropout": rng}, mutable=[MOE_LOSSES, MOE_METRICS])
                 loss = loss_fn(logits, batch)
                 losses, metrics = sown.get(MOE_LOSSES, {}), sown.get(MOE_METRICS, {})
                 return loss + moe_aux_loss(losses), (loss, moe_metrics(metrics, losses), metrics)
@@ -285,14 +319,16 @@ def make_eval_step(
     rules: LogicalRules | None = None,
     state_sharding: TrainState | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    model_inputs: ModelInputs | None = None,
+    metrics_fn: MetricsFn | None = None,
 ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
-    """A jitted ``eval_step(state, batch) -> {"loss": scalar}`` (no dropout, state untouched);
-    arguments as `make_train_step`'s."""
+    """A jitted ``eval_step(state, batch) -> {"loss": scalar, **metrics_fn(logits, batch)}`` (no
+    dropout, state untouched); the other arguments as `make_train_step`'s."""
     _check_sharding_args("make_eval_step", mesh, rules, state_sharding)
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
-        logits = model.apply(state.variables(), batch["inputs"], deterministic=True)
-        return {"loss": loss_fn(logits, batch)}
+        logits = apply_model(model, state.variables(), batch, model_inputs, deterministic=True)
+        return {"loss": loss_fn(logits, batch), **(metrics_fn(logits, batch) if metrics_fn else {})}
 
     options = dict(compiler_options or {}) or None
     if mesh is None:

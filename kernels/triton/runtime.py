@@ -82,7 +82,8 @@ _recorders: list[list[Launch]] = []
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[Launch]]:
     """Collect every `launch` traced inside the block (e.g. under `jax.eval_shape`), to compile the
-    kernels with `compile_launch` on a machine without a GPU."""
+    kernels with `compile_launch` on a machine without a GPU. Where jax-triton is not installed, the
+    launches inside the block return zeros of their output types (only ``triton`` is needed)."""
     launches: list[Launch] = []
     _recorders.append(launches)
     try:
@@ -134,6 +135,8 @@ def launch(kernel: Any, *inputs: jax.Array, out_shape: Sequence[jax.ShapeDtypeSt
             functools.partial(_run_interpreted, kernel, out_shape=out_shape, grid=grid, constexprs=constexprs),
             out_shape, *inputs))
     jt = _jax_triton()
+    if isinstance(jt, str) and _recorders:  # recorded for compile_launch only
+        return [jax.numpy.zeros(s.shape, s.dtype) for s in out_shape]
     if isinstance(jt, str):
         raise RuntimeError(f"{name}: native Triton kernels need jax-triton: {jt}")
     outs = jt.triton_call(*inputs, kernel=kernel, grid=grid, name=name, num_warps=num_warps, num_stages=num_stages,

@@ -1,19 +1,24 @@
-"""The ``train`` suite: whole AdamW train steps of GPT presets, mtjax against stock Flax.
+"""The ``train`` suite: whole AdamW train steps of model presets, mtjax against stock Flax.
 
 For each preset (default ``gpt-1.3b``, sequence 2048, batch 8; ``tiny`` with ``--quick``) four
-variants run side by side in one process:
+variants run side by side in one process. GPT presets train on ``[batch, seq]`` tokens; ViT presets
+(``vit-l16``) on ``[64, 224, 224, 3]`` images; T5 presets (``t5-base``) on 32 pairs of a 512-token
+input and a 128-token target (with ``--quick``: batch 2 and 32/16 tokens, the tiny presets
+``vit-tiny``, ``t5-tiny``).
 
-- ``mtjax``: `mtjax.models.GPT` trained by `mtjax.train`'s step (``make_train_step``), bf16 compute,
+- ``mtjax``: the `mtjax.models` model trained by `mtjax.train`'s step (``make_train_step``), bf16 compute,
   f32 parameters;
 - ``mtjax fp8``: the same under ``mtjax.fp8.fp8_autocast`` (delayed scaling);
 - ``mtjax [op=impl,xla_option=value,...]`` (and its fp8): with kernel choices or XLA options changed
   (``--variant``, `mtjax.bench.variants`); ``--variant recipe=block`` adds ``mtjax fp8 [recipe=block]``
   (`mtjax.fp8.BlockScaling`, opt-in: one more compilation of the step);
-- ``flax``: `mtjax.bench.peers.FlaxGPT`, the same model in stock Flax (cuDNN attention);
+- ``flax``: `mtjax.bench.peers.FlaxGPT` (`FlaxViT`, `FlaxT5`), the same model in stock Flax (cuDNN
+  attention where jax routes it);
 - ``flax fp8``: that model with Flax's ``Fp8DirectDotGeneralOp`` in every Dense.
 
-Model FLOPs per token are the preset's ``flops_per_token(seq)`` (6·N + causal attention) for all
-four, so MFU and speed-ups compare the same work. Each variant is compiled, timed with the state
+Model FLOPs are the preset's (``flops_per_token(seq)``: 6·N + attention; T5: ``flops_per_example``)
+for all four, so MFU and speed-ups compare the same work; ``tokens_per_s`` counts a ViT's patch
+tokens and both of a T5's sequences. Each variant is compiled, timed with the state
 threaded through as in training (median of 6 samples of 3 steps dispatched back to back), and
 reported (one line on stderr) before the next starts, so a run cut short keeps what it measured;
 ``--profile DIR`` adds each step's per-op device time (`mtjax.bench.profile`), from a second
@@ -29,8 +34,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mtjax.bench import peers, profile, timing
@@ -38,6 +45,8 @@ from mtjax.bench.variants import DEFAULT, Setting, bf16_label, label, mtjax_cont
 
 SEQ_LEN, BATCH = 2048, 8
 QUICK_SEQ_LEN, QUICK_BATCH = 32, 2
+VIT_BATCH = 64
+T5_BATCH, T5_ENCODER_LEN, T5_DECODER_LEN = 32, 512, 128
 
 
 def optimizer() -> optax.GradientTransformation:
@@ -72,33 +81,113 @@ class Variant:
     bf16: str | None = None
 
 
-def _flax_variant(config: Any, fp8: bool, batch_shape: tuple[int, int]) -> Variant:
-    model = peers.FlaxGPT.like(config, fp8=fp8)
+@dataclasses.dataclass
+class Workload:
+    """What the rows of one preset train on.
+
+    Attributes:
+      name: the rows' name (``"gpt-1.3b b8 s2048"``).
+      config: the mtjax model config.
+      batches: two batches to alternate between.
+      tokens_per_step: tokens one step trains on (throughput figures).
+      flops: model FLOPs of one step.
+      model_inputs: the mtjax model's keyword arguments from a batch (None: ``batch["inputs"]``).
+      loss_fn: the mtjax step's loss.
+      peer: ``fp8 -> the stock-Flax model``.
+      peer_inputs: the stock-Flax model's arguments from a batch.
+      peer_labels: the batch entry its cross-entropy compares against.
+      extra: row fields (batch, sequence lengths).
+    """
+
+    name: str
+    config: Any
+    batches: list[dict[str, jax.Array]]
+    tokens_per_step: int
+    flops: float
+    model_inputs: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] | None
+    loss_fn: Callable[..., jax.Array]
+    peer: Callable[[bool], nn.Module]
+    peer_inputs: Callable[[dict[str, jax.Array]], tuple[jax.Array, ...]]
+    peer_labels: str
+    extra: dict[str, Any]
+
+    @property
+    def example(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of a batch (what train states are built from)."""
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.batches[0].items()}
+
+
+def workload(preset: str, quick: bool) -> Workload:
+    """The batches, FLOPs and peer of ``preset`` (a GPT, ViT or T5 preset of `mtjax.models.model_config`)."""
+    from mtjax.models import GPTConfig, T5Config, ViTConfig, model_config
+    from mtjax.train.step import classification_loss, next_token_loss
+
+    config = model_config(preset)
+    if isinstance(config, ViTConfig):
+        batch = QUICK_BATCH if quick else VIT_BATCH
+        rng = np.random.default_rng(42)
+        shape = (batch, config.image_size, config.image_size, config.num_channels)
+        batches = [{"images": jnp.asarray(rng.normal(size=shape), jnp.float32),
+                    "labels": jnp.asarray(rng.integers(0, config.num_classes, batch), jnp.int32)} for _ in range(2)]
+        tokens = batch * config.seq_len
+        return Workload(f"{preset} b{batch} {config.image_size}px", config, batches, tokens,
+                        config.flops_per_token() * tokens, lambda b: {"images": b["images"]}, classification_loss,
+                        lambda fp8: peers.FlaxViT.like(config, fp8=fp8), lambda b: (b["images"],), "labels",
+                        {"batch": batch, "seq_len": config.seq_len})
+    if isinstance(config, T5Config):
+        batch, enc, dec = (QUICK_BATCH, QUICK_SEQ_LEN, QUICK_SEQ_LEN // 2) if quick else (
+            T5_BATCH, T5_ENCODER_LEN, T5_DECODER_LEN)
+        batches = [{"encoder_inputs": source["inputs"], **target} for source, target in
+                   zip(_batches(config.vocab_size, batch, enc, seed=1), _batches(config.vocab_size, batch, dec))]
+        return Workload(f"{preset} b{batch} s{enc}+{dec}", config, batches, batch * (enc + dec),
+                        config.flops_per_example(enc, dec) * batch,
+                        lambda b: {"encoder_tokens": b["encoder_inputs"], "decoder_tokens": b["inputs"]},
+                        next_token_loss, lambda fp8: peers.FlaxT5.like(config, fp8=fp8),
+                        lambda b: (b["encoder_inputs"], b["inputs"]), "targets",
+                        {"batch": batch, "seq_len": enc, "decoder_len": dec})
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"mtjax bench train: preset {preset!r} is a {type(config).__name__}; the train suite "
+                         "runs GPT, ViT and T5 presets")
+    batch, seq = (QUICK_BATCH, QUICK_SEQ_LEN) if quick else (BATCH, SEQ_LEN)
+    seq_len = min(seq, config.max_seq_len)
+    return Workload(f"{preset} b{batch} s{seq_len}", config, _batches(config.vocab_size, batch, seq_len),
+                    batch * seq_len, config.flops_per_token(seq_len) * batch * seq_len, None, next_token_loss,
+                    lambda fp8: peers.FlaxGPT.like(config, fp8=fp8), peers.token_inputs, "targets",
+                    {"batch": batch, "seq_len": seq_len})
+
+
+def _flax_variant(work: Workload, fp8: bool) -> Variant:
+    model = work.peer(fp8)
     opt = optimizer()
 
     def init():
-        params, fp8_state = peers.init(model, jnp.zeros(batch_shape, jnp.int32))
+        params, fp8_state = peers.init(model, *work.peer_inputs(work.batches[0]))
         return params, fp8_state, jax.jit(opt.init)(params)
 
     return Variant("flax fp8" if fp8 else "flax", "flax" if fp8 else None,
-                   "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", init, peers.train_step(model, opt))
+                   "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops", init,
+                   peers.train_step(model, opt, work.peer_inputs, work.peer_labels))
 
 
-def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[int, int]) -> Variant:
-    from mtjax.models import GPT
+def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: Any, model_inputs: Any = None,
+                   loss_fn: Any = None) -> Variant:
+    """An mtjax row: ``batch_shape`` as `mtjax.train.init_train_state`'s (a token ``(batch, seq)`` or an
+    example batch with ``model_inputs``), ``loss_fn`` the step's (default: next-token)."""
+    from mtjax.models import build_model
     from mtjax.train.state import compute_dtype_for, init_train_state
-    from mtjax.train.step import make_train_step
+    from mtjax.train.step import make_train_step, next_token_loss
 
     config = dataclasses.replace(config, **setting.model)
-    model = GPT(config)
+    model = build_model(config)
     opt = optimizer()
     # As `mtjax train` does: a bf16 model reads a bf16 copy of its f32 weights.
     keep_copy = setting.train.get("compute_params", True)
     compute_dtype = compute_dtype_for(config.dtype, config.param_dtype) if keep_copy else None
     return Variant(
         label(fp8, setting), peers.FP8_PEER if fp8 else "flax", "fp8_gemm_tflops" if fp8 else "bf16_gemm_tflops",
-        init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape, compute_dtype=compute_dtype),
-        step=make_train_step(model, opt),
+        init=lambda: init_train_state(model, opt, jax.random.PRNGKey(0), batch_shape, compute_dtype=compute_dtype,
+                                      model_inputs=model_inputs),
+        step=make_train_step(model, opt, loss_fn or next_token_loss, model_inputs=model_inputs),
         context=lambda: mtjax_context(fp8, setting),
         xla_options=mtjax_xla_options(fp8, setting),
         profiled=setting == DEFAULT,
@@ -106,16 +195,18 @@ def _mtjax_variant(config: Any, fp8: bool, setting: Setting, batch_shape: tuple[
     )
 
 
-def variants(config: Any, batch_shape: tuple[int, int], settings: Sequence[Setting] = ()) -> list[Variant]:
+def variants(work: Workload, settings: Sequence[Setting] = ()) -> list[Variant]:
     """mtjax and Flax, bf16 then FP8, then the rows of each setting: the headline comparisons come first."""
-    mtjax_rows = [_mtjax_variant(config, fp8, setting, batch_shape) for fp8, setting in mtjax_variants(list(settings))]
-    flax_fp8 = [_flax_variant(config, True, batch_shape)] if peers.HAS_FLAX_FP8 else []
-    return [mtjax_rows[0], _flax_variant(config, False, batch_shape), mtjax_rows[1], *flax_fp8, *mtjax_rows[2:]]
+    example = work.example if work.model_inputs is not None else work.batches[0]["inputs"].shape
+    mtjax_rows = [_mtjax_variant(work.config, fp8, setting, example, work.model_inputs, work.loss_fn)
+                  for fp8, setting in mtjax_variants(list(settings))]
+    flax_fp8 = [_flax_variant(work, True)] if peers.HAS_FLAX_FP8 else []
+    return [mtjax_rows[0], _flax_variant(work, False), mtjax_rows[1], *flax_fp8, *mtjax_rows[2:]]
 
 
-def _batches(vocab_size: int, batch: int, seq: int, count: int = 2) -> list[dict[str, jax.Array]]:
+def _batches(vocab_size: int, batch: int, seq: int, count: int = 2, seed: int = 42) -> list[dict[str, jax.Array]]:
     out = []
-    for key in jax.random.split(jax.random.key(42), count):
+    for key in jax.random.split(jax.random.key(seed), count):
         tokens = jax.random.randint(key, (batch, seq + 1), 0, vocab_size, dtype=jnp.int32)
         out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
     return out
@@ -160,29 +251,21 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,
         settings: Sequence[Setting] = ()) -> list[dict]:
     """Rows for each preset and variant (see the module docstring); ``settings``: `mtjax.bench.variants`."""
-    from mtjax.models import gpt_config
-
     presets = list(presets or (["tiny"] if quick else ["gpt-1.3b"]))
-    batch_size, seq = (QUICK_BATCH, QUICK_SEQ_LEN) if quick else (BATCH, SEQ_LEN)
     rows = []
     for preset in presets:
-        config = gpt_config(preset)
-        seq_len = min(seq, config.max_seq_len)
-        batches = _batches(config.vocab_size, batch_size, seq_len)
-        tokens_per_step = batch_size * seq_len
-        flops = config.flops_per_token(seq_len) * tokens_per_step
-        todo = variants(config, (batch_size, seq_len), settings)
-        name = f"{preset} b{batch_size} s{seq_len}"
+        work = workload(preset, quick)
+        batches, name = work.batches, work.name
         times = {}
-        for variant in todo:
+        for variant in variants(work, settings):
             step, compile_s = _compile(variant, batches[0])
             with variant.context():
                 state = variant.init()
             t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 6,
                                                       steps_per_sample=1 if quick else 3)
             times[variant.implementation] = t.median
-            extra = {"tokens_per_s": tokens_per_step / t.median, "batch": batch_size, "seq_len": seq_len,
-                     "params": config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,
+            extra = {"tokens_per_s": work.tokens_per_step / t.median, **work.extra,
+                     "params": work.config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,
                      "temp_memory_gb": step.memory_analysis().temp_size_in_bytes / 1e9,
                      "xla_options": {k: str(v) for k, v in variant.xla_options.items()}}
             if variant.bf16 in times:
@@ -196,6 +279,6 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
                                            f"{preset}_{variant.implementation.replace(' ', '_')}")
                 extra.update(profiled)
             del state
-            rows.append(timing.row("train", name, variant.implementation, t, flops=flops, peer=variant.peer,
+            rows.append(timing.row("train", name, variant.implementation, t, flops=work.flops, peer=variant.peer,
                                    ceiling=variant.ceiling, **extra))
     return rows

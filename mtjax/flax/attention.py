@@ -391,6 +391,8 @@ class MultiHeadAttention(nn.Module):
     ``[batch, max_length, kv_heads, head_dim]`` and ``cache_index``. Initialise it by running `init`
     with ``decode=True`` on a ``[batch, max_length, hidden]`` input; each later call appends its keys at
     ``cache_index`` and attends causally to everything cached (positions default to the cache index).
+    A ``bias`` then spans the whole cache, ``[batch|1, heads|1, q_len, max_length]`` (e.g. T5's relative
+    position biases of the step's queries: `RelativePositionBiases` with ``q_offset``).
 
     Paged decoding (``paged_kv=PagedKV(...)``, causal self-attention): the keys and values of the
     call's tokens go into the pages of the `PAGED_KV_COLLECTION` collection at ``paged_kv.slots``
@@ -558,8 +560,10 @@ class MultiHeadAttention(nn.Module):
             what = "decode=True" if paged_kv is None else "paged_kv"
             if decode and paged_kv is not None:
                 raise ValueError(f"{owner}: pass decode=True (the dense cache) or paged_kv, not both")
-            if q_segment_ids is not None or mask is not None or bias is not None or not self_attention:
-                raise ValueError(f"{owner}: {what} supports causal self-attention without mask, bias or segment ids")
+            if q_segment_ids is not None or mask is not None or not self_attention:
+                raise ValueError(f"{owner}: {what} supports causal self-attention without mask or segment ids")
+            if paged_kv is not None and bias is not None:
+                raise ValueError(f"{owner}: paged_kv does not support bias (decode=True does, over the whole cache)")
             if paged_kv is not None and self.attn_mask_type not in ("causal", "padding_causal"):
                 raise ValueError(f"{owner}: paged_kv needs attn_mask_type 'causal'; got {self.attn_mask_type!r}")
             if (paged_kv is not None and not paged_kv.prefill and self.enable_rotary_pos_emb
@@ -672,8 +676,10 @@ class MultiHeadAttention(nn.Module):
 class RelativePositionBiases(nn.Module):
     """T5 relative position biases: a learned scalar per head and log-spaced distance bucket.
 
-    ``__call__(q_seqlen, k_seqlen, bidirectional=True)`` returns ``[1, heads, q_seqlen, k_seqlen]``, to
-    pass as the post-scale ``bias`` of attention.
+    ``__call__(q_seqlen, k_seqlen, bidirectional=True, *, q_offset=0)`` returns ``[1, heads, q_seqlen,
+    k_seqlen]``, to pass as the post-scale ``bias`` of attention: query ``i`` sits at position
+    ``q_offset + i`` (an int or a traced int32 scalar: a decoding step's place in its cache), key ``j``
+    at ``j``.
 
     Attributes:
       num_buckets: buckets (half per direction when bidirectional); the first half of each direction's
@@ -713,11 +719,12 @@ class RelativePositionBiases(nn.Module):
         return bucket + jnp.where(distance < exact, distance, far)
 
     @nn.compact
-    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True) -> jax.Array:
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True, *,
+                 q_offset: int | jax.Array = 0) -> jax.Array:
         if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 2:
             raise ValueError(f"RelativePositionBiases: num_buckets={self.num_buckets} must be >= 4 and "
                              f"max_distance={self.max_distance} > num_buckets // 2")
-        relative = jnp.arange(k_seqlen)[None, :] - jnp.arange(q_seqlen)[:, None]
+        relative = jnp.arange(k_seqlen)[None, :] - (q_offset + jnp.arange(q_seqlen)[:, None])
         bucket = self._bucket(relative, bidirectional)
         table = param_with_axes(self, "rel_embedding", self.embedding_init,
                                 (self.num_attention_heads, self.num_buckets), self.param_dtype, self.embedding_axes)

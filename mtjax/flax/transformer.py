@@ -50,12 +50,16 @@ class TransformerLayer(nn.Module):
     which gives the original (BERT) post-LN block ``y = norm(x + attn(x)); out = norm(y + mlp(y))``.
 
     ``__call__(inputs, encoded=None, attention_mask=None, encoder_decoder_mask=None, *, segment_ids=None,
-    encoder_segment_ids=None, positions=None, deterministic=False, decode=False, residual=None, paged_kv=None)``:
-    ``inputs [batch, length, hidden_size]``; masks ``[batch|1, heads|1, q_len, kv_len]`` are bool keep-masks
-    (True = attend) or TransformerEngine's integer masks (1 = masked out, `mtjax.flax.attention.keep_mask`);
+    encoder_segment_ids=None, positions=None, deterministic=False, decode=False, residual=None, paged_kv=None,
+    attention_bias=None)``: ``inputs [batch, length, hidden_size]``; masks ``[batch|1, heads|1, q_len, kv_len]``
+    are bool keep-masks (True = attend) or TransformerEngine's integer masks (1 = masked out,
+    `mtjax.flax.attention.keep_mask`);
     ``segment_ids [batch, length]`` (0 = padding) restrict attention to the own segment (packing);
     ``positions [batch, length]`` feed the rotary embedding; ``paged_kv`` (a `PagedKV`) runs the
-    self-attention on a paged key/value cache. Returns ``[batch, length, hidden_size]``.
+    self-attention on a paged key/value cache; ``attention_bias [batch|1, heads|1, q_len, kv_len]`` is
+    added to the self-attention logits (after scaling): T5's relative position biases computed once
+    per stack and shared by its layers (with ``decode=True`` it spans the whole cache, see
+    `MultiHeadAttention`). Returns ``[batch, length, hidden_size]``.
 
     ``parallel_attention_mlp=True`` (GPT-NeoX, GPT-J; pre-LN only) runs the attention and the MLP side
     by side on the block's input, each behind its own norm: ``x = x + attn(norm1(x)) + mlp(norm2(x))``.
@@ -222,7 +226,8 @@ class TransformerLayer(nn.Module):
                  encoder_decoder_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
                  encoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                  deterministic: bool = False, decode: bool = False, residual: jax.Array | None = None,
-                 paged_kv: PagedKV | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 paged_kv: PagedKV | None = None,
+                 attention_bias: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         head_dim = self._validate()
         if inputs.ndim != 3 or inputs.shape[-1] != self.hidden_size:
             raise ValueError(f"TransformerLayer: inputs has shape {inputs.shape}; expected [batch, length, "
@@ -262,10 +267,13 @@ class TransformerLayer(nn.Module):
             out = hidden_dropout(branch, deterministic=deterministic) + residual
             return nn.with_logical_constraint(out, BATCH_LENGTH_EMBED)
 
-        bias = None
+        bias = attention_bias
         if self.enable_relative_embedding:
+            if attention_bias is not None:
+                raise ValueError("TransformerLayer: pass attention_bias or set enable_relative_embedding, not both")
             if decode or paged_kv is not None:
-                raise ValueError("TransformerLayer: decode=True and paged_kv do not support enable_relative_embedding")
+                raise ValueError("TransformerLayer: decode=True and paged_kv do not support enable_relative_embedding "
+                                 "(compute the biases over the cache and pass them as attention_bias)")
             relpos = self.relative_embedding or RelativePositionBiases(
                 num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
                 embedding_init=RELPOS_EMBEDDING_INIT, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -98,6 +98,9 @@ class Engine:
         if not isinstance(model, GPT):
             raise TypeError(f"Engine: model must be a mtjax.models.GPT; got {type(model).__name__}")
         cfg = model.config
+        if cfg.cross_attention:
+            raise ValueError("Engine: a GPT with cross_attention (a VLM's decoder) needs what it attends to; "
+                             "decode it with mtjax.models.vlm_generate")
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"Engine: weights={weights!r} is not supported; accepted: None, 'fp8'")
         max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len

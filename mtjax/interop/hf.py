@@ -36,7 +36,8 @@ from mtjax.interop.hf_architectures import (
     dtype_name,
     infer_model_type,
 )
-from mtjax.models import GPT, BertConfig, BertEncoder, GPTConfig
+from mtjax.models import BertConfig, BertEncoder, GPTConfig
+from mtjax.models import abstract_params as models_abstract_params
 from mtjax.sharding import logical_shardings, use_mesh
 
 CONFIG_FILE = "config.json"
@@ -170,16 +171,16 @@ class _TensorReader:
 # ------------------------------------------------------------------------------------- mtjax parameter trees
 
 
-def _model(config: GPTConfig | BertConfig) -> nn.Module:
-    return BertEncoder(config) if isinstance(config, BertConfig) else GPT(config)
+def abstract_params(config: Any) -> Any:
+    """The boxed (logical axes) abstract ``"params"`` tree of ``config``'s model: `BertEncoder`, or any of
+    `mtjax.models.build_model` (`GPT`, `ViT`, `T5`, `VLM`)."""
+    if isinstance(config, BertConfig):
+        return jax.eval_shape(lambda: BertEncoder(config).init(jax.random.PRNGKey(0),
+                                                               jnp.zeros((1, 2), jnp.int32)))["params"]
+    return models_abstract_params(config)
 
 
-def abstract_params(config: GPTConfig | BertConfig) -> Any:
-    """The boxed (logical axes) abstract ``"params"`` tree `GPT`/`BertEncoder` creates for ``config``."""
-    return jax.eval_shape(lambda: _model(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
-
-
-def param_shardings(config: GPTConfig | BertConfig, mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> Any:
+def param_shardings(config: Any, mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> Any:
     """The sharding of each parameter of ``config``'s model (the unboxed tree's structure): by its logical
     axes and ``rules`` on ``mesh``, or the first device without a mesh."""
     boxed = abstract_params(config)

@@ -56,27 +56,32 @@ class _StackedLayer(TransformerLayer):
     The carry is the stream, or with ``defer_residual_add`` the pair ``(branch, stream)`` whose sum
     the stream is (``stream`` ``None`` before an unrolled stack's first layer)."""
 
-    def __call__(self, carry, segment_ids, positions, deterministic, decode, paged_kv):
+    def __call__(self, carry, segment_ids, positions, deterministic, decode, paged_kv, encoded=None, encoder_mask=None,
+                 attention_bias=None):
         x, residual = carry if self.defer_residual_add else (carry, None)
-        y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
-                             decode=decode, residual=residual, paged_kv=paged_kv)
+        y = super().__call__(x, encoded, encoder_decoder_mask=encoder_mask, segment_ids=segment_ids,
+                             positions=positions, deterministic=deterministic, decode=decode, residual=residual,
+                             paged_kv=paged_kv, attention_bias=attention_bias)
         return y, None
 
 
 class _StackedMoELayer(MoETransformerLayer):
     """`MoETransformerLayer` called as `_StackedLayer`."""
 
-    def __call__(self, carry, segment_ids, positions, deterministic, decode, paged_kv):  # noqa: D102
+    def __call__(self, carry, segment_ids, positions, deterministic, decode, paged_kv, encoded=None,  # noqa: D102
+                 encoder_mask=None, attention_bias=None):
         x, residual = carry if self.defer_residual_add else (carry, None)
-        y = super().__call__(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
-                             decode=decode, residual=residual, paged_kv=paged_kv)
+        y = super().__call__(x, encoded, encoder_decoder_mask=encoder_mask, segment_ids=segment_ids,
+                             positions=positions, deterministic=deterministic, decode=decode, residual=residual,
+                             paged_kv=paged_kv, attention_bias=attention_bias)
         return y, None
 
 
 def apply_layers(x: Any, *, layer: Mapping[str, Any], num_layers: int, scan_layers: bool, remat_policy: str,
                  segment_ids: jax.Array | None, positions: jax.Array | None, deterministic: bool,
                  decode: bool, paged_kv: PagedKV | None = None, moe: Mapping[str, Any] | None = None,
-                 name: str = "layers", first_index: int = 0) -> Any:
+                 name: str = "layers", first_index: int = 0, encoded: jax.Array | None = None,
+                 encoder_mask: jax.Array | None = None, attention_bias: jax.Array | None = None) -> Any:
     """Runs ``num_layers`` ``TransformerLayer(**layer)`` on ``x``; call from a compact method.
 
     Parameters are ``{name}/...`` with a leading layer axis when scanned, ``layers_{i}/...`` otherwise
@@ -89,6 +94,10 @@ def apply_layers(x: Any, *, layer: Mapping[str, Any], num_layers: int, scan_laye
     is the stack's output (a scanned stack starts from ``(x, zeros)``, so its first norm adds zeros).
     ``paged_kv`` (a `mtjax.flax.PagedKV`, shared by the layers) runs every self-attention on its own
     pages in the `PAGED_KV_COLLECTION` collection (stacked on the layer axis when scanned).
+    ``encoded`` (``[batch, kv_len, hidden]``, with ``layer["layer_type"]`` DECODER) is what every layer
+    cross-attends to, ``encoder_mask`` its keep-mask ``[batch|1, 1, 1|length, kv_len]``;
+    ``attention_bias`` is added to every layer's self-attention logits (T5's shared relative
+    position biases).
     """
     defer = layer.get("defer_residual_add", False)
     if remat_policy not in REMAT_POLICIES:
@@ -99,23 +108,24 @@ def apply_layers(x: Any, *, layer: Mapping[str, Any], num_layers: int, scan_laye
     if remat_policy != "none":
         # static_argnums count `self`: deterministic and decode are Python bools.
         block = nn.remat(block, policy=REMAT_POLICIES[remat_policy], prevent_cse=not scan_layers, static_argnums=(4, 5))
+    args = (segment_ids, positions, deterministic, decode, paged_kv, encoded, encoder_mask, attention_bias)
     if scan_layers:
         stack = nn.scan(
             block,
             variable_axes={"params": 0, FP8_COLLECTION: 0, CACHE_COLLECTION: 0, PAGED_KV_COLLECTION: 0, MOE_LOSSES: 0,
                            MOE_METRICS: 0},
             split_rngs={"params": True, layer.get("dropout_rng_name", "dropout"): True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast,) * 8,
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: axes.LAYERS},
         )
         continued = defer and isinstance(x, tuple)
         carry = x if continued or not defer else (x, jnp.zeros_like(x))
-        carry, _ = stack(name=name, **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
+        carry, _ = stack(name=name, **layer)(carry, *args)
         return carry
     carry = x if not defer or isinstance(x, tuple) else (x, None)
     for i in range(first_index, first_index + num_layers):
-        carry, _ = block(name=f"layers_{i}", **layer)(carry, segment_ids, positions, deterministic, decode, paged_kv)
+        carry, _ = block(name=f"layers_{i}", **layer)(carry, *args)
     return carry
 
 

@@ -80,6 +80,8 @@ class GPTConfig:
         attention runs across the shards (`mtjax.ops.context_parallel_attention`); the model
         permutes tokens, positions and segment ids into the causal load-balanced layout and its
         final hidden states back, so inputs and logits stay in natural order. None: off.
+      cross_attention: every layer also attends to ``encoded`` (`GPT`'s argument: a vision-language
+        model's image tokens), a `mtjax.flax.TransformerLayer` of type DECODER.
       collective_matmul: with sequence parallelism (``MeshConfig(tp=..., sp=True)``), the MLPs'
         all-gather / reduce-scatter run as ``ppermute`` steps overlapped with partial GEMMs
         (`mtjax.flax.LayerNormMLP.collective_matmul`; not with FP8).
@@ -144,6 +146,7 @@ class GPTConfig:
     window_size: tuple[int, int] | None = None
     logits_soft_cap: float | None = None
     context_parallel: str | None = None
+    cross_attention: bool = False
     collective_matmul: bool = False
     init_std: float = 0.02
     scan_layers: bool = True
@@ -289,9 +292,13 @@ class GPTConfig:
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv + h if self.use_bias else 0)
         attention += q + 2 * kv if self.qkv_bias and not self.use_bias else 0
         attention += 2 * (d if self.layernorm_type == "rmsnorm" else 2 * d) if self.qk_norm else 0
+        if self.cross_attention:  # a second attention and its norm in every layer
+            attention, norm_count = 2 * attention, 3
+        else:
+            norm_count = 2
         mlp = h * gates * self.mlp_dim + self.mlp_dim * h + (gates * self.mlp_dim + h if self.use_bias else 0)
-        layers = (self.num_layers - self.num_moe_layers) * (attention + mlp + 2 * norm)
-        layers += self.num_moe_layers * (attention + self._moe_mlp_params(routed_experts) + 2 * norm)
+        layers = (self.num_layers - self.num_moe_layers) * (attention + mlp + norm_count * norm)
+        layers += self.num_moe_layers * (attention + self._moe_mlp_params(routed_experts) + norm_count * norm)
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.max_seq_len * h if self.position_embedding == "learned" else 0
         return layers + embeddings + positions + norm
@@ -306,7 +313,7 @@ class GPTConfig:
         lookup_only = (self.max_seq_len * self.hidden_size if self.position_embedding == "learned" else 0) + (
             0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
         attention = 6 * self.num_layers * seq_len * self.num_heads * self.resolved_head_dim
-        return 6.0 * (self.num_active_params() - lookup_only) + attention
+        return 6.0 * (self.num_active_params() - lookup_only) + attention * (1 + self.cross_attention)
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -373,6 +380,12 @@ class GPT(nn.Module):
     ``decode=True`` uses the ``"cache"`` collection: create it with ``init(..., decode=True)`` on tokens
     ``[batch, max_length]``, then call with ``mutable=["cache"]`` on one (or a few) tokens at a time.
 
+    ``prefix [batch, prefix_len, hidden_size]``: embeddings placed before the tokens' (a
+    vision-language model's image tokens), at positions ``0..prefix_len-1``; the logits are the
+    tokens' only. With ``decode=True`` the first call (the prompt) carries the prefix and later
+    steps none. ``encoded [batch, kv_len, hidden_size]`` (needs ``config.cross_attention``): what
+    every layer cross-attends to.
+
     ``paged_kv=PagedKV(...)`` runs on a paged key/value cache instead (the `PAGED_KV_COLLECTION`
     collection, ``mutable=[PAGED_KV_COLLECTION]``; `mtjax.inference` builds and drives it):
     ``positions`` are then the tokens' positions in their sequences (needed unless
@@ -388,11 +401,14 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  deterministic: bool = True, decode: bool = False, paged_kv: PagedKV | None = None,
-                 logits_index: jax.Array | None = None) -> jax.Array:
+                 logits_index: jax.Array | None = None, prefix: jax.Array | None = None,
+                 encoded: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"GPT: tokens must be int [batch, seq]; got {tokens.dtype} {tokens.shape}")
-        batch, seq = tokens.shape
+        self._check_prefix_and_encoded(tokens, prefix, encoded, segment_ids, positions, paged_kv, logits_index)
+        batch, num_tokens = tokens.shape
+        seq = num_tokens if prefix is None else num_tokens + prefix.shape[1]
         if logits_index is not None and logits_index.shape != (batch,):
             raise ValueError(f"GPT: logits_index has shape {logits_index.shape}; expected [batch] = ({batch},)")
         if paged_kv is not None and not paged_kv.prefill and positions is None:
@@ -417,6 +433,8 @@ class GPT(nn.Module):
         x = embed(tokens)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+        if prefix is not None:
+            x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
         if cfg.position_embedding == "learned":
             x = x + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_init=init, embedding_axes=(None, axes.EMBED),
                           dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="position_embed")(positions)
@@ -431,7 +449,7 @@ class GPT(nn.Module):
             fuse_residual_norm=cfg.fuse_residual_norm, defer_residual_add=cfg.fuse_residual_across_layers,
             # Standard scaled attention, no relative biases (TransformerLayer's defaults are T5's).
             enable_relative_embedding=False, scale_attn_logits=True, scaled_query_init=False,
-            layer_type=TransformerLayerType.ENCODER,
+            layer_type=TransformerLayerType.DECODER if cfg.cross_attention else TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
             rotary_pos_emb_fraction=cfg.rope_fraction, rotary_pos_emb_scaling=cfg.rope_scaling,
@@ -440,13 +458,16 @@ class GPT(nn.Module):
             collective_matmul=cfg.collective_matmul, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         )
         stack = dict(scan_layers=cfg.scan_layers, remat_policy=cfg.remat_policy, segment_ids=segment_ids,
-                     positions=positions, deterministic=deterministic, decode=decode, paged_kv=paged_kv)
+                     positions=positions, deterministic=deterministic, decode=decode, paged_kv=paged_kv,
+                     encoded=encoded)
         num_dense = cfg.num_layers - cfg.num_moe_layers
         if num_dense:
             x = apply_layers(x, layer=layer, num_layers=num_dense, **stack)
         if cfg.num_moe_layers:
             x = apply_layers(x, layer=layer, num_layers=cfg.num_moe_layers, moe=cfg.moe_block_kwargs(),
                              name="moe_layers", first_index=num_dense, **stack)
+        if prefix is not None:  # the logits are the tokens': the final norm and output layer skip the prefix
+            x = jax.tree.map(lambda t: t[:, prefix.shape[1]:], x)
         if logits_index is not None:  # one position per row: the final norm and output layer skip the rest
             x = jax.tree.map(lambda t: jnp.take_along_axis(t, logits_index[:, None, None].astype(jnp.int32), axis=1), x)
         final_norm = LayerNorm(epsilon=cfg.layernorm_epsilon, layernorm_type=cfg.layernorm_type,
@@ -468,6 +489,26 @@ class GPT(nn.Module):
                                   kernel_axes=(axes.EMBED, axes.VOCAB), dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                   name="logits_dense")(x)
         return nn.with_logical_constraint(logits.astype(jnp.float32), LOGITS_AXES)
+
+    def _check_prefix_and_encoded(self, tokens, prefix, encoded, segment_ids, positions, paged_kv, logits_index):
+        cfg = self.config
+        if cfg.cross_attention != (encoded is not None):
+            raise ValueError("GPT: encoded (what the layers cross-attend to) goes with config.cross_attention=True; "
+                             f"got cross_attention={cfg.cross_attention} and encoded "
+                             f"{'None' if encoded is None else encoded.shape}")
+        batch = tokens.shape[0]
+        for name, x in (("prefix", prefix), ("encoded", encoded)):
+            if x is not None and (x.ndim != 3 or x.shape[0] != batch or x.shape[2] != cfg.hidden_size):
+                raise ValueError(f"GPT: {name} has shape {x.shape}; expected [batch={batch}, length, "
+                                 f"hidden_size={cfg.hidden_size}]")
+        if prefix is not None:
+            others = {"segment_ids": segment_ids, "positions": positions, "paged_kv": paged_kv,
+                      "logits_index": logits_index, "context_parallel": cfg.context_parallel}
+            given = [name for name, value in others.items() if value is not None]
+            if given:
+                raise ValueError(f"GPT: prefix does not combine with {', '.join(given)}")
+        if encoded is not None and (paged_kv is not None or cfg.context_parallel is not None):
+            raise ValueError("GPT: cross_attention does not combine with paged_kv or context_parallel")
 
     def _decode_offset(self, seq: int) -> jax.Array:
         """Position of the first token of this decode step (0 while `init` creates the cache)."""

@@ -280,6 +280,10 @@ def test_relative_position_biases_buckets():
         assert out.shape == (1, 3, 30, 30)
         expected = np.array([[t5_bucket(j - i, bidirectional, 8, 20) for j in range(30)] for i in range(30)])
         close(out[0], p["rel_embedding"][:, expected])
+    # A decoding step: its 2 queries sit at positions 7 and 8 of a 30-key cache.
+    out = rpb.apply({"params": p}, 2, 30, False, q_offset=jnp.int32(7))
+    expected = np.array([[t5_bucket(j - (7 + i), False, 8, 20) for j in range(30)] for i in range(2)])
+    close(out[0], p["rel_embedding"][:, expected])
 
 
 # ---------------------------------------------------------------------------- Transformer layer

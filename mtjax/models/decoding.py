@@ -1,0 +1,98 @@
+"""Greedy decoding on a dense key/value cache (the ``"cache"`` collection) for the models the paged
+engine (`mtjax.inference`, decoder-only `GPT`) does not serve: `T5` and `VLM`.
+
+Every function here is pure and traceable: wrap it in `jax.jit` with the integer arguments static,
+e.g. ``jax.jit(t5_generate, static_argnums=0, static_argnames=("max_new_tokens", "start_id", "eos_id"))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mtjax.flax.attention import CACHE_COLLECTION
+from mtjax.models.t5 import T5
+from mtjax.models.vlm import VLM
+
+StepFn = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
+
+
+def greedy_decode(step: StepFn, cache: Any, logits: jax.Array, num_steps: int, eos_id: int | None = None) -> jax.Array:
+    """``num_steps`` tokens, each the argmax of the logits before it.
+
+    Args:
+      step: ``step(cache, tokens [batch, 1]) -> (logits [batch, 1, vocab], cache)``, one decoder step.
+      cache: the cache after the prompt.
+      logits: ``[batch, vocab]``, the prompt's last logits (they pick the first token).
+      num_steps: tokens to emit.
+      eos_id: once a row emits it, the row's later tokens are ``eos_id`` too.
+
+    Returns:
+      int32 ``[batch, num_steps]``.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"greedy_decode: logits has shape {logits.shape}; expected [batch, vocab]")
+    if num_steps < 1:
+        raise ValueError(f"greedy_decode: num_steps={num_steps}; expected a positive int")
+
+    def body(carry, _):
+        cache, logits, done = carry
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if eos_id is not None:
+            token = jnp.where(done, eos_id, token)
+            done = done | (token == eos_id)
+        next_logits, cache = step(cache, token[:, None])
+        return (cache, next_logits[:, -1], done), token
+
+    done = jnp.zeros(logits.shape[:1], bool)
+    _, tokens = jax.lax.scan(body, (cache, logits, done), None, length=num_steps)
+    return tokens.T
+
+
+def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new_tokens: int, start_id: int,
+                eos_id: int | None = None, encoder_segment_ids: jax.Array | None = None) -> jax.Array:
+    """Greedy output ``[batch, max_new_tokens]`` of a `T5` (``variables``: its ``"params"``, and
+    ``"fp8_meta"`` to decode under `mtjax.fp8.fp8_autocast`) for ``encoder_tokens`` (the decoder starts
+    from ``start_id``; ``encoder_segment_ids`` mark padding as in `T5`)."""
+    encoded = model.apply(variables, encoder_tokens, encoder_segment_ids=encoder_segment_ids, method=T5.encode)
+    batch = encoder_tokens.shape[0]
+
+    def run(cache, tokens):
+        logits, mutated = model.apply({**variables, CACHE_COLLECTION: cache}, tokens, encoded,
+                                      encoder_segment_ids=encoder_segment_ids, decode=True, method=T5.decode,
+                                      mutable=[CACHE_COLLECTION])
+        return logits, mutated[CACHE_COLLECTION]
+
+    cache = _new_cache(model, variables, T5.decode, jnp.zeros((batch, max_new_tokens), jnp.int32), encoded,
+                       encoder_segment_ids=encoder_segment_ids)
+    logits, cache = run(cache, jnp.full((batch, 1), start_id, jnp.int32))
+    return greedy_decode(run, cache, logits[:, -1], max_new_tokens, eos_id)
+
+
+def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Array, *, max_new_tokens: int,
+                 eos_id: int | None = None) -> jax.Array:
+    """Greedy continuation ``[batch, max_new_tokens]`` of ``prompt [batch, prompt_len]`` (e.g. the start
+    token alone) about ``images``: captions. ``variables`` as `t5_generate`'s."""
+    image_tokens = model.apply(variables, images, method=VLM.encode_images)
+    prefix = model.config.fusion == "prefix"
+
+    def run(cache, tokens, first=False):
+        logits, mutated = model.apply({**variables, CACHE_COLLECTION: cache}, tokens,
+                                      image_tokens if first or not prefix else None, decode=True, method=VLM.decode,
+                                      mutable=[CACHE_COLLECTION])
+        return logits, mutated[CACHE_COLLECTION]
+
+    batch, prompt_len = prompt.shape
+    cache = _new_cache(model, variables, VLM.decode, jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32),
+                       image_tokens)
+    logits, cache = run(cache, prompt, first=True)
+    return greedy_decode(run, cache, logits[:, -1], max_new_tokens, eos_id)
+
+
+def _new_cache(model: Any, variables: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+    """The empty cache of ``method`` called (with ``decode=True``) on full-length inputs."""
+    _, mutated = model.apply(variables, *args, decode=True, method=method, mutable=[CACHE_COLLECTION], **kwargs)
+    return mutated[CACHE_COLLECTION]
