@@ -56,7 +56,7 @@ def _from_hf(args: argparse.Namespace) -> str:
         config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
     spec = args.tokenizer or pretrained.tokenizer
     if spec is not None:
-        load_tokenizer(spec)  # refuse a bad one before converting
+        spec = load_tokenizer(spec).spec  # refuse a bad one before converting; its file by absolute path
     params = pretrained.load_params(config)
     path = save_converted(args.to, params, config, tokenizer=spec, source=pretrained.source,
                           hf_config=pretrained.hf_config)
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("--from reads an mtjax checkpoint: pass --to-hf FOLDER")
     try:
         done = _from_hf(args) if args.from_hf else _to_hf(args)
-    except (FileNotFoundError, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError) as err:
         return fail(err)
     print(f"mtjax convert: {done}")
     return 0

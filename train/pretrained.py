@@ -32,7 +32,7 @@ from mtjax.interop import (
 )
 from mtjax.models import GPTConfig, model_config
 from mtjax.train.checkpoint import Checkpointer, CheckpointError
-from mtjax.train.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, find_tokenizer
+from mtjax.train.tokenizer import HF_TOKENIZER_FILE, SENTENCEPIECE_FILE, find_tokenizer, load_tokenizer
 
 # The meta key that marks a checkpoint of converted weights (no training state).
 WEIGHTS_ONLY = "weights_only"
@@ -161,13 +161,18 @@ def open_pretrained(source: str | os.PathLike, step: int | None = None) -> Pretr
 
 
 def copy_tokenizer(spec: str | None, folder: str, *, model_config: bool = True) -> str | None:
-    """Copy the file of a tokenizer spec (``hf:`` or ``sentencepiece:``) into ``folder`` as
+    """Copy the file of a tokenizer spec (any form `load_tokenizer` reads) into ``folder`` as
     ``tokenizer.json`` / ``tokenizer.model``, with the files beside it that name its special tokens
     (``tokenizer_config.json``, ``special_tokens_map.json``, and with ``model_config`` ``config.json``);
-    returns the spec of the copy (None for no spec or ``byte``)."""
+    returns the spec of the copy (None for no spec or ``byte``).
+
+    Raises:
+      ValueError: a spec `load_tokenizer` refuses.
+    """
     if not spec or spec == "byte":
         return None
-    kind, _, path = spec.partition(":")
+    # The loaded tokenizer's spec names its file by an absolute path (a folder or bare path resolved).
+    kind, _, path = load_tokenizer(spec).spec.partition(":")
     source = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     for name in TOKENIZER_FILES[2:] if model_config else TOKENIZER_FILES[2:-1]:

@@ -72,12 +72,12 @@ class SentencePieceTokenizer:
                 f"--tokenizer sentencepiece:{path}: the sentencepiece package is not installed "
                 "(pip install sentencepiece)"
             ) from err
-        self.path = path
-        self._model = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.path = os.path.abspath(path)
+        self._model = sentencepiece.SentencePieceProcessor(model_file=self.path)
         self.vocab_size = int(self._model.vocab_size())
         eos = int(self._model.eos_id())
         self.eos_id = eos if eos >= 0 else 0
-        self.spec = f"sentencepiece:{path}"
+        self.spec = f"sentencepiece:{self.path}"
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._model.encode(text), dtype=np.int32)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import pathlib
 import re
@@ -22,8 +23,8 @@ from mtjax.generate import load_checkpoint  # noqa: E402
 from mtjax.interop import load_hf_checkpoint, param_shardings, read_hf_config  # noqa: E402
 from mtjax.sharding import MeshConfig, logical_axis_rules  # noqa: E402
 from mtjax.train import cli as train_cli  # noqa: E402
-from mtjax.train.pretrained import open_pretrained  # noqa: E402
-from tests.train.tiny_tokenizers import CORPUS, write_bpe_tokenizer  # noqa: E402
+from mtjax.train.pretrained import copy_tokenizer, open_pretrained  # noqa: E402
+from tests.train.tiny_tokenizers import CORPUS, write_bpe_tokenizer, write_sentencepiece  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "hf"
 
@@ -101,6 +102,29 @@ def test_init_from_loads_either_kind_of_folder_onto_the_training_mesh(hf_folder,
         from_hf.load_params(dataclasses.replace(config, num_layers=1))
 
 
+def test_convert_takes_every_tokenizer_form(hf_folder, tmp_path, monkeypatch):
+    """``--tokenizer`` as ``hf:FOLDER``, a folder, a relative tokenizer.json or .model file: the file and the
+    files naming its special tokens are copied, and the checkpoint names the copy by its absolute path."""
+    tok, ckpt = tmp_path / "tok", tmp_path / "ckpt"
+    write_bpe_tokenizer(tok, eos_in_config="</s>")
+    assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt), "--tokenizer", f"hf:{tok}"]) == 0
+    copied = ckpt / "tokenizer"
+    assert (copied / "tokenizer_config.json").is_file()
+    assert open_pretrained(ckpt).tokenizer == f"hf:{copied / 'tokenizer.json'}"
+    monkeypatch.chdir(tok)
+    forms = [str(tok), "tokenizer.json", "hf:tokenizer.json"]
+    if importlib.util.find_spec("sentencepiece"):
+        write_sentencepiece(tok)
+        forms += ["tokenizer.model", "sentencepiece:tokenizer.model"]
+    for i, spec in enumerate(forms):
+        folder = tmp_path / f"copy{i}"
+        name = "tokenizer.model" if spec.endswith(".model") else "tokenizer.json"
+        kind = "sentencepiece" if spec.endswith(".model") else "hf"
+        assert copy_tokenizer(spec, str(folder)) == f"{kind}:{folder / name}", spec
+        assert (folder / name).read_bytes() == (tok / name).read_bytes()
+        assert (folder / "tokenizer_config.json").is_file(), spec
+
+
 def test_convert_to_bfloat16_and_bad_conversions_and_runs_are_refused(hf_folder, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     assert main(["convert", "--from-hf", str(hf_folder), "--to", str(ckpt), "--dtype", "bfloat16"]) == 0
@@ -115,6 +139,8 @@ def test_convert_to_bfloat16_and_bad_conversions_and_runs_are_refused(hf_folder,
         (["convert", "--from", str(ckpt), "--to-hf", str(tmp_path / "x"), "--model-type", "gpt2"],
          "model_type='gpt2' cannot express layernorm_type='rmsnorm'"),
         (["convert", "--from-hf", str(hf_folder), "--to-hf", str(tmp_path / "x")], "pass --to FOLDER"),
+        (["convert", "--from-hf", str(hf_folder), "--to", str(tmp_path / "x"), "--tokenizer", f"hf:{tmp_path}"],
+         "no such file"),
         (["train", "--resume", "--workdir", str(ckpt)], "holds converted weights"),
         (["train", "--init-from", str(tmp_path / "none")], "--init-from: .* no such folder"),
         (["train", "--init-from", str(ckpt), "--tokenizer", "byte", "--workdir", str(tmp_path / "w")],
