@@ -66,11 +66,15 @@ def _from_hf(args: argparse.Namespace) -> str:
 
 def _to_hf(args: argparse.Namespace) -> str:
     from mtjax.interop import save_hf_checkpoint
+    from mtjax.models import BertConfig, GPTConfig
     from mtjax.train.pretrained import copy_tokenizer, open_pretrained
 
     pretrained = open_pretrained(args.from_checkpoint, args.step)
     if pretrained.kind != "mtjax":
         raise ValueError(f"--from {args.from_checkpoint}: a Hugging Face folder already (use --from-hf)")
+    if not isinstance(pretrained.config, GPTConfig | BertConfig):
+        raise ValueError(f"--from {args.from_checkpoint}: a {type(pretrained.config).__name__} model; --to-hf "
+                         "writes GPT-family and BERT models only")
     hf_config = pretrained.hf_config or {}
     model_type = args.model_type or hf_config.get("model_type")
     files = save_hf_checkpoint(pretrained.config, pretrained.load_params(), args.to_hf, model_type=model_type,

@@ -474,6 +474,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     """Resolve flags, mesh, data and checkpoints; every unusable choice raises ValueError with a message."""
     import jax
 
+    from mtjax.models import GPTConfig
     from mtjax.sharding import MeshConfig, logical_axis_rules
     from mtjax.train.checkpoint import Checkpointer
     from mtjax.train.metrics import TENSORBOARD_DIR, tensorboard_available
@@ -495,6 +496,9 @@ def _setup(args: argparse.Namespace) -> _Setup:
             pretrained = open_pretrained(args.init_from)
         except FileNotFoundError as err:
             raise ValueError(f"--init-from: {err}") from None
+        if not isinstance(pretrained.config, GPTConfig):
+            raise ValueError(f"--init-from {args.init_from}: a {type(pretrained.config).__name__} model; --init-from "
+                             "starts from GPT-family models only")
     tensorboard = tensorboard_available() if args.tensorboard is None else args.tensorboard
     if tensorboard and not tensorboard_available():
         raise ValueError("--tensorboard needs tensorboardX: pip install 'mtjax[tensorboard]' (or --no-tensorboard)")

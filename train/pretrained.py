@@ -48,7 +48,8 @@ class Pretrained:
     Attributes:
       source: the folder it came from.
       kind: ``"hf"`` (a Hugging Face folder) or ``"mtjax"`` (a checkpoint).
-      config: its `GPTConfig` (a Hugging Face folder's in the dtype its config.json names).
+      config: its model configuration: any of `mtjax.models.model_config`'s for a checkpoint, a
+        `GPTConfig` for a Hugging Face folder (in the dtype its config.json names).
       tokenizer: the `mtjax.train.load_tokenizer` spec of its tokenizer, or None when it names none.
       hf_config: the config.json of a Hugging Face source, or the one a converted checkpoint came
         from (None otherwise).
@@ -56,12 +57,12 @@ class Pretrained:
 
     source: str
     kind: str
-    config: GPTConfig
+    config: Any
     tokenizer: str | None
     hf_config: dict[str, Any] | None
     _load: Callable[..., Any] = dataclasses.field(repr=False)
 
-    def load_params(self, config: GPTConfig | None = None, *, mesh: jax.sharding.Mesh | None = None,
+    def load_params(self, config: Any = None, *, mesh: jax.sharding.Mesh | None = None,
                     rules: Any = None) -> Any:
         """The unboxed ``"params"`` in ``config``'s parameter dtype (default: `config`; it may differ
         from `config` only in dtypes, remat and the longest sequence), each placed on ``mesh`` by the
@@ -150,7 +151,7 @@ def open_pretrained(source: str | os.PathLike, step: int | None = None) -> Pretr
     except (KeyError, TypeError, AttributeError):
         raise ValueError(f"the checkpoint in {folder} holds no model configuration") from None
 
-    def load_checkpoint(config: GPTConfig, mesh: Any, rules: Any) -> Any:
+    def load_checkpoint(config: Any, mesh: Any, rules: Any) -> Any:
         with Checkpointer(folder) as checkpointer:
             try:
                 return checkpointer.restore_params(_abstract_params(config, mesh, rules), resolved)

@@ -604,11 +604,22 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: Any = jnp.float32, co
                                dtype if compute_dtype is None else compute_dtype)
 
 
+def _check_config_type(config: Any, where: str) -> None:
+    if not isinstance(config, GPTConfig | BertConfig):
+        raise TypeError(f"{where}: config is a {type(config).__name__}; accepted: GPTConfig, BertConfig "
+                        "(the Hugging Face architectures are decoders and BERT)")
+
+
 def infer_model_type(config: GPTConfig | BertConfig) -> str:
     """The Hugging Face ``model_type`` that fits ``config`` best (what `save_hf_checkpoint` writes
     without ``model_type=``): ``"bert"`` for a `BertConfig`; else by its features (learned positions:
     GPT-2; parallel residual or partial rotary: GPT-NeoX; q/k norms: Qwen3; Q/K/V-only biases: Qwen2;
-    a sliding window: Mistral; otherwise Llama)."""
+    a sliding window: Mistral; otherwise Llama).
+
+    Raises:
+      TypeError: ``config`` is neither a `GPTConfig` nor a `BertConfig`.
+    """
+    _check_config_type(config, "infer_model_type")
     if isinstance(config, BertConfig):
         return "bert"
     if config.position_embedding == "learned":
@@ -628,8 +639,10 @@ def config_to_hf(config: GPTConfig | BertConfig, model_type: str | None = None) 
     """The ``config.json`` dict of ``config`` as Hugging Face ``model_type`` (default: `infer_model_type`).
 
     Raises:
+      TypeError: ``config`` is neither a `GPTConfig` nor a `BertConfig`.
       ValueError: ``config`` has a feature that ``model_type`` cannot express (the message names the field).
     """
+    _check_config_type(config, "config_to_hf")
     model_type = model_type or infer_model_type(config)
     arch = architecture(model_type, "config_to_hf")
     if isinstance(config, BertConfig) != (model_type == "bert"):

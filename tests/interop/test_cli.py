@@ -20,9 +20,11 @@ pytest.importorskip("tokenizers")
 
 from mtjax.cli import build_parser, main  # noqa: E402
 from mtjax.generate import load_checkpoint  # noqa: E402
-from mtjax.interop import load_hf_checkpoint, param_shardings, read_hf_config  # noqa: E402
+from mtjax.interop import config_to_hf, infer_model_type, load_hf_checkpoint, param_shardings, read_hf_config  # noqa: E402
+from mtjax.models import model_config  # noqa: E402
 from mtjax.sharding import MeshConfig, logical_axis_rules  # noqa: E402
 from mtjax.train import cli as train_cli  # noqa: E402
+from mtjax.train.checkpoint import Checkpointer  # noqa: E402
 from mtjax.train.pretrained import copy_tokenizer, open_pretrained  # noqa: E402
 from tests.train.tiny_tokenizers import CORPUS, write_bpe_tokenizer, write_sentencepiece  # noqa: E402
 
@@ -152,3 +154,25 @@ def test_convert_to_bfloat16_and_bad_conversions_and_runs_are_refused(hf_folder,
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err), (argv, err)
+
+
+def test_init_from_and_to_hf_refuse_other_model_families(tmp_path, capsys):
+    """A ViT run's checkpoint is no starting point for ``--init-from`` and has no Hugging Face architecture."""
+    run = tmp_path / "vit"
+    with Checkpointer(run / "checkpoints") as checkpointer:
+        checkpointer.save_params(0, {"w": jnp.ones(2)}, {"run": {"model": "vit-tiny", "model_overrides": {},
+                                                                 "tokenizer": "byte"}})
+    cases = [(["train", "--init-from", str(run), "--workdir", str(tmp_path / "w")],
+              "--init-from .*: a ViTConfig model; --init-from starts from GPT-family models only"),
+             (["convert", "--from", str(run), "--to-hf", str(tmp_path / "out")],
+              "--from .*: a ViTConfig model; --to-hf writes GPT-family and BERT models only")]
+    capsys.readouterr()
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(message, err), (argv, err)
+    assert not (tmp_path / "out").exists()
+    for name in ("vit-tiny", "t5-tiny"):
+        for check in (infer_model_type, config_to_hf):
+            with pytest.raises(TypeError, match="accepted: GPTConfig, BertConfig"):
+                check(model_config(name))
