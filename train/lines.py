@@ -89,9 +89,10 @@ class ShuffledLines:
 
     @classmethod
     def from_paths(cls, paths: Iterable[str] | None, tokenizer: Tokenizer, seq_len: int, *, seed: int = 0,
-                   eval_percent: int = 2) -> tuple[ShuffledLines, ShuffledLines]:
+                   eval_percent: int = 2) -> tuple[ShuffledLines, ShuffledLines | None]:
         """(train, held-out) from the text files in ``paths`` (files or folders; None:
-        `default_line_files`); a line is held out when its CRC-32 modulo 100 is below ``eval_percent``.
+        `default_line_files`); a line is held out when its CRC-32 modulo 100 is below ``eval_percent``
+        (held-out None when no line is).
 
         Lines must fit ``seq_len - 1`` tokens; with a byte tokenizer that is bytes, so lines are first
         cut at that many bytes and then checked in tokens."""
@@ -100,7 +101,8 @@ class ShuffledLines:
                  if len(tokenizer.encode(line)) <= seq_len - 1]
         held = [zlib.crc32(line.encode("utf-8")) % 100 < eval_percent for line in lines]
         train = cls([line for line, h in zip(lines, held) if not h], tokenizer, seq_len, seed=seed)
-        held_out = cls([line for line, h in zip(lines, held) if h], tokenizer, seq_len, seed=seed, shuffle=False)
+        held_lines = [line for line, h in zip(lines, held) if h]
+        held_out = cls(held_lines, tokenizer, seq_len, seed=seed, shuffle=False) if held_lines else None
         return train, held_out
 
     def example(self, index: int) -> tuple[str, str]:

@@ -168,10 +168,13 @@ class Seq2Seq(Task):
 
     def datasets(self, spec: DataSpec) -> tuple[ShuffledLines, ShuffledLines | None]:
         train, held_out = ShuffledLines.from_paths(spec.paths, spec.tokenizer, spec.seq_len, seed=spec.seed)
-        if spec.eval_sequences and len(held_out.lines) < spec.eval_sequences:
-            raise ValueError(f"--data holds {len(held_out.lines)} held-out lines, fewer than the {spec.eval_sequences} "
-                             "one evaluation reads (use --eval-batches 0 or more data)")
-        return train, held_out if spec.eval_sequences else None
+        if not spec.eval_sequences:
+            return train, None
+        held = 0 if held_out is None else len(held_out.lines)
+        if held < spec.eval_sequences:
+            raise ValueError(f"--data holds {held} held-out lines, fewer than the {spec.eval_sequences} one "
+                             "evaluation reads (use --eval-batches 0 or more data)")
+        return train, held_out
 
     def describe_data(self, train: ShuffledLines, seq_len: int) -> str:
         return f"{len(train.lines)} lines to restore from shuffled words, up to {seq_len} tokens"

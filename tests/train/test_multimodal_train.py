@@ -83,6 +83,24 @@ def test_shuffled_lines(tmp_path):
         ShuffledLines([], TOKENIZER, 48)
 
 
+def test_t5_data_without_held_out_lines_trains_without_evaluation(tmp_path):
+    """Lines none of which the hash holds out: the T5 task trains on them with --eval-batches 0, and asking
+    for an evaluation says how many held-out lines there are."""
+    from mtjax.models import model_config
+    from mtjax.train.tasks import DataSpec, task_for
+
+    (tmp_path / "a.py").write_text("".join(f"x_{i} = f(a, b)\n" for i in range(3)))
+    train, held_out = ShuffledLines.from_paths([str(tmp_path)], TOKENIZER, 24)
+    assert len(train.lines) == 3 and held_out is None
+    config = model_config("t5-tiny")
+    spec = DataSpec(paths=[str(tmp_path)], errors="strict", tokenizer=TOKENIZER, seq_len=24, seed=0,
+                    eval_sequences=0, model_config=config)
+    train, held_out = task_for(config).datasets(spec)
+    assert len(train.lines) == 3 and held_out is None
+    with pytest.raises(ValueError, match="--data holds 0 held-out lines, fewer than the 8 one evaluation reads"):
+        task_for(config).datasets(dataclasses.replace(spec, eval_sequences=8))
+
+
 def test_next_token_loss_weights_out_padding():
     logits = np.log(np.array([[[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]], np.float32))
     batch = {"targets": np.zeros((1, 3), np.int32)}
