@@ -21,7 +21,9 @@ StepFn = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
 
 
 def greedy_decode(step: StepFn, cache: Any, logits: jax.Array, num_steps: int, eos_id: int | None = None) -> jax.Array:
-    """``num_steps`` tokens, each the argmax of the logits before it.
+    """``num_steps`` tokens, each the argmax of the logits before it: the first from ``logits``, each
+    later one from a decoder step on the one before (``num_steps - 1`` steps: the last token is not fed
+    back, so a cache needs room for ``num_steps - 1`` tokens after the prompt).
 
     Args:
       step: ``step(cache, tokens [batch, 1]) -> (logits [batch, 1, vocab], cache)``, one decoder step.
@@ -38,18 +40,22 @@ def greedy_decode(step: StepFn, cache: Any, logits: jax.Array, num_steps: int, e
     if num_steps < 1:
         raise ValueError(f"greedy_decode: num_steps={num_steps}; expected a positive int")
 
-    def body(carry, _):
-        cache, logits, done = carry
+    def pick(logits, done):
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        if eos_id is not None:
-            token = jnp.where(done, eos_id, token)
-            done = done | (token == eos_id)
-        next_logits, cache = step(cache, token[:, None])
-        return (cache, next_logits[:, -1], done), token
+        if eos_id is None:
+            return token, done
+        token = jnp.where(done, eos_id, token)
+        return token, done | (token == eos_id)
 
-    done = jnp.zeros(logits.shape[:1], bool)
-    _, tokens = jax.lax.scan(body, (cache, logits, done), None, length=num_steps)
-    return tokens.T
+    def body(carry, _):
+        cache, token, done = carry
+        logits, cache = step(cache, token[:, None])
+        token, done = pick(logits[:, -1], done)
+        return (cache, token, done), token
+
+    first, done = pick(logits, jnp.zeros(logits.shape[:1], bool))
+    _, rest = jax.lax.scan(body, (cache, first, done), None, length=num_steps - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
 def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new_tokens: int, start_id: int,
@@ -66,6 +72,7 @@ def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new
                                       mutable=[CACHE_COLLECTION])
         return logits, mutated[CACHE_COLLECTION]
 
+    # The start token, then the emitted tokens but the last: max_new_tokens in all.
     cache = _new_cache(model, variables, T5.decode, jnp.zeros((batch, max_new_tokens), jnp.int32), encoded,
                        encoder_segment_ids=encoder_segment_ids)
     logits, cache = run(cache, jnp.full((batch, 1), start_id, jnp.int32))
@@ -86,8 +93,9 @@ def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Arra
         return logits, mutated[CACHE_COLLECTION]
 
     batch, prompt_len = prompt.shape
-    cache = _new_cache(model, variables, VLM.decode, jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32),
-                       image_tokens)
+    # The prompt, then the emitted tokens but the last (`greedy_decode` does not feed it back).
+    cache = _new_cache(model, variables, VLM.decode,
+                       jnp.zeros((batch, prompt_len + max_new_tokens - 1), jnp.int32), image_tokens)
     logits, cache = run(cache, prompt, first=True)
     return greedy_decode(run, cache, logits[:, -1], max_new_tokens, eos_id)
 

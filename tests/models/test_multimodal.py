@@ -26,6 +26,7 @@ from mtjax.models import (
     build_model,
     greedy_decode,
     model_config,
+    t5_generate,
     vlm_generate,
 )
 from mtjax.models.vit import patchify, sincos_2d_positions
@@ -108,7 +109,7 @@ def test_patchify_and_sincos_positions_against_loops():
 def test_t5_masks_and_cached_decoding():
     """Encoder padding and future decoder tokens are never attended (perturbing them changes no other
     logit); decoding token by token on the cache (relative biases at the cache offset) gives the full
-    forward's logits. (Greedy generation's loop is checked with the VLM.)"""
+    forward's logits, and greedy generation on a cache of exactly its length the full forward's argmax."""
     model = T5(T5_TINY)
     enc, dec = tokens(2, (2, 7)), tokens(3, (2, 6))
     segment_ids = jnp.array([[1] * 7, [1] * 4 + [0] * 3])
@@ -136,6 +137,27 @@ def test_t5_masks_and_cached_decoding():
                                atol=1e-6)
     assert not np.allclose(forward(enc.at[1, 2].set(7), dec)[1], base[1], atol=1e-4)  # a real token does count
     np.testing.assert_allclose(cached(dec), base, rtol=1e-4, atol=1e-5)
+    out = jax.jit(t5_generate, static_argnums=0, static_argnames=("max_new_tokens", "start_id"))(
+        model, variables, enc, encoder_segment_ids=segment_ids, max_new_tokens=6, start_id=1)
+    forced = forward(enc, jnp.concatenate([jnp.ones((2, 1), jnp.int32), out[:, :-1]], axis=1))
+    np.testing.assert_array_equal(out, jnp.argmax(forced, axis=-1))
+
+
+def test_greedy_decode_steps_once_per_token_after_the_first():
+    """A step per emitted token but the first (the last is not fed back), and rows stop at EOS."""
+    vocab, calls = 8, []
+
+    def step(cache, token):  # the next token is token + 1; the cache counts the steps
+        jax.debug.callback(lambda: calls.append(1))
+        return jax.nn.one_hot((token + 1) % vocab, vocab), cache + 1
+
+    first = jax.nn.one_hot(jnp.array([3, 6]), vocab)
+    for num_steps in (1, 5):
+        calls.clear()
+        out = greedy_decode(step, jnp.zeros(()), first, num_steps, eos_id=5)
+        jax.effects_barrier()
+        assert len(calls) == num_steps - 1
+        np.testing.assert_array_equal(out, np.array([[3, 4, 5, 5, 5], [6, 7, 0, 1, 2]])[:, :num_steps])
 
 
 def test_t5_bad_input():
