@@ -16,11 +16,9 @@ import os
 import sys
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mtjax.interop import SUPPORTED_MODEL_TYPES
+    from mtjax.interop import HF_DTYPES, SUPPORTED_MODEL_TYPES
 
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="FOLDER", help="a Hugging Face model folder (config.json + safetensors)")
@@ -29,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--to", metavar="FOLDER", help="with --from-hf: the mtjax checkpoint folder to write")
     target.add_argument("--to-hf", metavar="FOLDER", help="with --from: the Hugging Face folder to write")
-    parser.add_argument("--dtype", choices=DTYPES,
+    parser.add_argument("--dtype", choices=HF_DTYPES,
                         help="parameter dtype written (default: --from-hf's config.json dtype; --to-hf: the params')")
     parser.add_argument("--tokenizer", help="with --from-hf: a tokenizer spec or path (default: the folder's)")
     parser.add_argument("--step", type=int, help="with --from: the checkpoint step (default: the latest)")

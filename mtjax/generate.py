@@ -130,15 +130,11 @@ def _continue(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any)
     return 0
 
 
-def _until_eos(ids: Any, eos_id: int) -> list[int]:
-    ids = [int(i) for i in ids]
-    return ids[:ids.index(eos_id)] if eos_id in ids else ids
-
-
 def _restore(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) -> int:
     """A T5: the greedy output for each prompt (its encoder input, padded to the longest)."""
     import numpy as np
 
+    from mtjax.models import until_eos
     from mtjax.train.tasks import jitted_t5_generate
 
     encoded = [tokenizer.encode(text) for text in args.prompt]
@@ -151,7 +147,7 @@ def _restore(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
     out = jitted_t5_generate(model, {"params": params}, tokens, encoder_segment_ids=segment_ids,
                    max_new_tokens=args.max_new_tokens, start_id=tokenizer.eos_id, eos_id=tokenizer.eos_id)
     for text, ids in zip(args.prompt, np.asarray(out)):
-        print(f"{text} -> {tokenizer.decode(_until_eos(ids, tokenizer.eos_id))}")
+        print(f"{text} -> {tokenizer.decode(until_eos(ids, tokenizer.eos_id))}")
     return 0
 
 
@@ -168,6 +164,7 @@ def _caption(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
     """A VLM: greedy captions of held-out generated scenes, beside their true captions."""
     import numpy as np
 
+    from mtjax.models import until_eos
     from mtjax.train.tasks import jitted_vlm_generate
 
     scenes = _scenes(args, model.config.vision.image_size, "captioning", tokenizer)
@@ -175,7 +172,7 @@ def _caption(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
     out = jitted_vlm_generate(model, {"params": params}, np.stack([s.image for s in scenes]), prompt,
                    max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id)
     for index, scene, ids in zip(args.image_index, scenes, np.asarray(out)):
-        print(f"scene {index}: {tokenizer.decode(_until_eos(ids, tokenizer.eos_id))} (true: {scene.caption})")
+        print(f"scene {index}: {tokenizer.decode(until_eos(ids, tokenizer.eos_id))} (true: {scene.caption})")
     return 0
 
 

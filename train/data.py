@@ -174,6 +174,31 @@ class PackedDataset:
         return sequences.batch(batch_size).map(lambda batch: {k: v[start:stop] for k, v in batch.items()})
 
 
+def batch_indices(index: int, batch_size: int, rows: slice | None = None) -> np.ndarray:
+    """The example indices of rows ``rows`` (default all) of global batch ``index``:
+    ``index * batch_size + row``, for sources that build a batch from its examples' indices."""
+    return index * batch_size + np.arange(batch_size)[rows if rows is not None else slice(None)]
+
+
+def decoder_rows(ids: np.ndarray, eos_id: int, seq_len: int) -> dict[str, np.ndarray]:
+    """A decoder's teacher-forced rows ``[seq_len]`` for the target ``ids`` (at most ``seq_len - 1``
+    tokens): ``inputs`` ``eos_id`` (the start token) then ``ids``; ``targets`` ``ids`` then ``eos_id``;
+    ``weights`` 1.0 on those, 0.0 on the padding (id 0) after them.
+
+    Raises:
+      ValueError: ``ids`` has more than ``seq_len - 1`` tokens.
+    """
+    ids = np.asarray(ids, np.int32)
+    if ids.ndim != 1 or len(ids) > seq_len - 1:
+        raise ValueError(f"decoder_rows: ids has shape {ids.shape}; expected 1-D with at most seq_len - 1 = "
+                         f"{seq_len - 1} tokens")
+    inputs, targets, weights = (np.zeros(seq_len, dtype) for dtype in (np.int32, np.int32, np.float32))
+    inputs[0], inputs[1:len(ids) + 1] = eos_id, ids
+    targets[:len(ids)], targets[len(ids)] = ids, eos_id
+    weights[:len(ids) + 1] = 1.0
+    return {"inputs": inputs, "targets": targets, "weights": weights}
+
+
 def batches_by_index(batch: Callable[[int], dict[str, np.ndarray]]) -> grain.MapDataset:
     """The endless sequence ``batch(0), batch(1), ...`` as a grain ``MapDataset``, for sources that build
     a whole batch from its index (`mtjax.train.scenes.SceneDataset`, `mtjax.train.lines.ShuffledLines`)."""

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import grain
 import numpy as np
 
-from mtjax.train.data import batches_by_index, check_rows, list_text_files
+from mtjax.train.data import batch_indices, batches_by_index, check_rows, decoder_rows, list_text_files
 from mtjax.train.tokenizer import Tokenizer
 
 MIN_WORDS, MAX_WORDS = 3, 12
@@ -124,11 +124,7 @@ class ShuffledLines:
         row["encoder_inputs"][:len(source)], row["encoder_segment_ids"][:len(source)] = source, 1
         if line is not None:
             target = np.asarray(self.tokenizer.encode(line), np.int32)[:self.seq_len - 1]
-            inputs, targets, weights = (np.zeros(self.seq_len, d) for d in (np.int32, np.int32, np.float32))
-            inputs[0], inputs[1:len(target) + 1] = self.tokenizer.eos_id, target
-            targets[:len(target)], targets[len(target)] = target, self.tokenizer.eos_id
-            weights[:len(target) + 1] = 1.0
-            row.update(inputs=inputs, targets=targets, weights=weights)
+            row.update(decoder_rows(target, self.tokenizer.eos_id, self.seq_len))
         return row
 
     def batches(self, batch_size: int, rows: slice | None = None) -> grain.MapDataset:
@@ -139,6 +135,5 @@ class ShuffledLines:
 
     def _batch(self, index: int, batch_size: int, rows: slice | None = None) -> dict[str, np.ndarray]:
         """Rows ``rows`` (default all) of batch ``index``: visits ``index * batch_size + row``."""
-        flat = index * batch_size + np.arange(batch_size)[rows if rows is not None else slice(None)]
-        encoded = [self.encode(*self.example(int(i))) for i in flat]
+        encoded = [self.encode(*self.example(int(i))) for i in batch_indices(index, batch_size, rows)]
         return {name: np.stack([e[name] for e in encoded]) for name in encoded[0]}

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.interop import (
+    HF_DTYPES,
     abstract_params,
     config_from_hf,
     is_hf_checkpoint,
@@ -88,7 +89,7 @@ def run_model_config(run: Mapping[str, Any]) -> Any:
 def _hf_dtype(hf_config: dict[str, Any]) -> Any:
     """The dtype a Hugging Face config.json names (``dtype`` or ``torch_dtype``), float32 when none or another."""
     name = hf_config.get("dtype") or hf_config.get("torch_dtype")
-    return getattr(jnp, name) if name in ("float32", "bfloat16", "float16") else jnp.float32
+    return getattr(jnp, name) if name in HF_DTYPES else jnp.float32
 
 
 def _abstract_params(config: Any, mesh: Any, rules: Any) -> Any:

@@ -18,7 +18,7 @@ import functools
 import grain
 import numpy as np
 
-from mtjax.train.data import batches_by_index, check_rows
+from mtjax.train.data import batch_indices, batches_by_index, check_rows, decoder_rows
 from mtjax.train.tokenizer import Tokenizer
 
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -143,12 +143,7 @@ class SceneDataset:
 
     def caption_tokens(self, caption: str) -> dict[str, np.ndarray]:
         """``inputs``, ``targets`` and ``weights`` ``[seq_len]`` of one caption (see the class docstring)."""
-        ids = np.asarray(self.tokenizer.encode(caption), np.int32)
-        inputs, targets, weights = (np.zeros(self.seq_len, dtype) for dtype in (np.int32, np.int32, np.float32))
-        inputs[0], inputs[1:len(ids) + 1] = self.tokenizer.eos_id, ids
-        targets[:len(ids)], targets[len(ids)] = ids, self.tokenizer.eos_id
-        weights[:len(ids) + 1] = 1.0
-        return {"inputs": inputs, "targets": targets, "weights": weights}
+        return decoder_rows(self.tokenizer.encode(caption), self.tokenizer.eos_id, self.seq_len)
 
     def batches(self, batch_size: int, rows: slice | None = None) -> grain.MapDataset:
         """The endless global batches as a grain ``MapDataset`` (``batches(n)[i]`` is batch ``i``),
@@ -158,8 +153,7 @@ class SceneDataset:
 
     def _batch(self, index: int, batch_size: int, rows: slice | None = None) -> dict[str, np.ndarray]:
         """Rows ``rows`` (default all) of batch ``index``: scenes ``index * batch_size + row``."""
-        flat = index * batch_size + np.arange(batch_size)[rows if rows is not None else slice(None)]
-        scenes = [self.scene(int(i)) for i in flat]
+        scenes = [self.scene(int(i)) for i in batch_indices(index, batch_size, rows)]
         batch = {"images": np.stack([s.image for s in scenes])}
         if self.task == "classification":
             batch["labels"] = np.asarray([s.label for s in scenes], np.int32)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.models import GPTConfig, T5Config, ViTConfig, VLMConfig, t5_generate, vlm_generate
+from mtjax.models import GPTConfig, T5Config, ViTConfig, VLMConfig, t5_generate, until_eos, vlm_generate
 from mtjax.train.data import PackedDataset, default_corpus
 from mtjax.train.lines import ShuffledLines
 from mtjax.train.scenes import CLASSES, SceneDataset
@@ -184,8 +184,8 @@ class Seq2Seq(Task):
         out = jitted_t5_generate(model, variables, jnp.asarray(batch["encoder_inputs"]),
                                  encoder_segment_ids=jnp.asarray(batch["encoder_segment_ids"]),
                                  max_new_tokens=held_out.seq_len, start_id=tokenizer.eos_id, eos_id=tokenizer.eos_id)
-        return [(tokenizer.decode(src[segment_ids != 0]), tokenizer.decode(_until_eos(row, tokenizer.eos_id)),
-                 tokenizer.decode(_until_eos(ref, tokenizer.eos_id)))
+        return [(tokenizer.decode(src[segment_ids != 0]), tokenizer.decode(until_eos(row, tokenizer.eos_id)),
+                 tokenizer.decode(until_eos(ref, tokenizer.eos_id)))
                 for src, segment_ids, row, ref in zip(batch["encoder_inputs"], batch["encoder_segment_ids"],
                                                       np.asarray(out), batch["targets"])]
 
@@ -226,14 +226,8 @@ class Captioning(Task):
         prompt = jnp.full((count, 1), tokenizer.eos_id, jnp.int32)
         out = jitted_vlm_generate(model, variables, jnp.asarray(batch["images"]), prompt,
                                   max_new_tokens=held_out.seq_len, eos_id=tokenizer.eos_id)
-        return [("", tokenizer.decode(_until_eos(row, tokenizer.eos_id)), held_out.scene(i).caption)
+        return [("", tokenizer.decode(until_eos(row, tokenizer.eos_id)), held_out.scene(i).caption)
                 for i, row in enumerate(np.asarray(out))]
-
-
-def _until_eos(ids: np.ndarray, eos_id: int) -> np.ndarray:
-    """``ids`` up to (not including) the first ``eos_id``."""
-    ends = np.flatnonzero(np.asarray(ids) == eos_id)
-    return ids[:ends[0]] if len(ends) else ids
 
 
 # Greedy decoding, jitted once for the training log's samples and ``mtjax generate``.

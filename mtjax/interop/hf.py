@@ -29,6 +29,7 @@ import numpy as np
 
 from mtjax.interop.hf_architectures import (
     ARCHITECTURES,
+    HF_DTYPES,
     SUPPORTED_MODEL_TYPES,
     Architecture,
     config_from_hf,
@@ -36,8 +37,7 @@ from mtjax.interop.hf_architectures import (
     dtype_name,
     infer_model_type,
 )
-from mtjax.models import BertConfig, BertEncoder, GPTConfig
-from mtjax.models import abstract_params as models_abstract_params
+from mtjax.models import BertConfig, GPTConfig, abstract_params
 from mtjax.sharding import logical_shardings, use_mesh
 
 CONFIG_FILE = "config.json"
@@ -169,15 +169,6 @@ class _TensorReader:
 
 
 # ------------------------------------------------------------------------------------- mtjax parameter trees
-
-
-def abstract_params(config: Any) -> Any:
-    """The boxed (logical axes) abstract ``"params"`` tree of ``config``'s model: `BertEncoder`, or any of
-    `mtjax.models.build_model` (`GPT`, `ViT`, `T5`, `VLM`)."""
-    if isinstance(config, BertConfig):
-        return jax.eval_shape(lambda: BertEncoder(config).init(jax.random.PRNGKey(0),
-                                                               jnp.zeros((1, 2), jnp.int32)))["params"]
-    return models_abstract_params(config)
 
 
 def param_shardings(config: Any, mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> Any:
@@ -539,7 +530,6 @@ def save_hf_checkpoint(config: GPTConfig | BertConfig, params: Mapping[str, Any]
     return files + [os.path.join(path, name) for name in names]
 
 
-__all__ = ["CONFIG_FILE", "INDEX_FILE", "PASS_THROUGH_FIELDS", "SUPPORTED_MODEL_TYPES", "abstract_params",
-           "param_shardings",
-           "config_from_hf", "config_to_hf", "infer_model_type", "is_hf_checkpoint", "load_hf_checkpoint",
-           "read_hf_config", "save_hf_checkpoint", "to_hf_tensors"]
+__all__ = ["CONFIG_FILE", "HF_DTYPES", "INDEX_FILE", "PASS_THROUGH_FIELDS", "SUPPORTED_MODEL_TYPES",
+           "abstract_params", "config_from_hf", "config_to_hf", "infer_model_type", "is_hf_checkpoint",
+           "load_hf_checkpoint", "param_shardings", "read_hf_config", "save_hf_checkpoint", "to_hf_tensors"]

@@ -105,6 +105,10 @@ def _valid_activation(name: str, gated: bool) -> bool:
         return False
 
 
+# The parameter dtypes a config.json names (``dtype`` / ``torch_dtype``) that load and save as themselves.
+HF_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtjax.flax.attention import CACHE_COLLECTION
 from mtjax.models.t5 import T5
@@ -98,6 +99,13 @@ def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Arra
                        jnp.zeros((batch, prompt_len + max_new_tokens - 1), jnp.int32), image_tokens)
     logits, cache = run(cache, prompt, first=True)
     return greedy_decode(run, cache, logits[:, -1], max_new_tokens, eos_id)
+
+
+def until_eos(ids: Any, eos_id: int) -> np.ndarray:
+    """The tokens of one row of greedy output ``ids`` up to (not including) its first ``eos_id``."""
+    ids = np.asarray(ids)
+    ends = np.flatnonzero(ids == eos_id)
+    return ids[:ends[0]] if len(ends) else ids
 
 
 def _new_cache(model: Any, variables: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

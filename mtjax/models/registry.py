@@ -1,7 +1,7 @@
 """Every model preset by name, for code that takes any of them (``mtjax train``, ``mtjax bench train``).
 
 ``model_config(name, **overrides)`` builds the preset's config (`GPTConfig`, `ViTConfig`, `T5Config`
-or `VLMConfig`), ``build_model(config)`` the module for a config.
+or `VLMConfig`), ``build_model(config)`` the module for a config (those, or a `BertConfig`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtjax.models.bert import BertConfig, BertEncoder
 from mtjax.models.gpt import GPT, PRESETS, GPTConfig, gpt_config
 from mtjax.models.t5 import T5, T5_PRESETS, T5Config, t5_config
 from mtjax.models.vit import VIT_PRESETS, ViT, ViTConfig, vit_config
@@ -20,7 +21,8 @@ from mtjax.models.vlm import VLM, VLM_PRESETS, VLMConfig, vlm_config
 _CONFIGS = {**{name: gpt_config for name in PRESETS}, **{name: vit_config for name in VIT_PRESETS},
             **{name: t5_config for name in T5_PRESETS}, **{name: vlm_config for name in VLM_PRESETS}}
 MODEL_PRESETS = tuple(_CONFIGS)
-_MODELS: dict[type, type[nn.Module]] = {GPTConfig: GPT, ViTConfig: ViT, T5Config: T5, VLMConfig: VLM}
+_MODELS: dict[type, type[nn.Module]] = {GPTConfig: GPT, ViTConfig: ViT, T5Config: T5, VLMConfig: VLM,
+                                        BertConfig: BertEncoder}
 
 
 def model_config(name: str, **overrides: Any) -> GPTConfig | ViTConfig | T5Config | VLMConfig:
@@ -32,7 +34,7 @@ def model_config(name: str, **overrides: Any) -> GPTConfig | ViTConfig | T5Confi
 
 
 def build_model(config: Any) -> nn.Module:
-    """`GPT`, `ViT`, `T5` or `VLM`, whichever ``config`` describes."""
+    """`GPT`, `ViT`, `T5`, `VLM` or `BertEncoder`, whichever ``config`` describes."""
     model = _MODELS.get(type(config))
     if model is None:
         raise TypeError(f"build_model: config is a {type(config).__name__}; accepted: "

@@ -18,11 +18,14 @@ from mtjax.inference import Engine
 from mtjax.models import (
     T5,
     VLM,
+    BertConfig,
+    BertEncoder,
     GPTConfig,
     T5Config,
     ViT,
     ViTConfig,
     VLMConfig,
+    abstract_params,
     build_model,
     greedy_decode,
     model_config,
@@ -259,6 +262,9 @@ def test_presets_and_registry():
     assert (t5_base.num_encoder_layers, t5_base.mlp_dim) == (12, 2048) and 200e6 < t5_base.num_params() < 260e6
     assert model_config("vlm-tiny", fusion="cross_attention").text.cross_attention
     assert isinstance(build_model(model_config("t5-tiny")), T5)
+    bert = BertConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32, max_seq_len=8)
+    assert isinstance(build_model(bert), BertEncoder)
+    assert abstract_params(bert)["token_embed"]["embedding"].value.shape == (40, 16)
     with pytest.raises(ValueError, match="name='vit-h14' is not a preset"):
         model_config("vit-h14")
     with pytest.raises(TypeError, match="build_model: config is a dict"):

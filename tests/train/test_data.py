@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 
-from mtjax.train.data import DataIterator, PackedDataset, default_corpus, list_text_files, tokenize_files
+from mtjax.models import until_eos
+from mtjax.train.data import (
+    DataIterator,
+    PackedDataset,
+    batch_indices,
+    decoder_rows,
+    default_corpus,
+    list_text_files,
+    tokenize_files,
+)
 from mtjax.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
@@ -21,6 +30,20 @@ def test_byte_tokenizer_round_trip():
 def test_load_tokenizer_rejects_bad_spec(spec):
     with pytest.raises(ValueError, match="--tokenizer"):
         load_tokenizer(spec)
+
+
+def test_decoder_rows_batch_indices_and_until_eos():
+    rows = decoder_rows(np.array([5, 6, 7]), eos_id=9, seq_len=6)
+    np.testing.assert_array_equal(rows["inputs"], [9, 5, 6, 7, 0, 0])
+    np.testing.assert_array_equal(rows["targets"], [5, 6, 7, 9, 0, 0])
+    np.testing.assert_array_equal(rows["weights"], [1, 1, 1, 1, 0, 0])
+    assert rows["weights"].dtype == np.float32 and rows["inputs"].dtype == rows["targets"].dtype == np.int32
+    with pytest.raises(ValueError, match="at most seq_len - 1 = 2 tokens"):
+        decoder_rows(np.array([5, 6, 7]), eos_id=9, seq_len=3)
+    np.testing.assert_array_equal(batch_indices(3, 4), [12, 13, 14, 15])
+    np.testing.assert_array_equal(batch_indices(3, 4, slice(2, 4)), [14, 15])
+    np.testing.assert_array_equal(until_eos(np.array([4, 9, 2, 9]), 9), [4])
+    np.testing.assert_array_equal(until_eos([4, 2], 9), [4, 2])
 
 
 def test_list_and_tokenize_files(tmp_path):
