@@ -16,6 +16,11 @@ import os
 import sys
 from typing import Any
 
+MAX_SHARD_SIZE = "5GB"
+# The options of one direction only, by their attribute and flag: the other direction refuses them.
+FROM_HF_ONLY = {"tokenizer": "--tokenizer"}
+TO_HF_ONLY = {"step": "--step", "model_type": "--model-type", "max_shard_size": "--max-shard-size"}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mtjax.interop import HF_DTYPES, SUPPORTED_MODEL_TYPES
@@ -34,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-type", choices=SUPPORTED_MODEL_TYPES,
                         help="with --to-hf: the architecture to write (default: the one converted from, else the "
                              "one the model's features name)")
-    parser.add_argument("--max-shard-size", default="5GB", help="with --to-hf: bytes per safetensors file (5GB)")
+    parser.add_argument("--max-shard-size", help=f"with --to-hf: bytes per safetensors file ({MAX_SHARD_SIZE})")
 
 
 def _from_hf(args: argparse.Namespace) -> str:
@@ -76,7 +81,8 @@ def _to_hf(args: argparse.Namespace) -> str:
     hf_config = pretrained.hf_config or {}
     model_type = args.model_type or hf_config.get("model_type")
     files = save_hf_checkpoint(pretrained.config, pretrained.load_params(), args.to_hf, model_type=model_type,
-                               dtype=args.dtype, max_shard_size=args.max_shard_size, extra_config=hf_config)
+                               dtype=args.dtype, max_shard_size=args.max_shard_size or MAX_SHARD_SIZE,
+                               extra_config=hf_config)
     copied = copy_tokenizer(pretrained.tokenizer, args.to_hf, model_config=False)
     note = "" if copied else f" (the tokenizer {pretrained.tokenizer!r} has no file to copy)"
     return f"{pretrained.source} -> {args.to_hf}: {', '.join(os.path.basename(f) for f in files)}{note}"
@@ -91,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
         return fail("--from-hf writes an mtjax checkpoint: pass --to FOLDER")
     if args.from_checkpoint and not args.to_hf:
         return fail("--from reads an mtjax checkpoint: pass --to-hf FOLDER")
+    direction, other, only = (("--from-hf", "--from", TO_HF_ONLY) if args.from_hf
+                              else ("--from", "--from-hf", FROM_HF_ONLY))
+    given = [flag for name, flag in only.items() if getattr(args, name) is not None]
+    if given:
+        return fail(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with {other}, "
+                    f"not with {direction}")
     try:
         done = _from_hf(args) if args.from_hf else _to_hf(args)
     except (OSError, ValueError, ImportError) as err:

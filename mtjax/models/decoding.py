@@ -63,7 +63,12 @@ def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new
                 eos_id: int | None = None, encoder_segment_ids: jax.Array | None = None) -> jax.Array:
     """Greedy output ``[batch, max_new_tokens]`` of a `T5` (``variables``: its ``"params"``, and
     ``"fp8_meta"`` to decode under `mtjax.fp8.fp8_autocast`) for ``encoder_tokens`` (the decoder starts
-    from ``start_id``; ``encoder_segment_ids`` mark padding as in `T5`)."""
+    from ``start_id``; ``encoder_segment_ids`` mark padding as in `T5`).
+
+    Raises:
+      ValueError: ``encoder_tokens`` is not ``[batch, length]``, or ``max_new_tokens`` < 1.
+    """
+    _check_generate("t5_generate", "encoder_tokens", encoder_tokens, max_new_tokens)
     encoded = model.apply(variables, encoder_tokens, encoder_segment_ids=encoder_segment_ids, method=T5.encode)
     batch = encoder_tokens.shape[0]
 
@@ -83,7 +88,12 @@ def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new
 def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Array, *, max_new_tokens: int,
                  eos_id: int | None = None) -> jax.Array:
     """Greedy continuation ``[batch, max_new_tokens]`` of ``prompt [batch, prompt_len]`` (e.g. the start
-    token alone) about ``images``: captions. ``variables`` as `t5_generate`'s."""
+    token alone) about ``images``: captions. ``variables`` as `t5_generate`'s.
+
+    Raises:
+      ValueError: ``prompt`` is not ``[batch, prompt_len]`` with ``prompt_len`` >= 1, or ``max_new_tokens`` < 1.
+    """
+    _check_generate("vlm_generate", "prompt", prompt, max_new_tokens)
     image_tokens = model.apply(variables, images, method=VLM.encode_images)
     prefix = model.config.fusion == "prefix"
 
@@ -106,6 +116,14 @@ def until_eos(ids: Any, eos_id: int) -> np.ndarray:
     ids = np.asarray(ids)
     ends = np.flatnonzero(ids == eos_id)
     return ids[:ends[0]] if len(ends) else ids
+
+
+def _check_generate(fn: str, name: str, tokens: Any, max_new_tokens: Any) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise ValueError(f"{fn}: max_new_tokens={max_new_tokens!r}; expected an int >= 1")
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"{fn}: {name} has shape {shape}; expected [batch, length] with length >= 1")
 
 
 def _new_cache(model: Any, variables: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

@@ -178,6 +178,10 @@ def test_t5_bad_input():
                        jnp.zeros((1, 3, 16)))
     with pytest.raises(ValueError, match=r"greedy_decode: logits has shape \(2, 1, 40\); expected \[batch, vocab\]"):
         greedy_decode(None, None, jnp.zeros((2, 1, 40)), 3)
+    with pytest.raises(ValueError, match=r"t5_generate: encoder_tokens has shape \(7,\); expected \[batch, length\]"):
+        t5_generate(model, {}, tokens(0, (7,)), max_new_tokens=3, start_id=1)
+    with pytest.raises(ValueError, match="t5_generate: max_new_tokens=0; expected an int >= 1"):
+        t5_generate(model, {}, tokens(0, (2, 7)), max_new_tokens=0, start_id=1)
 
 
 def test_vlm_reads_the_image_never_future_text_and_decodes_with_a_cache():
@@ -220,6 +224,10 @@ def test_vlm_and_gpt_bad_input():
     with pytest.raises(ValueError, match="prefix does not combine with segment_ids"):
         jax.eval_shape(functools.partial(gpt.init, prefix=jnp.zeros((2, 4, 16)), segment_ids=jnp.ones((2, 3), int)),
                        jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match=r"vlm_generate: prompt has shape \(2, 0\); expected \[batch, length\]"):
+        vlm_generate(model, {}, images(0), jnp.zeros((2, 0), jnp.int32), max_new_tokens=3)
+    with pytest.raises(ValueError, match="vlm_generate: max_new_tokens=-1; expected an int >= 1"):
+        vlm_generate(model, {}, images(0), tokens(0, (2, 1)), max_new_tokens=-1)
     decoder = build_model(model.config.text)
     with pytest.raises(ValueError, match="Engine: a GPT with cross_attention"):
         Engine(decoder, {}, max_slots=1)
