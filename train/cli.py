@@ -638,6 +638,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             hf_config = meta.get("hf_config")
             if resumed_step >= run_config.steps:
                 checkpointer.close()
+                batches.close()
                 return _fail(f"--steps {run_config.steps}: the checkpoint is at step {resumed_step} already; nothing "
                              "to train (ask for more steps, with --override)")
             newer = [s for s in checkpointer.all_steps() if s > resumed_step]
@@ -657,6 +658,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
             hf_config = setup.pretrained.hf_config if setup.pretrained is not None else None
     except CheckpointError as err:
         checkpointer.close()
+        batches.close()
         return _fail(f"{err} (use another --workdir, or move the damaged checkpoints away)")
     state_sharding = tree_shardings(abstract)
     options = fp8.compiler_options() if run_config.fp8 else None
@@ -674,8 +676,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
 
     def evaluate() -> dict[str, float]:
         """The held-out loss and the task's metrics, means over ``--eval-batches`` batches."""
-        held_out = DataIterator(setup.eval_data, run_config.batch_size, rows=rows)
-        results = jax.device_get([eval_step(state, to_global(next(held_out))) for _ in range(args.eval_batches)])
+        with DataIterator(setup.eval_data, run_config.batch_size, rows=rows) as held_out:
+            results = jax.device_get([eval_step(state, to_global(next(held_out)))
+                                      for _ in range(args.eval_batches)])
         return {name: float(sum(r[name] for r in results) / len(results)) for name in results[0]}
 
     def decode_samples() -> list[tuple[str, str, str]] | None:
@@ -824,6 +827,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         os._exit(1)
     finally:
         progress.close()
+        batches.close()
         for close in (checkpointer.close, log.close):
             try:
                 close()

@@ -13,7 +13,7 @@ import os
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grain
 import numpy as np
@@ -233,7 +233,7 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 class DataIterator(Iterator[dict[str, np.ndarray]]):
     """Batches of a `BatchSource` (`PackedDataset`, the multimodal tasks' datasets) from batch
     ``position`` on (this process's ``rows`` of each): a grain iterator over its ``batches``, reading
-    ahead in a background thread.
+    ahead in a background thread. `close` (or leaving a ``with`` block) stops that thread.
 
     Attributes:
       dataset: the dataset.
@@ -252,6 +252,18 @@ class DataIterator(Iterator[dict[str, np.ndarray]]):
 
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self.iterator)
+
+    def close(self) -> None:
+        """Stop reading ahead and drop the batches read (grain iterators without ``close``: nothing to do)."""
+        close = getattr(self.iterator, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> DataIterator:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     @property
     def position(self) -> int:

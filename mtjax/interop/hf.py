@@ -14,6 +14,7 @@ mapping tables and the limits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -463,7 +464,8 @@ def save_hf_checkpoint(config: GPTConfig | BertConfig, params: Mapping[str, Any]
     Args:
       config: the model's `GPTConfig` or `BertConfig`.
       params: its unboxed ``"params"`` tree (scanned or unrolled layers; on any devices of this process).
-      path: the folder to write (created; existing weight files in it are replaced).
+      path: the folder to write (created; its earlier weight files are replaced once the new ones are
+        written: a failed save leaves them as they were).
       model_type: the Hugging Face architecture to write (`SUPPORTED_MODEL_TYPES`; default:
         `infer_model_type`).
       dtype: the tensors' dtype (default: each parameter's own).
@@ -490,44 +492,63 @@ def save_hf_checkpoint(config: GPTConfig | BertConfig, params: Mapping[str, Any]
     tensors = to_hf_tensors(config, params, hf["model_type"])
     first = next(tensors)  # fails before anything is written if params do not fit
     os.makedirs(path, exist_ok=True)
-    for name in os.listdir(path):  # weights of an earlier save would mix with these
-        if name.endswith(".safetensors") or name == INDEX_FILE:
-            os.remove(os.path.join(path, name))
-    shard: dict[str, Array] = {}
-    shard_bytes, total = 0, 0
+    # Everything is written to temporaries first; an earlier save's files are replaced (or, when this save
+    # names them no more, removed) only once the new ones are complete, and a failed save leaves no
+    # temporaries behind.
     temporaries: list[str] = []
-    weight_map: dict[str, int] = {}
 
-    def flush() -> None:
-        temporaries.append(os.path.join(path, f".shard-{len(temporaries):05d}.tmp"))
-        safetensors.numpy.save_file(shard, temporaries[-1], metadata={"format": "pt"})
+    def temporary(name: str) -> str:
+        temporaries.append(os.path.join(path, f".{name}.tmp"))
+        return temporaries[-1]
 
-    for name, array in itertools.chain([first], tensors):
-        array = np.ascontiguousarray(array if dtype is None else array.astype(jnp.dtype(dtype)))
-        if shard and shard_bytes + array.nbytes > limit:
-            flush()
-            shard, shard_bytes = {}, 0
-        shard[name] = array
-        shard_bytes += array.nbytes
-        total += array.nbytes
-        weight_map[name] = len(temporaries)
-    flush()
-    count = len(temporaries)
-    names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    for temporary, name in zip(temporaries, names):
-        os.replace(temporary, os.path.join(path, name))
-    files = [os.path.join(path, CONFIG_FILE)]
-    with open(files[0], "w") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
-        f.write("\n")
-    if count > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: names[shard] for name, shard in sorted(weight_map.items())}}
-        with open(os.path.join(path, INDEX_FILE), "w") as f:
-            json.dump(index, f, indent=2)
+    def write_json(file: str, data: Any, **kwargs: Any) -> str:
+        name = temporary(file)
+        with open(name, "w") as f:
+            json.dump(data, f, indent=2, **kwargs)
             f.write("\n")
-        files.append(os.path.join(path, INDEX_FILE))
-    return files + [os.path.join(path, name) for name in names]
+        return name
+
+    try:
+        shards: list[str] = []
+        shard: dict[str, Array] = {}
+        shard_bytes, total = 0, 0
+        weight_map: dict[str, int] = {}
+
+        def flush() -> None:
+            shards.append(temporary(f"shard-{len(shards):05d}"))
+            safetensors.numpy.save_file(shard, shards[-1], metadata={"format": "pt"})
+
+        for name, array in itertools.chain([first], tensors):
+            array = np.ascontiguousarray(array if dtype is None else array.astype(jnp.dtype(dtype)))
+            if shard and shard_bytes + array.nbytes > limit:
+                flush()
+                shard, shard_bytes = {}, 0
+            shard[name] = array
+            shard_bytes += array.nbytes
+            total += array.nbytes
+            weight_map[name] = len(shards)
+        flush()
+        count = len(shards)
+        names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        written = dict(zip(names, shards))
+        if count > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {tensor: names[i] for tensor, i in sorted(weight_map.items())}}
+            written[INDEX_FILE] = write_json(INDEX_FILE, index)
+        written[CONFIG_FILE] = write_json(CONFIG_FILE, hf, sort_keys=True)
+        stale = [name for name in os.listdir(path) if (name.endswith(".safetensors") or name == INDEX_FILE)
+                 and name not in written]
+        for name, source in written.items():
+            os.replace(source, os.path.join(path, name))
+    except BaseException:
+        for name in temporaries:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(name)
+        raise
+    for name in stale:  # an earlier save's weights would mix with these
+        os.remove(os.path.join(path, name))
+    order = [CONFIG_FILE] + ([INDEX_FILE] if count > 1 else []) + names
+    return [os.path.join(path, name) for name in order]
 
 
 __all__ = ["CONFIG_FILE", "HF_DTYPES", "INDEX_FILE", "PASS_THROUGH_FIELDS", "SUPPORTED_MODEL_TYPES",

@@ -133,6 +133,34 @@ def test_save_round_trips_bit_for_bit(name, tmp_path):
         assert all((tmp_path / file).is_file() for file in weight_map.values())
 
 
+def test_a_failed_save_keeps_the_earlier_weights_and_a_new_one_replaces_them(tmp_path, monkeypatch):
+    """A save that fails while writing leaves the folder's earlier files as they were and no temporaries;
+    one that succeeds removes the earlier weight files it does not overwrite (shards, their index)."""
+    import safetensors.numpy
+
+    config, params = loaded("llama3")
+    sharded = save_hf_checkpoint(config, params, tmp_path, max_shard_size="40KB")
+    assert len(sharded) > 3
+    before = {file: pathlib.Path(file).read_bytes() for file in sharded}
+    calls = []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", fail_second)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf_checkpoint(config, params, tmp_path, max_shard_size="10KB", dtype=jnp.bfloat16)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(f) for f in sharded)
+    assert all(pathlib.Path(file).read_bytes() == data for file, data in before.items())
+    monkeypatch.undo()
+    files = save_hf_checkpoint(config, params, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"] == sorted(map(os.path.basename, files))
+    assert sorted(read_tensors(tmp_path)) == sorted(read_tensors(DATA / "llama3"))
+
+
 def test_bfloat16_round_trip_and_a_scanned_stack(tmp_path):
     """A scanned (stacked) model saves as unrolled layers; bfloat16 tensors load and save back unchanged."""
     config = gpt_config("tiny", vocab_size=64, hidden_size=32, mlp_dim=48)

@@ -129,6 +129,12 @@ def test_iterator_resumes_from_its_grain_state_and_from_a_position():
     np.testing.assert_array_equal(next(from_position)["inputs"], straight[3])
     with pytest.raises(ValueError, match="expected {'position': batch index >= 0}"):
         from_position.restore({"position": -1})
+    with DataIterator(data, 8) as closed:
+        np.testing.assert_array_equal(next(closed)["inputs"], straight[0])
+    with pytest.raises(ValueError, match="closed iterator"):  # its read-ahead thread is stopped
+        next(closed)
+    for iterator in (it, resumed, again, from_position):
+        iterator.close()
 
 
 def test_split_and_bad_arguments():
