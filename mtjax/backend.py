@@ -30,6 +30,7 @@ import importlib
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,7 +125,23 @@ def triton_problem() -> str | None:
 
 # The jax-triton releases the native kernels were tested with (pyproject.toml's gpu extra): 0.4.1 fails
 # under jax 0.12 (its dead-code rule takes the arguments of jax 0.11's) and needs Triton 3.7.
-JAX_TRITON_VERSIONS = ((0, 3), (0, 4))
+JAX_TRITON_VERSIONS = ((0, 3, 1), (0, 4, 0))
+
+
+def _version_range_problem(name: str, version: Any, low: tuple[int, ...], high: tuple[int, ...]) -> str | None:
+    """Why ``version`` (a PEP 440 string) is outside ``>=low,<high``, or ``None``: its release numbers
+    compared, a pre-release (``0.3.1rc1``, ``0.3.1.dev0``) counting as below its release, as pip's
+    specifiers do. A version that does not start with release numbers gets a reason, never an error."""
+    bounds = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+    match = re.match(r"v?(\d+(?:\.\d+)*)(.*)", str(version))
+    if match is None:
+        return f"{name}'s version {version!r} cannot be read (tested: {bounds}); install mtjax[gpu]"
+    release = tuple(int(p) for p in match[1].split("."))
+    release += (0,) * (len(low) - len(release))
+    prerelease = re.match(r"[-_.]?(a|b|c|rc|alpha|beta|pre|preview|dev)\d*", match[2], re.IGNORECASE) is not None
+    if release < low or (release == low and prerelease) or not release < high:
+        return f"{name} {version} is outside the tested range {bounds}; install mtjax[gpu]"
+    return None
 
 
 @functools.cache
@@ -138,12 +155,7 @@ def native_triton_problem() -> str | None:
         jax_triton = importlib.import_module("jax_triton")
     except Exception as err:  # jax_triton raises ImportError or ValueError without a GPU jax
         return f"jax_triton cannot be imported ({type(err).__name__}: {err}); install mtjax[gpu]"
-    version = tuple(int(p) for p in jax_triton.__version__.split(".")[:2])
-    low, high = JAX_TRITON_VERSIONS
-    if not low <= version < high:
-        return (f"jax_triton {jax_triton.__version__} is outside the tested range >={low[0]}.{low[1]},<{high[0]}."
-                f"{high[1]}; install mtjax[gpu]")
-    return None
+    return _version_range_problem("jax_triton", getattr(jax_triton, "__version__", None), *JAX_TRITON_VERSIONS)
 
 
 def _triton_kernels() -> set[str]:

@@ -1,10 +1,12 @@
 """The kernel registry, per-platform selection, jax.export per platform, and the PJRT plugin hook."""
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from mtjax import backend, ops
 from mtjax.config import Config, config, override
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="selection tests assume a CPU-only process")
 
@@ -124,11 +127,18 @@ def test_native_triton_needs_a_tested_jax_triton(monkeypatch):
     import types
 
     monkeypatch.setattr(backend, "triton_problem", lambda: None)
-    for version, accepted in (("0.3.1", True), ("0.4.1", False), ("0.2.0", False)):
+    cases = (("0.3.1", True), ("0.3.2.post1", True), ("0.3.5+cuda", True), ("0.3", False), ("0.3rc1", False),
+             ("0.3.1rc1", False), ("0.4.0rc1", False), ("0.4.1", False), ("0.2.0", False), ("dev", False))
+    for version, accepted in cases:
         monkeypatch.setitem(sys.modules, "jax_triton", types.SimpleNamespace(__version__=version))
         problem = backend.native_triton_problem.__wrapped__()
         assert (problem is None) == accepted, (version, problem)
-    assert "outside the tested range >=0.3,<0.4" in problem
+        if version == "0.2.0":
+            assert "jax_triton 0.2.0 is outside the tested range >=0.3.1,<0.4.0" in problem
+    assert "jax_triton's version 'dev' cannot be read" in problem
+    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    low, high = backend.JAX_TRITON_VERSIONS
+    assert f"jax-triton>={'.'.join(map(str, low))},<{'.'.join(map(str, high[:2]))}" in gpu
 
 
 def test_selection_takes_the_native_kernels_without_pallas_triton(monkeypatch):
