@@ -17,7 +17,7 @@ import numpy as np
 from mtjax.config import config
 from mtjax.dtypes import OCP_FP8_DTYPES, fp8_max
 
-try:  # Pallas' Triton backend (deprecated in jax 0.11): without it the Pallas kernels here cannot run,
+try:  # Pallas' Triton backend (deprecated by jax): without it the Pallas kernels here cannot run,
     from jax.experimental.pallas import triton as pallas_triton  # and `mtjax.backend` offers none of them
 except ImportError:
     pallas_triton = None

@@ -190,7 +190,7 @@ def _accumulate(a, b, acc, *, contract_lhs: int, contract_rhs: int, scale=None):
 
     With a ``scale`` (FP8 operands) each K step's product is scaled and added to ``acc`` outside the
     tensor core ("promotion", as DeepGEMM does): Hopper's FP8 MMA accumulates with fewer mantissa bits
-    than float32, and over thousands of K elements its own accumulator drifts by percents. The
+    than float32, so over a long K its own accumulator loses precision (docs/moe-kernels.md). The
     multiplication also keeps Triton from folding the addition back into the MMA's accumulator.
     """
     if a.dtype != b.dtype:

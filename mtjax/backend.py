@@ -105,7 +105,7 @@ def _jax_gpu_backend_reachable() -> bool:
 
 @functools.cache
 def pallas_triton_present() -> bool:
-    """Whether the jax in use still has Pallas' Triton backend (deprecated in jax 0.11)."""
+    """Whether the jax in use has Pallas' Triton backend (deprecated by jax: docs/kernels.md)."""
     try:
         importlib.import_module("jax.experimental.pallas.triton")
     except ImportError:
@@ -123,8 +123,8 @@ def triton_problem() -> str | None:
     return None
 
 
-# The jax-triton releases the native kernels were tested with (pyproject.toml's gpu extra): 0.4.1 fails
-# under jax 0.12 (its dead-code rule takes the arguments of jax 0.11's) and needs Triton 3.7.
+# The jax-triton releases the native kernels run with, >= the first, < the second: pyproject.toml's gpu
+# extra (why not later ones: docs/kernels.md, Versions).
 JAX_TRITON_VERSIONS = ((0, 3, 1), (0, 4, 0))
 
 

@@ -191,7 +191,7 @@ def _interpreting(kernel: Any):
     triton.language the interpreter makes is undone afterwards (compiling works again). Two fixes to the interpreter:
     its ``tl.dot`` multiplies the bit patterns of bfloat16 operands (it widens only FP8 ones), so
     they are widened to float32 first, which is exact; and its scalars are one-element arrays, which
-    numpy 2.5 no longer converts to ``int`` (loop bounds), so they are reshaped to 0-d first.
+    numpy does not convert to ``int`` (loop bounds), so they are reshaped to 0-d first.
     """
     import triton
     from triton.runtime import interpreter

@@ -152,7 +152,7 @@ def _check_tokens(name: str, tokens: jax.Array) -> None:
 
 # T5's initialisation (Mesh TensorFlow): every kernel normal with variance 1 / fan-in, the embedding
 # standard normal. Attention logits then start at unit scale, so cross-attention can align its queries
-# with the encoder's tokens early (a 0.02 normal left it near uniform for hundreds of steps).
+# with the encoder's tokens early rather than staying near uniform (docs/performance.md).
 KERNEL_INIT = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 
 

@@ -130,8 +130,8 @@ class ViTConfig:
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    # CPU: 32x32 images of the procedural scenes (`mtjax.train.scenes`), 16 patches of 8x8, mean pooling
-    # (on the CPU it learns the scenes' shapes faster than 64 patches of 4x4 or a class token).
+    # CPU: 32x32 images of the procedural scenes (`mtjax.train.scenes`), 16 patches of 8x8, mean pooling:
+    # the layout that learns the scenes' shapes fastest on a CPU (docs/performance.md compares others).
     "vit-tiny": dict(image_size=32, patch_size=8, num_classes=16, hidden_size=64, num_layers=4, num_heads=4,
                      mlp_dim=128, pooling="mean"),
     # ViT-L/16 at 224x224 (ImageNet-1k head): 304M parameters.
