@@ -272,3 +272,14 @@ def test_importing_mtjax_registers_the_ops_and_leaves_jax_backends_alone():
     assert result.returncode == 0, result.stderr
     assert set(result.stdout.split()) >= {"layernorm", "norm_fp8", "residual_norm", "cast_transpose", "fp8_gemm",
                                           "attention", "softmax", "activation"}
+
+
+def test_inference_commands_leave_the_data_pipeline_unimported():
+    """``mtjax generate``/``serve``/``convert`` read checkpoints and tokenizers through mtjax.train without
+    loading grain (the training data pipeline)."""
+    code = ("import sys\nimport mtjax.generate, mtjax.serve, mtjax.convert, mtjax.inference, mtjax.interop\n"
+            "from mtjax.train import Checkpointer, load_tokenizer\nfrom mtjax.train.pretrained import open_pretrained\n"
+            "assert 'grain' not in sys.modules\nfrom mtjax.train import DataIterator\nassert 'grain' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr

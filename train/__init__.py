@@ -12,7 +12,6 @@ Typical use (what ``mtjax train`` does, see `mtjax.train.cli`)::
 """
 
 from mtjax.train.checkpoint import Checkpointer, CheckpointError, NonFiniteStateError, PreemptionWatcher
-from mtjax.train.data import DataIterator, PackedDataset, default_corpus
 from mtjax.train.distributed import global_batch, initialize, process_rows
 from mtjax.train.state import TrainState, abstract_train_state, batch_sharding, init_train_state
 from mtjax.train.step import (
@@ -40,3 +39,15 @@ __all__ = [
     "check_token_ids", "make_eval_step", "make_optimizer", "make_train_step", "next_token_loss", "throughput",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "find_tokenizer", "load_tokenizer",
 ]
+
+# The data pipeline (grain) loads on first use: inference commands import mtjax.train for its checkpoints
+# and tokenizers only.
+_DATA_NAMES = ("DataIterator", "PackedDataset", "default_corpus")
+
+
+def __getattr__(name: str):
+    if name in _DATA_NAMES:
+        from mtjax.train import data
+
+        return getattr(data, name)
+    raise AttributeError(f"module 'mtjax.train' has no attribute {name!r}")

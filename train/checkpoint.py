@@ -28,15 +28,17 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from mtjax.train.state import TrainState, cast_like
+
+if TYPE_CHECKING:  # grain loads where a data iterator is saved or restored, not for inference's checkpoints
+    import grain
 
 # Files and item folders every complete checkpoint folder holds.
 _CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -159,6 +161,8 @@ class Checkpointer:
         self._rotate(self.keep - 1 if self.keep >= 2 else self.keep)
         items = dict(state=ocp.args.PyTreeSave(state.replace(compute_params=None)), meta=ocp.args.JsonSave(meta))
         if data_iterator is not None:
+            import grain
+
             items[DATA_ITEM] = grain.checkpoint.CheckpointSave(data_iterator)
         args = ocp.args.Composite(**items)
         self._in_flight = step
@@ -298,6 +302,8 @@ class Checkpointer:
         name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
         if not os.path.isfile(os.path.join(folder, name)):
             return False
+        import grain
+
         try:
             self._manager.restore(step, args=ocp.args.Composite(
                 **{DATA_ITEM: grain.checkpoint.CheckpointRestore(data_iterator)}))
