@@ -134,8 +134,7 @@ def _restore(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
     """A T5: the greedy output for each prompt (its encoder input, padded to the longest)."""
     import numpy as np
 
-    from mtjax.models import until_eos
-    from mtjax.train.tasks import jitted_t5_generate
+    from mtjax.models import jitted_t5_generate, until_eos
 
     encoded = [tokenizer.encode(text) for text in args.prompt]
     if any(len(e) == 0 for e in encoded):
@@ -164,8 +163,7 @@ def _caption(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any) 
     """A VLM: greedy captions of held-out generated scenes, beside their true captions."""
     import numpy as np
 
-    from mtjax.models import until_eos
-    from mtjax.train.tasks import jitted_vlm_generate
+    from mtjax.models import jitted_vlm_generate, until_eos
 
     scenes = _scenes(args, model.config.vision.image_size, "captioning", tokenizer)
     prompt = np.full((len(scenes), 1), tokenizer.eos_id, np.int32)

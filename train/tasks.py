@@ -23,7 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.models import GPTConfig, T5Config, ViTConfig, VLMConfig, t5_generate, until_eos, vlm_generate
+from mtjax.models import (
+    GPTConfig,
+    T5Config,
+    ViTConfig,
+    VLMConfig,
+    jitted_t5_generate,
+    jitted_vlm_generate,
+    until_eos,
+)
 from mtjax.train.data import PackedDataset, default_corpus
 from mtjax.train.lines import ShuffledLines
 from mtjax.train.scenes import CLASSES, SceneDataset
@@ -229,10 +237,6 @@ class Captioning(Task):
         return [("", tokenizer.decode(until_eos(row, tokenizer.eos_id)), held_out.scene(i).caption)
                 for i, row in enumerate(np.asarray(out))]
 
-
-# Greedy decoding, jitted once for the training log's samples and ``mtjax generate``.
-jitted_t5_generate = jax.jit(t5_generate, static_argnums=0, static_argnames=("max_new_tokens", "start_id", "eos_id"))
-jitted_vlm_generate = jax.jit(vlm_generate, static_argnums=0, static_argnames=("max_new_tokens", "eos_id"))
 
 _TASKS: dict[type, Task] = {GPTConfig: Task(), ViTConfig: ImageClassification(), T5Config: Seq2Seq(),
                             VLMConfig: Captioning()}

@@ -1,8 +1,9 @@
 """Greedy decoding on a dense key/value cache (the ``"cache"`` collection) for the models the paged
 engine (`mtjax.inference`, decoder-only `GPT`) does not serve: `T5` and `VLM`.
 
-Every function here is pure and traceable: wrap it in `jax.jit` with the integer arguments static,
-e.g. ``jax.jit(t5_generate, static_argnums=0, static_argnames=("max_new_tokens", "start_id", "eos_id"))``.
+Every function here is pure and traceable: wrap it in `jax.jit` with the integer arguments static, as
+`jitted_t5_generate` and `jitted_vlm_generate` are (one compile per model and length, shared by the
+training log's samples and ``mtjax generate``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Arra
                        jnp.zeros((batch, prompt_len + max_new_tokens - 1), jnp.int32), image_tokens)
     logits, cache = run(cache, prompt, first=True)
     return greedy_decode(run, cache, logits[:, -1], max_new_tokens, eos_id)
+
+
+# `t5_generate` and `vlm_generate` jitted, the model and the integer arguments static.
+jitted_t5_generate = jax.jit(t5_generate, static_argnums=0, static_argnames=("max_new_tokens", "start_id", "eos_id"))
+jitted_vlm_generate = jax.jit(vlm_generate, static_argnums=0, static_argnames=("max_new_tokens", "eos_id"))
 
 
 def until_eos(ids: Any, eos_id: int) -> np.ndarray:

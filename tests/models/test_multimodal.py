@@ -28,6 +28,8 @@ from mtjax.models import (
     abstract_params,
     build_model,
     greedy_decode,
+    jitted_t5_generate,
+    jitted_vlm_generate,
     model_config,
     t5_generate,
     vlm_generate,
@@ -140,8 +142,7 @@ def test_t5_masks_and_cached_decoding():
                                atol=1e-6)
     assert not np.allclose(forward(enc.at[1, 2].set(7), dec)[1], base[1], atol=1e-4)  # a real token does count
     np.testing.assert_allclose(cached(dec), base, rtol=1e-4, atol=1e-5)
-    out = jax.jit(t5_generate, static_argnums=0, static_argnames=("max_new_tokens", "start_id"))(
-        model, variables, enc, encoder_segment_ids=segment_ids, max_new_tokens=6, start_id=1)
+    out = jitted_t5_generate(model, variables, enc, encoder_segment_ids=segment_ids, max_new_tokens=6, start_id=1)
     forced = forward(enc, jnp.concatenate([jnp.ones((2, 1), jnp.int32), out[:, :-1]], axis=1))
     np.testing.assert_array_equal(out, jnp.argmax(forced, axis=-1))
 
@@ -199,8 +200,7 @@ def test_vlm_reads_the_image_never_future_text_and_decodes_with_a_cache():
     other_image = apply(x.at[0].multiply(-1.0), text)
     assert not np.allclose(other_image[0], base[0], atol=1e-4)  # row 0 reads its image...
     np.testing.assert_allclose(other_image[1], base[1], rtol=1e-5, atol=1e-6)  # ...and only its own
-    out = jax.jit(vlm_generate, static_argnums=0, static_argnames=("max_new_tokens", "eos_id"))(
-        model, variables, x, text[:, :2], max_new_tokens=5)
+    out = jitted_vlm_generate(model, variables, x, text[:, :2], max_new_tokens=5)
     forced = apply(x, jnp.concatenate([text[:, :2], out[:, :-1]], axis=1))
     np.testing.assert_array_equal(out, jnp.argmax(forced[:, 1:], axis=-1))
 
