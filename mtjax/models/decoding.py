@@ -63,8 +63,9 @@ def greedy_decode(step: StepFn, cache: Any, logits: jax.Array, num_steps: int, e
 def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new_tokens: int, start_id: int,
                 eos_id: int | None = None, encoder_segment_ids: jax.Array | None = None) -> jax.Array:
     """Greedy output ``[batch, max_new_tokens]`` of a `T5` (``variables``: its ``"params"``, and
-    ``"fp8_meta"`` to decode under `mtjax.fp8.fp8_autocast`) for ``encoder_tokens`` (the decoder starts
-    from ``start_id``; ``encoder_segment_ids`` mark padding as in `T5`).
+    ``"fp8_metas"``, `mtjax.fp8.FP8_COLLECTION`, to decode under `mtjax.fp8.fp8_autocast`) for
+    ``encoder_tokens`` (the decoder starts from ``start_id``; ``encoder_segment_ids`` mark padding as
+    in `T5`).
 
     Raises:
       ValueError: ``encoder_tokens`` is not ``[batch, length]``, or ``max_new_tokens`` < 1.
