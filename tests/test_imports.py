@@ -261,25 +261,29 @@ def test_the_checks_catch_what_they_are_for():
     assert _is_private("mtjax.kernels._x") and not _is_private("mtjax.kernels.common")
 
 
-def test_importing_mtjax_registers_the_ops_and_leaves_jax_backends_alone():
-    """``import mtjax`` registers every op through `mtjax.ops` (the backend imports none of them), and
-    starts no jax backend, so `mtjax.backend.load_plugin` still works after it."""
-    code = ("import mtjax\nfrom jax._src import xla_bridge\n"
-            "assert not xla_bridge.backends_are_initialized()\n"
-            "print(' '.join(mtjax.backend.ops()))\n")
+def run_python(code: str) -> str:
+    """The standard output of ``code`` run by a fresh CPU-only Python (which must succeed)."""
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stderr
-    assert set(result.stdout.split()) >= {"layernorm", "norm_fp8", "residual_norm", "cast_transpose", "fp8_gemm",
+    return result.stdout
+
+
+def test_importing_mtjax_registers_the_ops_and_leaves_jax_backends_alone():
+    """``import mtjax`` registers every op through `mtjax.ops` (the backend imports none of them), and
+    starts no jax backend, so `mtjax.backend.load_plugin` still works after it."""
+    out = run_python("import mtjax\nfrom jax._src import xla_bridge\n"
+                     "assert not xla_bridge.backends_are_initialized()\n"
+                     "print(' '.join(mtjax.backend.ops()))\n")
+    assert set(out.split()) >= {"layernorm", "norm_fp8", "residual_norm", "cast_transpose", "fp8_gemm",
                                           "attention", "softmax", "activation"}
 
 
 def test_inference_commands_leave_the_data_pipeline_unimported():
     """``mtjax generate``/``serve``/``convert`` read checkpoints and tokenizers through mtjax.train without
     loading grain (the training data pipeline)."""
-    code = ("import sys\nimport mtjax.generate, mtjax.serve, mtjax.convert, mtjax.inference, mtjax.interop\n"
-            "from mtjax.train import Checkpointer, load_tokenizer\nfrom mtjax.train.pretrained import open_pretrained\n"
-            "assert 'grain' not in sys.modules\nfrom mtjax.train import DataIterator\nassert 'grain' in sys.modules\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert result.returncode == 0, result.stderr
+    run_python("import sys\nimport mtjax.generate, mtjax.serve, mtjax.convert, mtjax.inference, mtjax.interop\n"
+               "from mtjax.train import Checkpointer, load_tokenizer\n"
+               "from mtjax.train.pretrained import open_pretrained\n"
+               "assert 'grain' not in sys.modules\n"
+               "from mtjax.train import DataIterator\nassert 'grain' in sys.modules\n")
