@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from mtjax.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
@@ -430,9 +431,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, watcher: Any) -> int:
-    from mtjax.config import config as mtjax_config
-    from mtjax.config import override
-    from mtjax.fp8 import fp8_autocast
     from mtjax.train import distributed
     from mtjax.xla_flags import apply_xla_flags
 
@@ -440,8 +438,33 @@ def _run(args: argparse.Namespace, watcher: Any) -> int:
         apply_xla_flags(args.xla_preset)  # before jax creates its backends
     try:
         spec = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                      heartbeat_timeout_seconds=args.peer_timeout)
-        print(f"mtjax train: {distributed.topology(spec)}", file=sys.stderr, flush=True)
+                                      peer_timeout_seconds=args.peer_timeout)
+    except ValueError as err:
+        return _fail(str(err))
+    print(f"mtjax train: {distributed.topology(spec)}", file=sys.stderr, flush=True)
+    # With several processes, each one ends with a line of its own when another dies or fails.
+    peers = distributed.watch_peers(args.peer_timeout, on_lost=lambda reason: _fail(
+        f"stopping process {spec.process_id} during set-up: {reason}", 1))
+    if peers is None:
+        return _run_joined(args, watcher, None)
+    try:
+        status = _run_joined(args, watcher, peers)
+    except Exception:  # noqa: BLE001  (printed here: leaving below skips Python's own report)
+        traceback.print_exc()
+        status = 1
+    if status == 0:
+        peers.close()
+    else:  # leave at once: the others may wait for this process in a collective or in jax's shutdown barrier
+        peers.fail(f"it stopped with exit status {status} (its log says why)", status)
+    return status
+
+
+def _run_joined(args: argparse.Namespace, watcher: Any, peers: Any) -> int:
+    from mtjax.config import config as mtjax_config
+    from mtjax.config import override
+    from mtjax.fp8 import fp8_autocast
+
+    try:
         setup = _setup(args)
     except ValueError as err:
         return _fail(str(err))
@@ -451,10 +474,10 @@ def _run(args: argparse.Namespace, watcher: Any) -> int:
         return 0
     # FP8 is decided when the functions are traced: creating the state and the first step.
     with fp8_autocast(enabled=setup.config.fp8), override(debug_checks=args.debug_checks or mtjax_config.debug_checks):
-        return _train(args, setup, watcher)
+        return _train(args, setup, watcher, peers)
 
 
-def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
+def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) -> int:
     import jax
     from tqdm import tqdm
 
@@ -590,6 +613,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         raise Diverged(f"{where}: the run diverged; stopping without saving; {good} (lower --lr, raise "
                        "--warmup-steps, or pass --on-nonfinite skip to skip such steps)")
 
+    if peers is not None:
+        peers.on_lost = lambda reason: _fail(f"step {step + 1} stopped on process {jax.process_index()}: {reason}; "
+                                             f"{last_good_text()}", 1)
     progress = tqdm(total=run_config.steps, initial=step, disable=args.no_progress or not is_main, unit="step",
                     dynamic_ncols=True)
     timer_start, timer_step, stopped = None, step, False
@@ -651,8 +677,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         # hang on it or abort in C++, so say why and leave at once (the last complete checkpoint stays).
         _fail(f"step {step + 1} failed on process {jax.process_index()}: a peer process died or became "
               f"unreachable ({str(err).splitlines()[0][:300]}); {last_good_text()}", 1)
-        sys.stdout.flush()
-        os._exit(1)
+        peers.fail(f"a collective failed on it at step {step + 1}")
     finally:
         progress.close()
         for close in (checkpointer.close, log.close):
