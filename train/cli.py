@@ -33,6 +33,8 @@ VOCAB_MULTIPLE = 128
 
 
 NONFINITE_POLICIES = ("stop", "skip")
+# mtjax.ops.CONTEXT_PARALLEL_STRATEGIES (not imported here: the flags are parsed before jax loads).
+CONTEXT_PARALLEL_STRATEGIES = ("ring", "all_gather")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mesh.add_argument("--ep", type=positive_int, default=1,
                       help="expert-parallel ways (mixture-of-experts presets; splits the batch too)")
     mesh.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis")
+    mesh.add_argument("--cp", type=positive_int, default=1,
+                      help="context-parallel ways: the sequence of every activation split over this many devices "
+                           "(long sequences; --seq-len a multiple of 2 * cp)")
+    mesh.add_argument("--cp-strategy", choices=CONTEXT_PARALLEL_STRATEGIES, default="ring",
+                      help="how attention reaches the other sequence shards with --cp: keys/values passed round a "
+                           "ring (default), or all-gathered once")
     hosts = parser.add_argument_group("multi-host (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
     hosts.add_argument("--num-processes", type=positive_int)
@@ -384,9 +392,12 @@ def _setup(args: argparse.Namespace) -> _Setup:
                 candidates = None
         config, preset, overridden = _resolve(args, tokenizer, saved, workdir)
         _check_tensor_parallel(config.model_config(), args.tp)
-        other = args.fsdp * args.tp * args.ep
+        if args.cp > 1 and config.seq_len % (2 * args.cp):
+            raise ValueError(f"--seq-len {config.seq_len} must be a multiple of 2 * --cp = {2 * args.cp} (each of the "
+                             f"cp devices holds two chunks of every sequence: the causal load-balanced layout)")
+        other = args.fsdp * args.tp * args.ep * args.cp
         dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
-        mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep)
+        mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep, cp=args.cp)
         mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
         num_experts = config.model_config().num_experts
         if args.ep > 1 and (not num_experts or num_experts % args.ep):
@@ -493,7 +504,10 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
     run_config, preset, mesh, rules = setup.config, setup.preset, setup.mesh, setup.rules
     checkpointer = setup.checkpointer
     is_main = jax.process_index() == 0
-    config = run_config.model_config()
+    # Context parallelism changes how attention is computed, not the parameters: a checkpoint moves
+    # between --cp settings.
+    config = dataclasses.replace(run_config.model_config(),
+                                 context_parallel=args.cp_strategy if args.cp > 1 else None)
     model = GPT(config)
     optimizer, schedule = make_optimizer(run_config.learning_rate, total_steps=run_config.steps,
                                          warmup_steps=run_config.warmup_steps, clip_norm=args.clip_norm,

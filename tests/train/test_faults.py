@@ -14,6 +14,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 from orbax.checkpoint._src.path import atomicity
 
@@ -245,6 +246,15 @@ def test_resume_step_picks_an_older_checkpoint(corpus, copy_of_base, base_run, c
     assert _train(corpus, workdir, "--resume", "--resume-step", "3") == 2
     assert "--resume-step 3: no such checkpoint" in capsys.readouterr().err
 
+
+
+def test_context_parallelism_continues_the_same_run(corpus, copy_of_base, base_run, capsys):
+    """``--cp 2`` (dp=4 x cp=2, ring attention) from the dp=8 run's step 4 takes the same steps 5 and 6."""
+    assert _train(corpus, copy_of_base, "--resume", "--resume-step", "4", "--cp", "2") == 0
+    assert "'cp': 2" in capsys.readouterr().out
+    cp, plain = _losses(copy_of_base), _losses(base_run)
+    assert sorted(cp) == sorted(plain) == list(range(1, BASE_STEPS + 1))
+    np.testing.assert_allclose([cp[s] for s in (5, 6)], [plain[s] for s in (5, 6)], rtol=1e-5)
 
 # The child: `mtjax train` whose commit of checkpoint 4 never finishes, killed by the parent mid-save.
 _HANG_IN_SAVE = """
