@@ -184,9 +184,9 @@ class DotProductAttention(nn.Module):
       context_parallel: ``"ring"`` or ``"all_gather"`` (`mtjax.ops.CONTEXT_PARALLEL_STRATEGIES`):
         when the mesh in force has a ``cp`` axis of size > 1 and the logical rules split
         ``activation_length`` over it, attend across the sequence shards by ring attention or
-        all-gathered keys/values (`mtjax.ops.context_parallel_attention`); needs self-attention
-        without bias, explicit mask, window or attention dropout. None: plain attention (XLA
-        gathers what a sharded sequence needs).
+        all-gathered keys/values (`mtjax.ops.context_parallel_attention`); self-attention without an
+        explicit mask (a bias, given in the sequence's layout, a window and attention dropout
+        work). None: plain attention (XLA gathers what a sharded sequence needs).
       context_parallel_load_balanced: with a causal mask under context parallelism, the sequence
         is in the load-balanced layout (`mtjax.sharding.reorder_causal_load_balancing`; `GPT`
         reorders its inputs itself).
@@ -242,17 +242,16 @@ class DotProductAttention(nn.Module):
         if self.context_parallel is not None:
             check_choice(owner, "context_parallel", self.context_parallel, ops.CONTEXT_PARALLEL_STRATEGIES)
         if self.context_parallel is not None and context_parallel_size() > 1:
-            for name, present in (("bias", bias is not None), ("mask", mask is not None),
-                                  ("window_size", self.window_size is not None),
-                                  ("attention dropout", dropout_rate > 0)):
-                if present:
-                    raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} does not support {name}")
+            if mask is not None:  # a [q_len, kv_len] mask is what context parallelism avoids materialising
+                raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} does not support an explicit "
+                                 "mask; express it as segment ids, a window_size, or a bias of -inf")
             out = ops.context_parallel_attention(
                 query.astype(compute_dtype), key.astype(compute_dtype), value.astype(compute_dtype),
                 strategy=self.context_parallel, q_spec=nn.logical_to_mesh_axes(Q_AXES),
                 kv_spec=nn.logical_to_mesh_axes(KV_AXES), mask_type=self.attn_mask_type,
                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
                 logits_soft_cap=self.logits_soft_cap, load_balanced=self.context_parallel_load_balanced,
+                bias=bias, window_size=self.window_size, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             ).astype(self.dtype)
             return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         out = ops.attention(
