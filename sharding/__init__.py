@@ -28,6 +28,7 @@ from mtjax.sharding.pipeline import (
     GPipe,
     OneFOneB,
     Schedule,
+    Segment,
     Simulation,
     ZeroBubbleH1,
     pipeline_loss,
@@ -41,6 +42,6 @@ __all__ = [
     "reorder_causal_load_balancing",
     "LogicalRules", "logical_axis_rules",
     "init_sharded", "jit_sharded", "logical_shardings", "named_sharding", "shard_variables", "tree_shardings",
-    "Schedule", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",
+    "Schedule", "Segment", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",
     "SIMULATED_SCHEDULES", "Simulation", "simulate",
 ]

@@ -308,6 +308,10 @@ class MultiHeadAttention(nn.Module):
       kernel_init, bias_init: initializers of the projections.
       scale_attn_logits: scale logits by ``1 / sqrt(head_dim)`` (False: by 1, e.g. with ``scaled_query_init``).
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
+      collective_matmul: under sequence parallelism, the Q/K/V projections (column-parallel) and the
+        output projection (row-parallel) run with their all-gather / reduce-scatter decomposed into
+        ``ppermute`` steps overlapped with partial GEMMs (`DenseGeneral.collective_matmul`); not
+        while decoding, not with FP8.
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -338,6 +342,7 @@ class MultiHeadAttention(nn.Module):
     logits_soft_cap: float | None = None
     context_parallel: str | None = None
     context_parallel_load_balanced: bool = True
+    collective_matmul: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -378,7 +383,8 @@ class MultiHeadAttention(nn.Module):
                              + ("" if self_attention else f", inputs_kv {inputs_kv.shape}"))
         hidden = inputs_q.shape[-1]
         heads = self.num_attention_heads
-        dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype,
+                     collective_matmul=self.collective_matmul and not decode and paged_kv is None)
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma)
 

@@ -3,7 +3,9 @@ submodule (a plain dot normally, FP8 with its scaling state under `mtjax.fp8.fp8
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,6 +22,7 @@ from mtjax.flax.params import (
     flat_kernel_init,
     param_with_axes,
 )
+from mtjax.sharding.mesh import TP
 
 
 def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -29,20 +32,78 @@ def _input_axes(owner: str, axis: int | Sequence[int], ndim: int) -> tuple[int, 
     return tuple(sorted(a % ndim for a in axes))
 
 
+def sequence_parallel_batch_axes(owner: str, collective_matmul: bool, x: jax.Array) -> tuple[bool, Any]:
+    """``(True, the batch's mesh axes)`` when ``collective_matmul`` applies: the rules in force split
+    the residual stream ``[batch, length, embed]``'s length over ``tp`` (sequence parallelism, ``x``
+    3-D); else ``(False, None)`` and the plain GEMM runs.
+
+    Raises:
+      ValueError: it applies under `mtjax.fp8.fp8_autocast` (the decomposed GEMMs are not FP8).
+    """
+    if not collective_matmul or x.ndim < 3:
+        return False, None
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = nn.logical_to_mesh_axes(axes.BATCH_LENGTH_EMBED)
+    if mesh.empty or TP not in mesh.axis_names or dict(zip(mesh.axis_names, mesh.axis_sizes))[TP] == 1 or \
+            spec[1] != TP:
+        return False, None
+    if fp8.current_autocast() is not None:
+        raise ValueError(f"{owner}: collective_matmul=True does not support FP8 (fp8_autocast)")
+    return True, spec[0]
+
+
+def _collective_project(owner: str, x: jax.Array, kernel: jax.Array, axes_in: tuple[int, ...],
+                        kernel_axes: AxisNames, batch_axes: Any) -> jax.Array:
+    """`mtjax.ops.sequence_parallel_matmul` of ``x`` and ``kernel``: column-parallel (the all-gather
+    decomposed) when an output axis of the kernel holds ``tp``, row-parallel (the reduce-scatter
+    decomposed) when its first input axis does."""
+    mesh_axes = tuple(nn.logical_to_mesh_axes(kernel_axes)) if kernel_axes else ()
+    on_tp = [i for i, a in enumerate(mesh_axes) if a == TP or (isinstance(a, tuple) and TP in a)]
+    n_in = len(axes_in)
+    if len(on_tp) != 1 or axes_in != tuple(range(x.ndim - n_in, x.ndim)) or x.ndim - n_in != 2:
+        raise ValueError(f"{owner}: collective_matmul=True needs [batch, length, ...] inputs contracted over their "
+                         f"last axes and a kernel with one axis on tp; got inputs {x.shape}, axis {axes_in}, kernel "
+                         f"axes {kernel_axes} -> {mesh_axes}")
+    if on_tp[0] >= n_in:  # column-parallel: [b, s / tp, in] x [in, ..., tp-split, ...]
+        if n_in != 1:
+            raise ValueError(f"{owner}: collective_matmul=True with a column-parallel kernel contracts one axis; "
+                             f"got {axes_in}")
+        return ops.sequence_parallel_matmul(x, kernel, kind="all_gather", batch_axes=batch_axes,
+                                            w_split_axis=on_tp[0])
+    if on_tp[0] != 0:
+        raise ValueError(f"{owner}: collective_matmul=True with a row-parallel kernel needs its first axis on tp; "
+                         f"got kernel axes {kernel_axes} -> {mesh_axes}")
+    # Row-parallel: [b, s, (heads on tp) x ...] flattened to [b, s, in] against [in, out].
+    b, s = x.shape[:2]
+    out_shape = kernel.shape[n_in:]
+    y = ops.sequence_parallel_matmul(x.reshape(b, s, -1), kernel.reshape(math.prod(kernel.shape[:n_in]), -1),
+                                     kind="reduce_scatter", batch_axes=batch_axes)
+    return y.reshape(*y.shape[:2], *out_shape)
+
+
 def project(module: nn.Module, x: jax.Array, *, features: int | Sequence[int], axis: int | Sequence[int],
             kernel_init: Initializer, kernel_axes: AxisNames, use_bias: bool, bias_init: Initializer,
-            bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype, lhs_norm: ops.Norm | None = None) -> jax.Array:
+            bias_axes: AxisNames, dtype: Dtype, param_dtype: Dtype, lhs_norm: ops.Norm | None = None,
+            collective_matmul: bool = False) -> jax.Array:
     """Creates ``kernel [*x.shape[axis], *features]`` (and ``bias [*features]``) and the ``dot_general``
     submodule in ``module`` and returns ``x`` contracted over ``axis``: ``[*other axes of x, *features]``
     in ``dtype``; ``lhs_norm`` normalizes ``x`` inside the GEMM (``axis`` must be the last axis).
+    ``collective_matmul``: under sequence parallelism, the GEMM and its all-gather or reduce-scatter
+    as `_collective_project` (``lhs_norm`` then runs on its own first).
     Called from the compact ``__call__`` of `DenseGeneral` and `LayerNormDenseGeneral`."""
     owner = type(module).__name__
     features = canonical_tuple(features)
-    axes = _input_axes(owner, axis, x.ndim)
-    in_shape = tuple(x.shape[a] for a in axes)
+    axes_in = _input_axes(owner, axis, x.ndim)
+    in_shape = tuple(x.shape[a] for a in axes_in)
     kernel = param_with_axes(module, "kernel", flat_kernel_init(kernel_init, len(in_shape)),
                              in_shape + features, param_dtype, kernel_axes)
-    y = contract(fp8.DotGeneral(name="dot_general"), x.astype(dtype), kernel.astype(dtype), axes, lhs_norm)
+    collective, batch_axes = sequence_parallel_batch_axes(owner, collective_matmul, x)
+    if collective:
+        if lhs_norm is not None:
+            x = lhs_norm(x)
+        y = _collective_project(owner, x.astype(dtype), kernel.astype(dtype), axes_in, kernel_axes, batch_axes)
+    else:
+        y = contract(fp8.DotGeneral(name="dot_general"), x.astype(dtype), kernel.astype(dtype), axes_in, lhs_norm)
     if use_bias:
         bias = param_with_axes(module, "bias", bias_init, features, param_dtype, bias_axes)
         y = y + bias.astype(dtype)
@@ -60,6 +121,12 @@ class DenseGeneral(nn.Module):
       bias_init: initializer of the bias.
       kernel_axes: logical axis names of ``kernel [*in, *features]`` (empty: none).
       bias_axes: logical axis names of ``bias``.
+      collective_matmul: under sequence parallelism (the rules split the residual stream's length
+        over ``tp``), run the GEMM with its collective decomposed into ``ppermute`` steps
+        (`mtjax.ops.sequence_parallel_matmul`): the all-gather of a column-parallel kernel (an
+        output axis on ``tp``, inputs ``[batch, length / tp, in]``) or the reduce-scatter of a
+        row-parallel one (its first input axis on ``tp``; the output comes back with its length on
+        ``tp``). Elsewhere the plain GEMM runs. Not with FP8.
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -71,6 +138,7 @@ class DenseGeneral(nn.Module):
     bias_init: Initializer = nn.initializers.zeros
     kernel_axes: AxisNames = ()
     bias_axes: AxisNames = ()
+    collective_matmul: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -79,7 +147,7 @@ class DenseGeneral(nn.Module):
         return project(
             self, inputs, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
             kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,
-            dtype=self.dtype, param_dtype=self.param_dtype,
+            dtype=self.dtype, param_dtype=self.param_dtype, collective_matmul=self.collective_matmul,
         )
 
 
@@ -105,6 +173,7 @@ class LayerNormDenseGeneral(nn.Module):
       layernorm_type, epsilon, zero_centered_gamma, scale_init, scale_axes, ln_bias_init, ln_bias_axes:
         as `LayerNorm` (its ``bias_*`` are ``ln_bias_*`` here).
       return_layernorm_output: also return the normalized input.
+      collective_matmul: as `DenseGeneral` (the norm runs on its own first).
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -125,6 +194,7 @@ class LayerNormDenseGeneral(nn.Module):
     bias_axes: AxisNames = ()
     return_layernorm_output: bool = False
     axis: int | Sequence[int] = -1
+    collective_matmul: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -138,7 +208,7 @@ class LayerNormDenseGeneral(nn.Module):
         y = project(
             self, x, features=self.features, axis=self.axis, kernel_init=self.kernel_init,
             kernel_axes=self.kernel_axes, use_bias=self.use_bias, bias_init=self.bias_init, bias_axes=self.bias_axes,
-            dtype=self.dtype, param_dtype=self.param_dtype, lhs_norm=norm,
+            dtype=self.dtype, param_dtype=self.param_dtype, lhs_norm=norm, collective_matmul=self.collective_matmul,
         )
         ln_out = x if self.return_layernorm_output else None
         return (y, ln_out) if residual is None else (y, ln_out, new_residual)

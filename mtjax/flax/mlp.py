@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import axes, fp8, ops
+from mtjax.flax.dense import sequence_parallel_batch_axes
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
-from mtjax.sharding.mesh import TP
 
 MLP_HIDDEN_AXES: AxisNames = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_MLP)
 # fc1's output [batch, length, num_activations, mlp]: the pair axis of a gated activation stays whole
@@ -82,19 +82,6 @@ class LayerNormMLP(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
-    def _sequence_parallel_batch_axes(self, inputs: jax.Array):
-        """``(True, batch mesh axes)`` when `collective_matmul` applies to ``inputs``, else ``(False, None)``."""
-        if not self.collective_matmul or inputs.ndim != 3:
-            return False, None
-        mesh = jax.sharding.get_abstract_mesh()
-        spec = nn.logical_to_mesh_axes(axes.BATCH_LENGTH_EMBED)
-        if mesh.empty or TP not in mesh.axis_names or dict(zip(mesh.axis_names, mesh.axis_sizes))[TP] == 1 or \
-                spec[1] != TP:
-            return False, None
-        if fp8.current_autocast() is not None:
-            raise ValueError("LayerNormMLP: collective_matmul=True does not support FP8 (fp8_autocast)")
-        return True, spec[0]
-
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False, residual: jax.Array | None = None,
                  ) -> tuple[jax.Array, ...]:
@@ -104,7 +91,7 @@ class LayerNormMLP(nn.Module):
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
         hidden = inputs.shape[-1]
         # fc1 applies the norm unless the normalized input is returned too (or a residual is added first).
-        collective, batch_axes = self._sequence_parallel_batch_axes(inputs)
+        collective, batch_axes = sequence_parallel_batch_axes("LayerNormMLP", self.collective_matmul, inputs)
         x, norm, new_residual = input_norm(self, inputs.astype(self.dtype), residual,
                                            apply_now=self.return_layernorm_output or collective)
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),
