@@ -146,15 +146,41 @@ class Timeline:
     def num_ticks(self) -> int:
         return self.f_mb.shape[0]
 
-    def segments(self) -> list[Segment]:
-        """The ticks cut into runs with the same kinds of action (F, B, W) anywhere in each tick."""
-        kinds = np.stack([(self.f_mb >= 0).any(1), (self.b_mb >= 0).any(1), (self.w_mb >= 0).any(1)], 1)
+    def segments(self, merge_ticks: int = 2) -> list[Segment]:
+        """The ticks cut into runs with the same kinds of action (F, B, W) anywhere in each tick.
+
+        A run of at most ``merge_ticks`` ticks whose kinds a neighbouring run also has joins it (its
+        devices then compute the missing kinds on placeholders for those ticks): every loop is one
+        more compiled copy of the stages, and DualPipeV's steady state holds lone F ticks.
+        """
+        kinds = [frozenset(k for k, present in zip("FBW", flags) if present) for flags in
+                 zip((self.f_mb >= 0).any(1), (self.b_mb >= 0).any(1), (self.w_mb >= 0).any(1))]
+        runs: list[list[Any]] = []  # [kinds, start, stop]
+        for t, k in enumerate(kinds):
+            if runs and runs[-1][0] == k:
+                runs[-1][2] = t + 1
+            else:
+                runs.append([k, t, t + 1])
+        merged = True
+        while merged:
+            merged = False
+            for i, (k, start, stop) in enumerate(runs):
+                neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(runs) and k <= runs[j][0]]
+                if stop - start <= merge_ticks and neighbours:
+                    j = max(neighbours, key=lambda j: runs[j][2] - runs[j][1])
+                    runs[j] = [runs[j][0], min(start, runs[j][1]), max(stop, runs[j][2])]
+                    del runs[i]
+                    merged = True
+                    break
+            for i in range(len(runs) - 1, 0, -1):  # neighbours left with the same kinds become one run
+                if runs[i][0] == runs[i - 1][0]:
+                    runs[i - 1][2] = runs[i][2]
+                    del runs[i]
         losses = self.f_loss.any(1)
-        cuts = [0] + [t for t in range(1, len(kinds)) if (kinds[t] != kinds[t - 1]).any()] + [len(kinds)]
         result = []
-        for start, stop in zip(cuts[:-1], cuts[1:]):
+        for k, start, stop in runs:
             loss = losses[start:stop]
-            result.append(Segment(start, stop, *map(bool, kinds[start]),
+            result.append(Segment(start, stop, "F" in k, "B" in k, "W" in k,
                                   loss="always" if loss.all() else "sometimes" if loss.any() else "never"))
         return result
 
