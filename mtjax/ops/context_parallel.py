@@ -533,53 +533,6 @@ def _attention_bwd(cfg: _Config, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _per_shard(strategy: str, query, key, value, *, axis_name: str, mask_type: str, q_segment_ids, kv_segment_ids,
-               scale: float | None, logits_soft_cap: float | None, load_balanced: bool, implementation: str | None,
-               bias=None, window_size=None, dropout_rate: float = 0.0, dropout_rng=None,
-               batch_axes: tuple[str, ...] = (), head_axes: tuple[str, ...] = ()) -> jax.Array:
-    op = f"{strategy}_attention"
-    check_choice(op, "mask_type", mask_type, CONTEXT_PARALLEL_MASK_TYPES)
-    if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape[:3] + key.shape[3:]:
-        raise ValueError(f"{op}: query {query.shape}, key {key.shape}, value {value.shape}; expected BTNH arrays")
-    if query.shape[1] != key.shape[1]:
-        raise ValueError(f"{op}: query and key shards must have the same length (self-attention over one sequence); "
-                         f"got {query.shape[1]} and {key.shape[1]}")
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError(f"{op}: pass q_segment_ids and kv_segment_ids together")
-    if mask_type in ("padding", "padding_causal") and q_segment_ids is None:
-        raise ValueError(f"{op}: mask_type={mask_type!r} needs q/kv_segment_ids")
-    causal = mask_type in ("causal", "padding_causal")
-    if causal and load_balanced and query.shape[1] % 2:
-        raise ValueError(f"{op}: load_balanced=True needs an even shard length (two chunks); got {query.shape[1]}")
-    b, t, h, _ = query.shape
-    if bias is not None:
-        columns = t * lax.axis_size(axis_name)
-        if (jnp.ndim(bias) != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h)
-                or bias.shape[2:] != (t, columns)):
-            raise ValueError(f"{op}: bias has shape {jnp.shape(bias)}; expected this shard's rows of the whole "
-                             f"sequence's bias, [{b}|1, {h}|1, {t}, {columns}]")
-        if not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"{op}: bias must be a float array; got {bias.dtype}")
-    if window_size is not None:
-        window_size = tuple(int(w) for w in window_size)
-        if len(window_size) != 2 or min(window_size) < -1:
-            raise ValueError(f"{op}: window_size={window_size}; expected (left, right) with -1 for unbounded")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"{op}: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
-    if dropout_rate > 0.0 and dropout_rng is None:
-        raise ValueError(f"{op}: dropout_rate={dropout_rate} needs dropout_rng")
-    cfg = _Config(axis_name=axis_name, strategy=strategy, causal=causal, load_balanced=bool(load_balanced),
-                  scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
-                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                  implementation=implementation, window_size=window_size, dropout_rate=float(dropout_rate),
-                  has_bias=bias is not None, batch_axes=tuple(batch_axes), head_axes=tuple(head_axes))
-    if cfg.positional and implementation not in (None, backend.REFERENCE):
-        raise ValueError(f"{op}: implementation={implementation!r}: with a window, dropout or a bias every block runs "
-                         f"the XLA reference (implementation=None or {backend.REFERENCE!r})")
-    seed = jax.random.bits(dropout_rng, (), jnp.uint32) if dropout_rate > 0.0 else None
-    return _attention(query, key, value, q_segment_ids, kv_segment_ids, bias, seed, cfg)
-
-
 _PER_SHARD_ARGS = """
     Args:
       query, key, value: this device's shards ``[batch, shard_len, heads | kv_heads, head_dim]``
@@ -606,42 +559,69 @@ _PER_SHARD_ARGS = """
 """
 
 
-def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, axis_name: str = "cp",
-                   mask_type: str = "causal", q_segment_ids: jax.Array | None = None,
-                   kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-                   logits_soft_cap: float | None = None, load_balanced: bool = True,
-                   implementation: str | None = None, bias: jax.Array | None = None,
-                   window_size: tuple[int, int] | None = None, dropout_rate: float = 0.0,
-                   dropout_rng: jax.Array | None = None, batch_axes: tuple[str, ...] = (),
-                   head_axes: tuple[str, ...] = ()) -> jax.Array:
-    return _per_shard("ring", query, key, value, axis_name=axis_name, mask_type=mask_type,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                      logits_soft_cap=logits_soft_cap, load_balanced=load_balanced, implementation=implementation,
-                      bias=bias, window_size=window_size, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                      batch_axes=batch_axes, head_axes=head_axes)
+def _per_shard_function(strategy: str, summary: str) -> Callable[..., jax.Array]:
+    """The per-shard attention of ``strategy`` (`ring_attention`, `all_gather_attention`)."""
+
+    def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, axis_name: str = "cp",
+                  mask_type: str = "causal", q_segment_ids: jax.Array | None = None,
+                  kv_segment_ids: jax.Array | None = None, scale: float | None = None,
+                  logits_soft_cap: float | None = None, load_balanced: bool = True,
+                  implementation: str | None = None, bias: jax.Array | None = None,
+                  window_size: tuple[int, int] | None = None, dropout_rate: float = 0.0,
+                  dropout_rng: jax.Array | None = None, batch_axes: tuple[str, ...] = (),
+                  head_axes: tuple[str, ...] = ()) -> jax.Array:
+        op = f"{strategy}_attention"
+        check_choice(op, "mask_type", mask_type, CONTEXT_PARALLEL_MASK_TYPES)
+        if query.ndim != 4 or key.ndim != 4 or key.shape != value.shape[:3] + key.shape[3:]:
+            raise ValueError(f"{op}: query {query.shape}, key {key.shape}, value {value.shape}; expected BTNH arrays")
+        if query.shape[1] != key.shape[1]:
+            raise ValueError(f"{op}: query and key shards must have the same length (self-attention over one "
+                             f"sequence); got {query.shape[1]} and {key.shape[1]}")
+        if (q_segment_ids is None) != (kv_segment_ids is None):
+            raise ValueError(f"{op}: pass q_segment_ids and kv_segment_ids together")
+        if mask_type in ("padding", "padding_causal") and q_segment_ids is None:
+            raise ValueError(f"{op}: mask_type={mask_type!r} needs q/kv_segment_ids")
+        causal = mask_type in ("causal", "padding_causal")
+        if causal and load_balanced and query.shape[1] % 2:
+            raise ValueError(f"{op}: load_balanced=True needs an even shard length (two chunks); got {query.shape[1]}")
+        b, t, h, _ = query.shape
+        if bias is not None:
+            columns = t * lax.axis_size(axis_name)
+            if (jnp.ndim(bias) != 4 or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h)
+                    or bias.shape[2:] != (t, columns)):
+                raise ValueError(f"{op}: bias has shape {jnp.shape(bias)}; expected this shard's rows of the whole "
+                                 f"sequence's bias, [{b}|1, {h}|1, {t}, {columns}]")
+            if not jnp.issubdtype(bias.dtype, jnp.floating):
+                raise TypeError(f"{op}: bias must be a float array; got {bias.dtype}")
+        if window_size is not None:
+            window_size = tuple(int(w) for w in window_size)
+            if len(window_size) != 2 or min(window_size) < -1:
+                raise ValueError(f"{op}: window_size={window_size}; expected (left, right) with -1 for unbounded")
+        if not 0.0 <= dropout_rate < 1.0:
+            raise ValueError(f"{op}: dropout_rate={dropout_rate}; expected 0 <= dropout_rate < 1")
+        if dropout_rate > 0.0 and dropout_rng is None:
+            raise ValueError(f"{op}: dropout_rate={dropout_rate} needs dropout_rng")
+        cfg = _Config(axis_name=axis_name, strategy=strategy, causal=causal, load_balanced=bool(load_balanced),
+                      scale=float(query.shape[-1] ** -0.5 if scale is None else scale),
+                      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                      implementation=implementation, window_size=window_size, dropout_rate=float(dropout_rate),
+                      has_bias=bias is not None, batch_axes=tuple(batch_axes), head_axes=tuple(head_axes))
+        if cfg.positional and implementation not in (None, backend.REFERENCE):
+            raise ValueError(f"{op}: implementation={implementation!r}: with a window, dropout or a bias every block "
+                             f"runs the XLA reference (implementation=None or {backend.REFERENCE!r})")
+        seed = jax.random.bits(dropout_rng, (), jnp.uint32) if dropout_rate > 0.0 else None
+        return _attention(query, key, value, q_segment_ids, kv_segment_ids, bias, seed, cfg)
+
+    attention.__name__ = attention.__qualname__ = f"{strategy}_attention"
+    attention.__doc__ = summary + "\n" + _PER_SHARD_ARGS
+    return attention
 
 
-ring_attention.__doc__ = ("Ring attention of this device's sequence shard (call inside ``shard_map``, "
-                          "``axis_name`` manual).\n" + _PER_SHARD_ARGS)
-
-
-def all_gather_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, axis_name: str = "cp",
-                         mask_type: str = "causal", q_segment_ids: jax.Array | None = None,
-                         kv_segment_ids: jax.Array | None = None, scale: float | None = None,
-                         logits_soft_cap: float | None = None, load_balanced: bool = True,
-                         implementation: str | None = None, bias: jax.Array | None = None,
-                         window_size: tuple[int, int] | None = None, dropout_rate: float = 0.0,
-                         dropout_rng: jax.Array | None = None, batch_axes: tuple[str, ...] = (),
-                         head_axes: tuple[str, ...] = ()) -> jax.Array:
-    return _per_shard("all_gather", query, key, value, axis_name=axis_name, mask_type=mask_type,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                      logits_soft_cap=logits_soft_cap, load_balanced=load_balanced, implementation=implementation,
-                      bias=bias, window_size=window_size, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                      batch_axes=batch_axes, head_axes=head_axes)
-
-
-all_gather_attention.__doc__ = ("As `ring_attention`, with the key/value shards all-gathered once (gradients "
-                                "reduce-scattered).\n" + _PER_SHARD_ARGS)
+ring_attention = _per_shard_function(
+    "ring", "Ring attention of this device's sequence shard (call inside ``shard_map``, ``axis_name`` manual).")
+all_gather_attention = _per_shard_function(
+    "all_gather", "As `ring_attention`, with the key/value shards all-gathered once (gradients reduce-scattered).")
+_PER_SHARD_ATTENTION = {"ring": ring_attention, "all_gather": all_gather_attention}
 
 
 def _spec_axes(entry) -> tuple[str, ...]:
@@ -689,7 +669,7 @@ def context_parallel_attention(query: jax.Array, key: jax.Array, value: jax.Arra
     # are replicated over the axes the specs leave out.
     mesh = get_abstract_mesh()
     manual = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Manual}
-    fn = functools.partial(_per_shard, strategy, axis_name=axis_name, mask_type=mask_type, scale=scale,
+    fn = functools.partial(_PER_SHARD_ATTENTION[strategy], axis_name=axis_name, mask_type=mask_type, scale=scale,
                            logits_soft_cap=logits_soft_cap, load_balanced=load_balanced, implementation=implementation,
                            window_size=window_size, dropout_rate=dropout_rate,
                            batch_axes=_spec_axes(q_spec[0]), head_axes=_spec_axes(q_spec[2]))
