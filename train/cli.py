@@ -312,6 +312,20 @@ class _MetricsLog:
         return True
 
 
+def _collective_failure(err: BaseException) -> BaseException | None:
+    """The `jax.errors.JaxRuntimeError` that ``err`` is or was raised from (a failed collective
+    or computation), or None."""
+    import jax
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _fail(message: str, status: int = 2) -> int:
     print(f"mtjax train: error: {message}", file=sys.stderr, flush=True)
     return status
@@ -628,7 +642,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
                        "--warmup-steps, or pass --on-nonfinite skip to skip such steps)")
 
     if peers is not None:
-        peers.on_lost = lambda reason: _fail(f"step {step + 1} stopped on process {jax.process_index()}: {reason}; "
+        peers.on_lost = lambda reason: _fail(f"process {jax.process_index()} stopped after step {step}: {reason}; "
                                              f"{last_good_text()}", 1)
     progress = tqdm(total=run_config.steps, initial=step, disable=args.no_progress or not is_main, unit="step",
                     dynamic_ncols=True)
@@ -679,19 +693,21 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
         if pending is not None:
             check(*pending)
             pending = None
-    except (Diverged, CheckpointError, NonFiniteStateError, MetricsWriteError) as err:
+    except (Diverged, CheckpointError, NonFiniteStateError, MetricsWriteError, jax.errors.JaxRuntimeError) as err:
+        collective = _collective_failure(err)
+        if collective is not None and jax.process_count() > 1:
+            # A collective failed (in the step, or in a save's synchronisation): a peer died or hangs.
+            # Waiting for saves or jax's shutdown barrier would hang on it or abort in C++, so say why
+            # and leave at once (the last complete checkpoint stays).
+            _fail(f"process {jax.process_index()} stopped after step {step}: a peer process died or became "
+                  f"unreachable ({str(collective).splitlines()[0][:300]}); {last_good_text()}", 1)
+            peers.fail(f"a collective failed on it after step {step}")
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            raise
         status, failure = 1, str(err)
         if isinstance(err, CheckpointError):
             # The failed write's abandoned asyncio tasks would print the same error again at exit.
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    except jax.errors.JaxRuntimeError as err:
-        if jax.process_count() == 1:
-            raise
-        # A collective failed: a peer died or hangs. Waiting for saves or jax's shutdown barrier would
-        # hang on it or abort in C++, so say why and leave at once (the last complete checkpoint stays).
-        _fail(f"step {step + 1} failed on process {jax.process_index()}: a peer process died or became "
-              f"unreachable ({str(err).splitlines()[0][:300]}); {last_good_text()}", 1)
-        peers.fail(f"a collective failed on it at step {step + 1}")
     finally:
         progress.close()
         for close in (checkpointer.close, log.close):

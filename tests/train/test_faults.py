@@ -5,6 +5,7 @@ that the message names the problem (step, folder, OS error) in one line, without
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -374,21 +375,13 @@ def _two_processes(corpus, workdir, *flags):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_dead_peer_ends_the_other_process_with_a_clear_message(corpus, tmp_path):
-    """Issue 27 defect 8: the survivor aborted in C++ (jax's coordination service) instead."""
-    workers = _two_processes(corpus, tmp_path / "run", "--steps", "2", "--save-every", "2")
-    try:  # a run that ends normally ends normally on both (the peer watch lets them go)
-        errs = [w.communicate(timeout=300)[1] for w in workers]
-    finally:
-        for w in workers:
-            w.kill()
-    assert [w.returncode for w in workers] == [0, 0], errs[1][-3000:]
-    path = tmp_path / "run" / "metrics.jsonl"
-    lines = path.read_text().count("\n")
-    workers = _two_processes(corpus, tmp_path / "run", "--resume", "--override", "--steps", "100000",
-                             "--save-every", "0")
+    """Issue 27 defect 8: the survivor aborted in C++ (jax's coordination service) instead.
+    (A normal two-process finish with the peer watch: tests/train/test_distributed.py.)"""
+    workers = _two_processes(corpus, tmp_path / "run", "--steps", "100000", "--save-every", "2")
     try:
+        path, checkpoint = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "checkpoints" / "2"
         deadline = time.monotonic() + 300
-        while path.read_text().count("\n") < lines + 3 and time.monotonic() < deadline:
+        while not (checkpoint.exists() and path.read_text().count("\n") >= 3) and time.monotonic() < deadline:
             assert all(w.poll() is None for w in workers), workers[0].stderr.read()[-3000:]
             time.sleep(0.1)
         workers[1].kill()
@@ -399,7 +392,7 @@ def test_a_dead_peer_ends_the_other_process_with_a_clear_message(corpus, tmp_pat
         for w in workers:
             w.kill()
     assert workers[0].returncode == 1, err[-3000:]
-    assert "died or became unreachable" in err and "the last good checkpoint is step 2" in err
+    assert "died or became unreachable" in err and re.search(r"the last good checkpoint is step \d*[02468] in ", err)
     assert "Check failure" not in err and "Traceback" not in err
 
 
