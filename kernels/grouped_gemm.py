@@ -111,17 +111,20 @@ class BlockSizes:
         Forward and ``d lhs``: 128 x 256 output tiles on 8 warps with 3 stages (the Triton matmul
         tutorial's best Hopper configuration), 128-column tiles where the output width is a multiple
         of 128 but not of 256 (no half-empty last tile); FP8 doubles ``block_k`` (same bytes per
-        stage). Groups of fewer than 128 rows on average (decoding, many small experts) get
-        ``block_m`` of the power of two covering the mean group (at least 16), so boundary tiles
-        waste fewer rows. The weight gradient: 128 x 128 output tiles, 64 rows per step.
+        stage) and takes 128-column tiles (room in registers for the promoted accumulator). Groups
+        of fewer than 128 rows on average (decoding, many small experts) get ``block_m`` of the
+        power of two covering the mean group (at least 16), so boundary tiles waste fewer rows.
+        The weight gradient: 128 x 128 output tiles, 64 rows per step.
         """
         mean_rows = m // max(num_groups, 1)
         block_m = 128 if mean_rows >= 128 else max(MIN_BLOCK, pl.next_power_of_2(max(mean_rows, 1)))
 
+        fp8 = jnp.dtype(dtype) in [jnp.dtype(d) for d in FP8_DTYPES]
+
         def tiles(width: int) -> GemmTiles:
-            block_n = 128 if width % 256 and not width % 128 else 256
-            block_k = 128 if jnp.dtype(dtype) in [jnp.dtype(d) for d in FP8_DTYPES] else 64
-            return GemmTiles(block_m=block_m, block_n=block_n, block_k=block_k)
+            # FP8 keeps a second (promoted) accumulator in registers beside the MMA's: 128-wide tiles.
+            block_n = 128 if fp8 or (width % 256 and not width % 128) else 256
+            return GemmTiles(block_m=block_m, block_n=block_n, block_k=128 if fp8 else 64)
 
         return cls(forward=tiles(n), dlhs=tiles(k))
 
@@ -182,13 +185,21 @@ def _check_group_scale(fn: str, group_scale, num_groups: int) -> None:
         raise ValueError(f"{fn}: group_scale has shape {group_scale.shape}; expected ({num_groups},)")
 
 
-def _accumulate(a, b, acc, *, contract_lhs: int, contract_rhs: int):
+def _accumulate(a, b, acc, *, contract_lhs: int, contract_rhs: int, scale=None):
+    """``acc + dot(a, b) [* scale]``, the product in float32.
+
+    With a ``scale`` (FP8 operands) each K step's product is scaled and added to ``acc`` outside the
+    tensor core ("promotion", as DeepGEMM does): Hopper's FP8 MMA accumulates with fewer mantissa bits
+    than float32, and over thousands of K elements its own accumulator drifts by percents. The
+    multiplication also keeps Triton from folding the addition back into the MMA's accumulator.
+    """
     if a.dtype != b.dtype:
         # Two FP8 formats (E5M2 gradients against E4M3 weights): Pallas's Triton dot takes one
         # element type, so both operands go to bfloat16, which holds every E4M3 and E5M2 value exactly.
         a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     dims = (((contract_lhs,), (contract_rhs,)), ((), ()))
-    return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    product = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return acc + (product if scale is None else product * scale)
 
 
 def _masked_load(ref, mask):
@@ -299,6 +310,9 @@ def _gmm_tile(pid, group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, scale_
 
     @pl.when(lo < hi)
     def _():
+        # The pseudo-group past the last group has zero rows whatever scale they get.
+        scale = None if scale_ref is None else scale_ref[jnp.minimum(group, jnp.int32(st.num_groups - 1))]
+
         def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
             k_mask = (k0 + k_cols < st.k) if st.k % bk else None
@@ -310,17 +324,15 @@ def _gmm_tile(pid, group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, scale_
                                  None if k_mask is None else k_mask[None, :])
                 b = _masked_load(rhs_ref.at[group, pl.ds(n0, bn), pl.ds(k0, bk)],
                                  None if rhs_mask is None else jnp.broadcast_to(rhs_mask, (bn, bk)))
-                return _accumulate(a, b, acc, contract_lhs=1, contract_rhs=1)
+                return _accumulate(a, b, acc, contract_lhs=1, contract_rhs=1, scale=scale)
             rhs_mask = _conj(None if k_mask is None else k_mask[:, None], col_mask)
             b = _masked_load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(n0, bn)],
                              None if rhs_mask is None else jnp.broadcast_to(rhs_mask, (bk, bn)))
-            return _accumulate(a, b, acc, contract_lhs=1, contract_rhs=0)
+            return _accumulate(a, b, acc, contract_lhs=1, contract_rhs=0, scale=scale)
 
         # The pseudo-group past the last group runs no iteration: its rows are zeros.
         steps = jnp.where(group < st.num_groups, jnp.int32(pl.cdiv(st.k, bk)), jnp.int32(0))
         acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-        if scale_ref is not None:  # the pseudo-group's rows are zeros whatever scale they get
-            acc = acc * scale_ref[jnp.minimum(group, jnp.int32(st.num_groups - 1))]
         store_mask = _conj((rows >= lo)[:, None] & (rows < hi)[:, None], col_mask)
         pltriton.store(out_ref.at[pl.ds(row0, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
                        mask=jnp.broadcast_to(store_mask, (bm, bn)))
@@ -393,6 +405,7 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, *refs, st: _TgmmStatic):
     k_mask = (k0 + jnp.arange(bk) < st.k)[None, :] if st.k % bk else None
     n_mask = (n0 + jnp.arange(bn) < st.n)[None, :] if st.n % bn else None
     row_ids = jnp.arange(bm)
+    scale = None if scale_ref is None else scale_ref[g]
 
     def body(i, acc):
         m0 = start + i * bm
@@ -401,11 +414,9 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dy_ref, *refs, st: _TgmmStatic):
                           mask=jnp.broadcast_to(_conj(rows, k_mask), (bm, bk)), other=0.0)
         b = pltriton.load(dy_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)],
                           mask=jnp.broadcast_to(_conj(rows, n_mask), (bm, bn)), other=0.0)
-        return _accumulate(a, b, acc, contract_lhs=0, contract_rhs=0)
+        return _accumulate(a, b, acc, contract_lhs=0, contract_rhs=0, scale=scale)
 
     acc = lax.fori_loop(0, _cdiv(end - start, bm), body, jnp.zeros((bk, bn), jnp.float32))
-    if scale_ref is not None:
-        acc = acc * scale_ref[g]
     out_mask = _conj(None if k_mask is None else k_mask.T, n_mask)
     out = out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)]
     if out_mask is None:
@@ -426,7 +437,8 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
       tiles: default ``BlockSizes().wgrad``, clamped to the shapes.
       interpret: run in Pallas interpret mode.
     """
-    _check("tgmm", lhs, jax.ShapeDtypeStruct((1, dy.shape[-1], dy.shape[0]), dy.dtype))
+    # The arrays the kernel indexes: lhs [M, K], dy [M, N] and the output [G, K, N].
+    _check("tgmm", lhs, jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[-1], dy.shape[-1]), dy.dtype))
     m, k = lhs.shape
     if dy.ndim != 2 or dy.shape[0] != m:
         raise ValueError(f"tgmm: lhs {lhs.shape} and dy {dy.shape} must share M")

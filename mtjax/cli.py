@@ -1,4 +1,4 @@
-"""The ``mtjax`` command: ``mtjax info`` | ``mtjax train`` | ``mtjax generate`` | ``mtjax bench`` | ``mtjax serve``.
+"""The ``mtjax`` command: ``mtjax info`` | ``train`` | ``generate`` | ``bench`` | ``serve`` | ``convert``.
 
 Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``.
 """
@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("mtjax.generate", "continue prompts from a checkpoint (the inference engine)"),
     "bench": ("mtjax.bench.cli", "time fused ops and train steps against XLA/Flax peers"),
     "serve": ("mtjax.serve", "serve a checkpoint over HTTP (OpenAI-compatible /v1/completions)"),
+    "convert": ("mtjax.convert", "Hugging Face model folders to mtjax checkpoints and back"),
 }
 
 

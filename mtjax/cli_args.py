@@ -5,47 +5,28 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(name: str, parse: Callable[[str], float], accept: Callable[[float], bool],
+             expected: str) -> Callable[[str], float]:
+    """An argparse type: ``parse(text)`` if it parses and ``accept`` takes it, else an error saying ``expected``."""
+
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = f"{expected[0].upper()}{expected[1:]}."
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+positive_int = _checked("positive_int", int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _checked("non_negative_int", int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _checked("positive_float", float, lambda v: 0 < v < math.inf, "a positive number")
+non_negative_float = _checked("non_negative_float", float, lambda v: 0 <= v < math.inf, "a finite number >= 0")

@@ -1,10 +1,13 @@
-"""``mtjax generate``: continue prompts with a model trained by ``mtjax train``, on `mtjax.inference.Engine`.
+"""``mtjax generate``: continue prompts with a model trained by ``mtjax train``, converted by ``mtjax convert``
+or read from a Hugging Face model folder, on `mtjax.inference.Engine`.
 
     mtjax generate --checkpoint runs/tiny --prompt "def main(" --max-new-tokens 200
     mtjax generate --checkpoint runs/tiny --prompt "def a(" --prompt "class B" --temperature 0.8 --top-p 0.95
+    mtjax generate --checkpoint Qwen3-0.6B --prompt "The capital of France is" --temperature 0
 
-The checkpoint's meta names the model preset and tokenizer, so nothing else is needed. Several
-``--prompt`` run as one batch; each continuation is printed after its prompt.
+A checkpoint's meta names the model and tokenizer, a Hugging Face folder holds both, so nothing else is
+needed (``--tokenizer`` overrides). Several ``--prompt`` run as one batch; each continuation is printed
+after its prompt.
 
 A command module on top of the layers: it joins `mtjax.train`'s checkpoints and tokenizers
 (`load_checkpoint`, also what ``mtjax serve`` loads) with `mtjax.inference`, which import neither.
@@ -13,7 +16,6 @@ A command module on top of the layers: it joins `mtjax.train`'s checkpoints and 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -22,7 +24,9 @@ from mtjax.cli_args import non_negative_int, positive_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
-                        help="the --workdir of a training run (or its checkpoints/ folder)")
+                        help="the --workdir of a training run (or its checkpoints/ folder), mtjax convert's output, "
+                             "or a Hugging Face model folder")
+    parser.add_argument("--tokenizer", help="a tokenizer spec or path (default: the checkpoint's)")
     parser.add_argument("--prompt", required=True, action="append", help="text to continue (repeat for a batch)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=100,
@@ -36,47 +40,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per cache page (default 16)")
 
 
-def load_checkpoint(checkpoint: str, step: int | None = None) -> tuple[Any, Any, Any]:
-    """``(model, params, tokenizer)`` of a ``mtjax train`` run (its --workdir or checkpoints/ folder).
+def load_checkpoint(checkpoint: str, step: int | None = None, tokenizer: str | None = None) -> tuple[Any, Any, Any]:
+    """``(model, params, tokenizer)`` of a ``mtjax train`` run (its --workdir or checkpoints/ folder), of
+    ``mtjax convert``'s output, or of a Hugging Face model folder; ``tokenizer``: a spec replacing the
+    one the checkpoint names.
 
     Raises:
       FileNotFoundError: no such folder, or no checkpoint in it.
-      ValueError: a damaged checkpoint, one without a run configuration, or NaN/Inf parameters.
+      ValueError: a damaged checkpoint, one without a model configuration or tokenizer, an unsupported
+        model, NaN/Inf parameters, or a tokenizer with more ids than the model's vocabulary.
     """
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
     from mtjax.models import GPT
-    from mtjax.train import Checkpointer, CheckpointError, load_tokenizer
-    from mtjax.train.cli import RunConfig
+    from mtjax.train import load_tokenizer
+    from mtjax.train.pretrained import open_pretrained
 
-    directory = checkpoint
-    if os.path.isdir(os.path.join(directory, "checkpoints")):
-        directory = os.path.join(directory, "checkpoints")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--checkpoint {checkpoint!r}: no such folder")
-    with Checkpointer(directory) as checkpointer:
-        try:
-            meta = checkpointer.restore_meta(step)
-            run_config = RunConfig(**meta["run"])
-        except CheckpointError as err:
-            raise ValueError(str(err)) from None
-        except (KeyError, TypeError):
-            raise ValueError(f"the checkpoint in {directory} holds no run configuration") from None
-        model = GPT(run_config.model_config())
-        tokenizer = load_tokenizer(run_config.tokenizer)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
-        abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                                       nn.meta.unbox(shapes["params"]))
-        try:
-            params = checkpointer.restore_params(abstract_params, step)
-        except CheckpointError as err:
-            raise ValueError(str(err)) from None
+    pretrained = open_pretrained(checkpoint, step)
+    spec = tokenizer or pretrained.tokenizer
+    if spec is None:
+        raise ValueError(f"{checkpoint} names no tokenizer; pass --tokenizer")
+    loaded_tokenizer = load_tokenizer(spec)
+    if loaded_tokenizer.vocab_size > pretrained.config.vocab_size:
+        raise ValueError(f"the tokenizer {spec} has {loaded_tokenizer.vocab_size} token ids, more than the model's "
+                         f"vocab_size={pretrained.config.vocab_size}")
+    params = pretrained.load_params()
     if not all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(params)):
-        raise ValueError(f"the checkpoint in {directory} holds NaN or Inf parameters")
-    return model, params, tokenizer
+        raise ValueError(f"the checkpoint in {checkpoint} holds NaN or Inf parameters")
+    return GPT(pretrained.config), params, loaded_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        model, params, tokenizer = load_checkpoint(args.checkpoint, args.step)
+        model, params, tokenizer = load_checkpoint(args.checkpoint, args.step, args.tokenizer)
     except (FileNotFoundError, ValueError) as err:
         return fail(err)
     prompts = [tokenizer.encode(text) for text in args.prompt]

@@ -1,4 +1,5 @@
-"""``mtjax serve``: serve a ``mtjax train`` checkpoint over HTTP (`mtjax.inference.server`).
+"""``mtjax serve``: serve a ``mtjax train`` or ``mtjax convert`` checkpoint, or a Hugging Face model folder, over
+HTTP (`mtjax.inference.server`).
 
     mtjax serve --checkpoint runs/tiny --port 8000 [--max-slots 16] [--weights fp8] [--kv-dtype fp8]
 
@@ -19,7 +20,9 @@ logger = logging.getLogger("mtjax.serve")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
-                        help="the --workdir of a `mtjax train` run (or its checkpoints/)")
+                        help="the --workdir of a `mtjax train` run (or its checkpoints/), mtjax convert's output, or "
+                             "a Hugging Face model folder")
+    parser.add_argument("--tokenizer", help="a tokenizer spec or path (default: the checkpoint's)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        model, params, tokenizer = load_checkpoint(args.checkpoint, args.step)
+        model, params, tokenizer = load_checkpoint(args.checkpoint, args.step, args.tokenizer)
         engine = Engine(model, params, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                         max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, weights=args.weights,
                         decode_steps=args.decode_steps)

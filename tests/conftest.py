@@ -8,11 +8,36 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
+import shutil
+import tempfile
+
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache for the whole run: its xdist workers and the processes the tests
+# start (the CLI, two-process runs) compile the same tiny models many times; a cache hit returns the
+# executable a compilation of the same program made, so no result changes. The first process to load
+# this file (the xdist controller) makes the folder and removes it at the end; workers and child
+# processes inherit it through JAX_COMPILATION_CACHE_DIR. MTJAX_TEST_COMPILATION_CACHE=0 turns it off.
+_created_cache = None
+if os.environ.get("MTJAX_TEST_COMPILATION_CACHE", "1") != "0":
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        _created_cache = tempfile.mkdtemp(prefix="mtjax-test-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _created_cache
+    for name, value in (("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"]),
+                        ("jax_persistent_cache_min_compile_time_secs", 0),
+                        ("jax_persistent_cache_min_entry_size_bytes", 0)):
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)
+
+
+def pytest_sessionfinish(session):
+    if _created_cache is not None:
+        shutil.rmtree(_created_cache, ignore_errors=True)
+
 
 settings.register_profile(
     "ci", max_examples=8, deadline=None, derandomize=True,

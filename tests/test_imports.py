@@ -38,13 +38,16 @@ MAY_IMPORT: dict[str, set[str]] = {
     "flax": LOW | {"ops", "fp8", "sharding"},
     "sharding": LOW | {"ops", "fp8", "flax"},
     "models": LAYERS_UNDER_MODELS,
-    "train": LAYERS_UNDER_MODELS | {"models", "cli_args"},
+    # Checkpoints from elsewhere (Hugging Face): models' users, beneath train and the commands.
+    "interop": LAYERS_UNDER_MODELS | {"models"},
+    "train": LAYERS_UNDER_MODELS | {"models", "interop", "cli_args"},
     "inference": LAYERS_UNDER_MODELS | {"models", "cli_args"},
     "info": LOW,
     "bench": LAYERS_UNDER_MODELS | {"models", "train", "inference", "cli_args", "info"},
     # Commands that join train's checkpoints with the inference engine sit on top, as bench does.
-    "generate": LAYERS_UNDER_MODELS | {"models", "train", "inference", "cli_args"},
-    "serve": LAYERS_UNDER_MODELS | {"models", "train", "inference", "cli_args", "generate"},
+    "generate": LAYERS_UNDER_MODELS | {"models", "train", "inference", "interop", "cli_args"},
+    "serve": LAYERS_UNDER_MODELS | {"models", "train", "inference", "interop", "cli_args", "generate"},
+    "convert": LAYERS_UNDER_MODELS | {"models", "train", "interop", "cli_args", "generate"},
     "cli": {"cli_args"},  # sub-commands are imported by name, when chosen
     "mtjax": {"config", "backend", "ops"},  # importing mtjax registers the ops
 }
@@ -57,7 +60,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "backend": {"kernels", "ops", "fp8", "flax", "models", "train", "sharding", "inference"},
     "sharding": {"models", "train", "inference"},
     "flax": {"models", "train", "inference"},
-    "models": {"train", "inference"},
+    "models": {"train", "inference", "interop"},
+    "interop": {"train", "inference"},
     "train": {"inference"},
     "inference": {"train"},
 }

@@ -23,7 +23,14 @@ from mtjax.train.step import (
     next_token_loss,
     throughput,
 )
-from mtjax.train.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+from mtjax.train.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    find_tokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "CheckpointError", "Checkpointer", "NonFiniteStateError", "PreemptionWatcher",
@@ -31,5 +38,5 @@ __all__ = [
     "global_batch", "initialize", "process_rows",
     "TrainState", "abstract_train_state", "batch_sharding", "init_train_state",
     "check_token_ids", "make_eval_step", "make_optimizer", "make_train_step", "next_token_loss", "throughput",
-    "ByteTokenizer", "SentencePieceTokenizer", "Tokenizer", "load_tokenizer",
+    "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "find_tokenizer", "load_tokenizer",
 ]

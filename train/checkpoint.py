@@ -161,6 +161,26 @@ class Checkpointer:
             raise self._save_error(step, err) from err
         return saved
 
+    def save_params(self, step: int, params: Any, meta: dict[str, Any]) -> None:
+        """Save only ``params`` (a ``"params"`` tree, e.g. converted weights) and ``meta`` as checkpoint
+        ``step``, synchronously: `restore_params` and ``mtjax generate`` read it; `restore` cannot (there
+        is no training state).
+
+        Raises:
+          NonFiniteStateError: ``params`` hold NaN or Inf.
+          CheckpointError: the write failed.
+        """
+        self.wait()
+        if self.check_finite and not bool(_all_finite(params)):
+            raise NonFiniteStateError(f"step {step}: the parameters hold NaN or Inf; not saving them in "
+                                      f"{self.directory}")
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}), meta=ocp.args.JsonSave(meta))
+        try:
+            self._manager.save(step, args=args, force=True)
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._save_error(step, err) from err
+
     def _rotate(self, keep: int) -> None:
         steps = self.all_steps()
         for old in steps[: max(len(steps) - keep, 0)]:

@@ -3,6 +3,7 @@
     mtjax train                                   # tiny GPT, CPU, a few minutes, loss curve at the end
     mtjax train --preset gpt-1.3b --fp8 --steps 200
     mtjax train --resume                          # continue from the latest checkpoint in --workdir
+    mtjax train --init-from Llama-3.2-1B --lr 2e-5 --data notes/ --workdir runs/ft   # fine-tune (docs/interop.md)
 
 Writes into ``--workdir`` (default ``runs/<preset>``): ``checkpoints/``, ``metrics.jsonl`` (one JSON
 object per logged step) and ``loss.png`` (with matplotlib). SIGTERM and Ctrl-C save a checkpoint and
@@ -68,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="text files or folders (default: the Python standard library's source)")
     data.add_argument("--data-errors", choices=("strict", "replace"), default="strict",
                       help="a --data file that is not UTF-8: an error (default), or read its bad bytes as U+FFFD")
-    data.add_argument("--tokenizer", default="byte", help="'byte' (default) or 'sentencepiece:MODEL_FILE'")
+    data.add_argument("--tokenizer", help="'byte', 'hf:TOKENIZER_JSON', 'sentencepiece:MODEL_FILE' or a folder "
+                      "holding tokenizer.json / tokenizer.model (default: --init-from's tokenizer, a resumed run's, "
+                      "else byte)")
     data.add_argument("--eval-batches", type=non_negative_int, default=4,
                       help="held-out batches per evaluation (0: no evaluation; default 4)")
     mesh = parser.add_argument_group("parallelism (the product must equal the number of devices)")
@@ -99,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "checkpoint's values")
     out.add_argument("--resume-step", type=non_negative_int, metavar="N",
                      help="with --resume: continue from checkpoint N (newer ones are set aside)")
+    out.add_argument("--init-from", metavar="FOLDER",
+                     help="fine-tune: start from the weights (and model) of a Hugging Face model folder or an mtjax "
+                          "checkpoint (mtjax convert's output, or a run's --workdir), with a fresh optimizer")
     out.add_argument("--override", action="store_true",
                      help="with --resume: accept --steps/--batch-size/--seq-len/--lr/--warmup-steps/--seed values "
                           "that differ from the checkpoint's run (logged)")
@@ -118,7 +124,9 @@ class RunConfig:
 
     Attributes mirror `mtjax.train.presets.TrainPreset`, plus ``model_overrides`` (fields changed
     from the model preset, e.g. the vocabulary padded to the tokenizer), ``tokenizer`` (its spec),
-    ``grad_accum``, ``seed`` and ``fp8``.
+    ``grad_accum``, ``seed`` and ``fp8``. A run started from pretrained weights (``--init-from``) has
+    ``model="pretrained"``, the whole model configuration in ``model_fields``
+    (`mtjax.models.GPTConfig.to_dict`) and the weights' folder in ``init_from``.
     """
 
     preset: str
@@ -133,15 +141,17 @@ class RunConfig:
     grad_accum: int
     seed: int
     fp8: bool
+    model_fields: dict[str, Any] | None = None
+    init_from: str | None = None
 
     def model_config(self):
-        from mtjax.models import gpt_config
+        from mtjax.train.pretrained import run_model_config
 
-        return gpt_config(self.model, **self.model_overrides)
+        return run_model_config(dataclasses.asdict(self))
 
 
 # RunConfig fields the saved state's structure depends on: a resume must match them.
-STATE_FIELDS = ("model", "model_overrides", "tokenizer", "fp8")
+STATE_FIELDS = ("model", "model_overrides", "model_fields", "tokenizer", "fp8")
 # RunConfig fields that change what a resumed run computes, and their flags.
 RUN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len",
              "learning_rate": "--lr", "warmup_steps": "--warmup-steps", "seed": "--seed"}
@@ -153,9 +163,11 @@ def _note(text: str) -> None:
     print(f"mtjax train: {text}", file=sys.stderr, flush=True)
 
 
-def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None,
-             workdir: str = "") -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
-    """The run's settings: flags, else the checkpoint's run (``saved``), else the preset.
+def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None, workdir: str = "",
+             pretrained: Any = None) -> tuple[RunConfig, TrainPreset, dict[str, tuple[Any, Any]]]:
+    """The run's settings: flags, else the checkpoint's run (``saved``), else the preset; the model is
+    ``pretrained``'s (`mtjax.train.pretrained.Pretrained`, with float32 parameters) or the saved run's
+    when either is given, else the preset's.
 
     Returns (config, preset, overridden): ``overridden`` maps each `RUN_FLAGS` field whose flag
     differs from ``saved`` to (saved value, new value); that is an error unless ``--override``.
@@ -164,7 +176,9 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
       ValueError: an unusable combination, or a model/tokenizer/FP8 setting (`STATE_FIELDS`)
         that differs from ``saved`` (the saved state would not fit).
     """
-    from mtjax.models import gpt_config
+    import jax.numpy as jnp
+
+    from mtjax.models import GPTConfig, gpt_config
 
     preset = PRESETS[args.preset]
     defaults = dict(steps=preset.steps, batch_size=preset.batch_size, seq_len=preset.seq_len,
@@ -177,20 +191,30 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
                   if saved is not None and getattr(args, _ARG_NAMES[name]) is not None
                   and values[name] != getattr(saved, name)}
     seq_len = values["seq_len"]
-    base = gpt_config(preset.model)
+    model_fields = saved.model_fields if saved is not None else None
+    if pretrained is not None:  # float32 master weights, whatever the checkpoint stores
+        model_fields = dataclasses.replace(pretrained.config, param_dtype=jnp.float32).to_dict()
+    base = gpt_config(preset.model) if model_fields is None else GPTConfig.from_dict(model_fields)
     overrides: dict[str, Any] = {}
     if tokenizer.vocab_size > base.vocab_size:
+        if model_fields is not None:
+            raise ValueError(f"--tokenizer {tokenizer.spec}: {tokenizer.vocab_size} token ids, more than the "
+                             f"pretrained model's vocab_size={base.vocab_size}")
         overrides["vocab_size"] = -(-tokenizer.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if seq_len > base.max_seq_len:
+        if base.position_embedding == "learned" and model_fields is not None:
+            raise ValueError(f"--seq-len {seq_len}: the pretrained model's learned positions stop at "
+                             f"max_seq_len={base.max_seq_len}")
         overrides["max_seq_len"] = seq_len
     remat = args.remat if args.remat is not None or saved is None else saved.model_overrides.get("remat_policy")
     if remat is not None:
         overrides["remat_policy"] = remat
     run = RunConfig(
-        preset=args.preset, model=preset.model, model_overrides=overrides, tokenizer=tokenizer.spec,
-        batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],
+        preset=args.preset, model=preset.model if model_fields is None else "pretrained", model_overrides=overrides,
+        tokenizer=tokenizer.spec, batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],
         learning_rate=values["learning_rate"], warmup_steps=values["warmup_steps"],
-        grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8)
+        grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8, model_fields=model_fields,
+        init_from=pretrained.source if pretrained is not None else saved.init_from if saved is not None else None)
     if saved is not None and any(getattr(saved, name) != getattr(run, name) for name in STATE_FIELDS):
         raise ValueError(f"the checkpoint in {workdir} was written with "
                          f"{ {name: getattr(saved, name) for name in STATE_FIELDS} }; this run asks for "
@@ -345,6 +369,22 @@ class _Setup:
     checkpointer: Any
     resume_candidates: list[int] | None  # steps to try, newest first (None: a fresh run)
     overridden: dict[str, tuple[Any, Any]]
+    pretrained: Any = None  # the --init-from weights (mtjax.train.pretrained.Pretrained)
+
+
+def _refuse_converted(checkpointer: Any) -> None:
+    """ValueError if the newest checkpoint holds converted weights (``mtjax convert``) rather than a run."""
+    from mtjax.train.checkpoint import CheckpointError
+    from mtjax.train.pretrained import WEIGHTS_ONLY
+
+    try:
+        converted = checkpointer.all_steps() and checkpointer.restore_meta().get(WEIGHTS_ONLY)
+    except CheckpointError:
+        return  # a damaged checkpoint: the resume logic reports it
+    if converted:
+        workdir = os.path.dirname(checkpointer.directory)
+        raise ValueError(f"{workdir} holds converted weights (mtjax convert), not a training run: start one from "
+                         f"them with --init-from {workdir} and another --workdir")
 
 
 def _resume_candidates(checkpointer: Any, args: argparse.Namespace) -> tuple[list[int], RunConfig | None]:
@@ -352,6 +392,7 @@ def _resume_candidates(checkpointer: Any, args: argparse.Namespace) -> tuple[lis
     from mtjax.train.checkpoint import CheckpointError
 
     steps = checkpointer.all_steps()
+    _refuse_converted(checkpointer)
     if args.resume_step is not None:
         if args.resume_step not in steps:
             raise ValueError(f"--resume-step {args.resume_step}: no such checkpoint in {checkpointer.directory} "
@@ -382,6 +423,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     from mtjax.sharding import MeshConfig, logical_axis_rules
     from mtjax.train.checkpoint import Checkpointer
     from mtjax.train.data import PackedDataset, default_corpus
+    from mtjax.train.pretrained import open_pretrained
     from mtjax.train.tokenizer import load_tokenizer
 
     if args.resume_step is not None and not args.resume:
@@ -392,19 +434,33 @@ def _setup(args: argparse.Namespace) -> _Setup:
     for path in (workdir, os.path.join(workdir, "checkpoints")):
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"--workdir {args.workdir or workdir}: {path} is a file, not a folder")
-    tokenizer = load_tokenizer(args.tokenizer)
+    pretrained = None
+    if args.init_from:
+        try:
+            pretrained = open_pretrained(args.init_from)
+        except FileNotFoundError as err:
+            raise ValueError(f"--init-from: {err}") from None
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=args.keep)
     try:
         saved, candidates = None, None
         if checkpointer.all_steps() and not args.resume:
+            _refuse_converted(checkpointer)
             raise ValueError(f"{workdir} already holds checkpoints (latest: step {checkpointer.latest_step()}); pass "
                              "--resume to continue that run, or --workdir for a new one")
         if args.resume:
             candidates, saved = _resume_candidates(checkpointer, args)
             if saved is None:
-                _note(f"no checkpoint in {workdir} yet; starting from scratch")
+                _note(f"no checkpoint in {workdir} yet; starting from "
+                      f"{'--init-from' if pretrained is not None else 'scratch'}")
                 candidates = None
-        config, preset, overridden = _resolve(args, tokenizer, saved, workdir)
+        spec = args.tokenizer or (saved.tokenizer if saved is not None else None)
+        if spec is None and pretrained is not None:
+            spec = pretrained.tokenizer
+            if spec is None:
+                raise ValueError(f"--init-from {args.init_from}: it names no tokenizer (no tokenizer.json or "
+                                 "tokenizer.model); pass --tokenizer")
+        tokenizer = load_tokenizer(spec or "byte")
+        config, preset, overridden = _resolve(args, tokenizer, saved, workdir, pretrained)
         _check_tensor_parallel(config.model_config(), args.tp)
         if args.cp > 1 and config.seq_len % (2 * args.cp):
             raise ValueError(f"--seq-len {config.seq_len} must be a multiple of 2 * --cp = {2 * args.cp} (each of the "
@@ -436,7 +492,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
     except BaseException:
         checkpointer.close()
         raise
-    return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, candidates, overridden)
+    return _Setup(config, preset, mesh, rules, train_data, eval_data, workdir, checkpointer, candidates, overridden,
+                  pretrained if candidates is None else None)
 
 
 class Diverged(RuntimeError):
@@ -542,6 +599,7 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
             state, meta, resumed_step = checkpointer.restore_newest(
                 abstract, setup.resume_candidates, accept=accept, warn=lambda text: _note(f"warning: {text}"))
             position = meta["data"]["position"]
+            hf_config = meta.get("hf_config")
             if resumed_step >= run_config.steps:
                 checkpointer.close()
                 return _fail(f"--steps {run_config.steps}: the checkpoint is at step {resumed_step} already; nothing "
@@ -553,9 +611,14 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
             else:
                 _note(f"resuming from step {resumed_step}")
         else:
+            params = None
+            if setup.pretrained is not None:
+                _note(f"starting from the weights of {setup.pretrained.source}")
+                params = setup.pretrained.load_params(config, mesh=mesh, rules=rules)
             state = init_train_state(model, optimizer, jax.random.PRNGKey(run_config.seed), micro_batch_shape,
-                                     mesh=mesh, rules=rules, compute_dtype=compute_dtype)
+                                     mesh=mesh, rules=rules, compute_dtype=compute_dtype, params=params)
             position = 0
+            hf_config = setup.pretrained.hf_config if setup.pretrained is not None else None
     except CheckpointError as err:
         checkpointer.close()
         return _fail(f"{err} (use another --workdir, or move the damaged checkpoints away)")
@@ -581,7 +644,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
         return float(sum(jax.device_get(losses)) / len(losses))
 
     def meta() -> dict[str, Any]:
-        return {"data": batches.state(), "run": dataclasses.asdict(run_config)}
+        # hf_config: the Hugging Face config.json the weights came from (`mtjax convert --to-hf` keeps its token ids).
+        return {"data": batches.state(), "run": dataclasses.asdict(run_config),
+                **({"hf_config": hf_config} if hf_config else {})}
 
     try:
         os.makedirs(setup.workdir, exist_ok=True)
@@ -597,7 +662,8 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
     step = int(jax.device_get(state.step))
     if is_main:
         active = (f", {config.num_active_params() / 1e6:.1f}M active" if config.num_experts else "")
-        print(f"mtjax train: {run_config.preset} ({config.num_params() / 1e6:.1f}M parameters{active}"
+        name = run_config.preset if run_config.init_from is None else f"{run_config.init_from} (--init-from)"
+        print(f"mtjax train: {name} ({config.num_params() / 1e6:.1f}M parameters{active}"
               f"{', FP8' if run_config.fp8 else ''}) on {jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"mesh {dict(mesh.shape)}; {setup.train_data.num_sequences} training sequences of "
               f"{run_config.seq_len} tokens; steps {step}..{run_config.steps}; writing to {setup.workdir}", flush=True)

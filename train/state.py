@@ -107,10 +107,12 @@ def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, batch_sh
              compute_dtype: Any):
     _check_compute_dtype(model, compute_dtype)
 
-    def init(rng: jax.Array) -> TrainState:
+    def init(rng: jax.Array, params: Any = None) -> TrainState:
         params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
         variables = model.init({"params": params_rng, "dropout": dropout_rng},
                                jnp.zeros(batch_shape, jnp.int32))
+        if params is not None:  # given parameters replace the initial ones (whose computation XLA drops)
+            variables = {**variables, "params": params}
         params = variables["params"]
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           fp8_meta=variables.get(FP8_COLLECTION, {}),
@@ -150,7 +152,7 @@ def abstract_train_state(model: nn.Module, optimizer: optax.GradientTransformati
 
 def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
                      batch_shape: tuple[int, int], *, mesh: Mesh | None = None,
-                     rules: LogicalRules | None = None, compute_dtype: Any = None) -> TrainState:
+                     rules: LogicalRules | None = None, compute_dtype: Any = None, params: Any = None) -> TrainState:
     """A fresh `TrainState`, each leaf created directly in its sharding.
 
     Args:
@@ -161,12 +163,24 @@ def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation, 
       mesh, rules: lay the state out on ``mesh`` by the logical-axis ``rules``.
       compute_dtype: also keep ``compute_params``, the matrices in this dtype (the model's ``dtype``,
         e.g. bf16; any other would change what the model computes). ``None``: no copy.
+      params: start from these parameters (the unboxed ``"params"`` tree, e.g. a pretrained model's,
+        best already in the state's shardings) instead of initial ones; the optimizer state is fresh.
+        They are cast to the state's parameter dtypes and donated.
+
+    Raises:
+      ValueError: ``params`` do not have the model's parameter names and shapes.
     """
     init = _init_fn(model, optimizer, batch_shape, compute_dtype)
-    if mesh is None:
-        return jax.jit(lambda r: nn.meta.unbox(init(r)))(rng)
     abstract = abstract_train_state(model, optimizer, batch_shape, mesh=mesh, rules=rules,
                                     compute_dtype=compute_dtype)
+    if params is not None:
+        if jax.tree.structure(params) != jax.tree.structure(abstract.params) or any(
+                p.shape != a.shape for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract.params))):
+            raise ValueError("init_train_state: params do not have the model's parameter names and shapes")
+        params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract.params)
     shardings = tree_shardings(abstract)
+    make = jax.jit(lambda r, p: nn.meta.unbox(init(r, p)), out_shardings=shardings, donate_argnums=1)
+    if mesh is None:
+        return make(rng, params)
     with use_mesh(mesh, rules):
-        return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+        return make(rng, params)

@@ -16,7 +16,7 @@ import sys
 
 import jax
 
-from mtjax.bench import ceilings, report, variants
+from mtjax.bench import ceilings, report, timing, variants
 
 # suite -> module exposing run(quick: bool) -> list[dict] (rows from mtjax.bench.timing.row)
 SUITES = {
@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"suites to run, from {list(SUITES)} (default: every one installed)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few runs: a smoke test (CPU)")
     parser.add_argument("--json", metavar="PATH", help="write {'meta': ..., 'results': [rows]} here")
+    parser.add_argument("--progress-jsonl", metavar="PATH",
+                        help="append each row as one JSON line the moment it is measured (kept if a run is cut short)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart of speed-ups here (needs matplotlib)")
     parser.add_argument("--peak-tflops", type=float, default=report.H200_BF16_PEAK_TFLOPS,
                         help="dense bf16 peak used as the MFU denominator (default: H200, %(default)s)")
@@ -42,14 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick); decode suite: "
                              "presets to decode (default: llama-1b gpt-1.3b; tiny with --quick)")
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
-                        help="layer and train suites: also run mtjax with these kernel choices (OP=IMPL) and XLA "
-                             "options (xla_...=VALUE); repeatable, one extra pair of rows each")
+                        help="layer, train and decode suites: also run mtjax with these kernel choices (OP=IMPL) and "
+                             "XLA options (xla_...=VALUE); repeatable, one extra pair of rows each")
     parser.add_argument("--sweep", action="store_true",
                         help="gemm suite: also time each candidate tile of the block-scaled FP8 GEMM kernel")
     parser.add_argument("--profile", metavar="DIR",
-                        help="train suite: write a per-op GPU-time profile of each train step into DIR")
-    from mtjax.bench import moe
+                        help="train and decode suites: write a per-op GPU-time profile of each step into DIR")
+    from mtjax.bench import decode, moe
 
+    decode.add_arguments(parser.add_argument_group("decode suite"))
     moe.add_arguments(parser.add_argument_group("moe suite"))
 
 
@@ -67,10 +70,12 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
     if name == "layer":
         return module.run(args.quick, settings=settings)
     if name == "decode":
-        return module.run(args.quick, models=args.presets)
+        return module.run(args.quick, models=args.presets, batches=args.decode_batches,
+                          contexts=args.decode_contexts, parts=args.decode_parts, settings=settings,
+                          profile_dir=args.profile)
     if name == "moe":
         return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
-                          parts=args.moe_parts)
+                          parts=args.moe_parts, gemm_experts=args.moe_gemm_experts)
     if name == "gemm":
         return module.run(args.quick, sweep=args.sweep)
     return module.run(args.quick)
@@ -96,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     suites = args.suites or [s for s in SUITES if _available(s)]
     skipped = [s for s in SUITES if s not in suites]
 
+    timing.set_progress(sys.stderr, args.progress_jsonl)
     rows, ceiling_values = ceilings.run(args.quick)
     print(report.table(report.complete(rows, ceiling_values, args.peak_tflops)), file=sys.stderr, flush=True)
     for name in suites:

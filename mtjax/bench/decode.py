@@ -23,6 +23,7 @@ Rows (suite ``decode``; every one that fails records its error in the table and 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.bench import timing
+from mtjax.bench import timing, variants
 
 SUITE = "decode"
 MODELS = ("llama-1b", "gpt-1.3b")
@@ -43,7 +44,7 @@ CONTEXTS = (512, 2048, 8192)
 PAGE_SIZE = 16
 DECODE_STEPS = 8
 PREFILL = (8, 2048)  # sequences x tokens
-HF_BATCHES = (1, 8, 64)
+HF_BATCHES = (1, 32)
 # Leave this fraction of the device's memory for weights, activations and XLA's buffers.
 CACHE_MEMORY_FRACTION = 0.7
 
@@ -85,14 +86,6 @@ def guarded(name: str, implementation: str, fn: Callable[[], dict | list[dict]])
         return out if isinstance(out, list) else [out]
     except Exception as err:  # noqa: BLE001 - every failure becomes a row; the run goes on
         return [error_row(name, implementation, err)]
-
-
-def _device_memory() -> int | None:
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU backends may not report
-        return None
-    return stats.get("bytes_limit")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,12 +153,20 @@ def _cache(model, params, batch: int, context: int, kv_dtype: Any):
 
 
 def decode_rows_of_batch(model_name: str, implementation: str, model, params, batch: int, contexts: Sequence[int],
-                         kv_dtype: Any, sizes: Sizes) -> list[dict]:
+                         kv_dtype: Any, sizes: Sizes, setting: variants.Setting = variants.DEFAULT,
+                         profile_dir: str | None = None) -> list[dict]:
     """One row per context: a cache of ``batch`` sequences of the longest context (one compilation),
-    timed with every sequence at ``context - steps`` tokens (each call rewrites the same last ``steps``)."""
+    timed with every sequence at ``context - steps`` tokens (each call rewrites the same last ``steps``).
+    ``setting``: kernel choices forced while tracing and XLA options of the compilation; ``profile_dir``:
+    also a device-time profile of each row (`mtjax.bench.profile`), its trace written there."""
+    timing.note(f"decode {model_name} b{batch} {implementation}: cache of {max(contexts)} tokens, compiling")
     cache, tables = _cache(model, params, batch, max(contexts), kv_dtype)
     steps = sizes.steps
-    step = decode_loop(model, PAGE_SIZE, cache.num_pages, cache.dtype, steps)
+    loop = decode_loop(model, PAGE_SIZE, cache.num_pages, cache.dtype, steps)
+    lengths0 = jnp.zeros((batch,), jnp.int32)
+    with variants.mtjax_context(False, setting):
+        lowered = loop.lower(params, cache.pages, lengths0, lengths0, tables)
+    step, _ = timing.compile_lowered(lowered, setting.xla_options)
     weights = tree_bytes(params)
     peer = None if implementation == "mtjax bf16" else "mtjax bf16"
     rows = []
@@ -186,17 +187,42 @@ def decode_rows_of_batch(model_name: str, implementation: str, model, params, ba
             break
         per_token = timing.Timing(t.median / steps, t.min / steps, t.max / steps, t.runs)
         kv_read = cache.bytes_per_page / PAGE_SIZE * (context - steps / 2) * batch
+        extra = {}
+        if profile_dir is not None:
+            state, extra = _profiled(call, state, step, steps, profile_dir, f"{name} {implementation}")
         rows.append(timing.row(SUITE, name, implementation, per_token, bytes=int(weights + kv_read), peer=peer,
                                ceiling="copy_gbps", batch=batch, context=context, tokens_per_s=batch / per_token.median,
-                               weight_bytes=weights, kv_bytes_read=int(kv_read), steps_per_dispatch=steps))
+                               weight_bytes=weights, kv_bytes_read=int(kv_read), steps_per_dispatch=steps, **extra))
     return rows
 
 
-def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
+def _profiled(call, state, compiled, steps: int, profile_dir: str, label: str) -> tuple[Any, dict]:
+    """Device time per decoded token of ``call`` (the compiled decode loop), by category and source op;
+    the Perfetto trace is kept in ``profile_dir``. Returns the threaded state and the row's extra fields."""
+    from mtjax.bench import profile
+
+    box = [state]
+
+    def once():
+        box[0], out = call(box[0], None)
+        return out
+
+    summary = profile.profile(once, steps=2, out_dir=profile_dir, label=label.replace(" ", "_"),
+                              hlo_text=compiled.as_text())
+    per_token = {k: v / steps for k, v in summary["by_category_ms"].items()}
+    timing.note(profile.format_summary(f"{label} (per dispatch of {steps} tokens)", summary, top=15))
+    return box[0], {"profile_device_ms_per_token": summary["device_ms_per_step"] / steps,
+                    "profile_by_category_ms_per_token": per_token,
+                    "profile_by_source_ms_per_dispatch": summary.get("by_source_ms", {})}
+
+
+def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setting] = (),
+                profile_dir: str | None = None) -> list[dict]:
     from mtjax.inference.fp8_weights import quantize_weights
 
     rows: list[dict] = []
-    memory = _device_memory()
+    memory = timing.device_memory_bytes()
+    timing.note(f"decode {model_name}: building the model")
     try:
         model, params = model_and_params(model_name, max(sizes.contexts))
     except Exception as err:  # noqa: BLE001
@@ -209,12 +235,13 @@ def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
             made[mode] = quantize_weights(model, params, mode=mode)
         return made[mode]
 
-    variants = [("mtjax bf16", lambda: (model, params), cfg.dtype),
-                ("mtjax fp8 weights", lambda: fp8_model("fp8_gemm"), cfg.dtype),
-                ("mtjax fp8 weights dequantize", lambda: fp8_model("dequantize"), cfg.dtype),
-                ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn)]
+    cases = [("mtjax bf16", lambda: (model, params), cfg.dtype, variants.DEFAULT),
+             ("mtjax fp8 weights", lambda: fp8_model("fp8_gemm"), cfg.dtype, variants.DEFAULT),
+             ("mtjax fp8 weights dequantize", lambda: fp8_model("dequantize"), cfg.dtype, variants.DEFAULT),
+             ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn, variants.DEFAULT)]
+    cases += [(f"mtjax bf16 [{s.label()}]", lambda: (model, params), cfg.dtype, s) for s in settings]
     for batch in sizes.batches:
-        for label, make, kv_dtype in variants:
+        for label, make, kv_dtype, setting in cases:
             if label.endswith("dequantize") and batch > 8:
                 continue  # weight-only FP8 is a small-batch option: larger batches are compute-bound
             per_token = (2 * cfg.num_layers * cfg.resolved_num_kv_heads * cfg.resolved_head_dim
@@ -229,9 +256,10 @@ def decode_rows(model_name: str, sizes: Sizes) -> list[dict]:
             if not fits:
                 continue
 
-            def one(make=make, label=label, batch=batch, kv_dtype=kv_dtype, fits=fits):
+            def one(make=make, label=label, batch=batch, kv_dtype=kv_dtype, fits=fits, setting=setting):
                 m, p = make()
-                return decode_rows_of_batch(model_name, label, m, p, batch, fits, kv_dtype, sizes)
+                return decode_rows_of_batch(model_name, label, m, p, batch, fits, kv_dtype, sizes, setting,
+                                            profile_dir)
 
             rows += guarded(f"decode {model_name} b{batch} ctx{fits[0]}", label, one)
     made.clear()
@@ -442,7 +470,7 @@ def kernel_case_rows(batch: int, context: int, page_dtype: Any, sizes: Sizes, qu
     pages_per_seq = math.ceil(context / PAGE_SIZE)
     num_pages = batch * pages_per_seq
     kv_bytes = 2 * kv_heads * num_pages * PAGE_SIZE * head_dim * jnp.dtype(page_dtype).itemsize
-    memory = _device_memory()
+    memory = timing.device_memory_bytes()
     if memory and 3 * kv_bytes > CACHE_MEMORY_FRACTION * memory:
         return [skipped_row(name, "pallas_triton", f"{kv_bytes / 2**30:.0f} GiB of pages")]
     kq, kk, kv = jax.random.split(jax.random.key(batch * 100003 + context), 3)
@@ -478,14 +506,54 @@ def kernel_rows(sizes: Sizes, quick: bool) -> list[dict]:
     return _drop_failed_peers(rows)
 
 
-def run(quick: bool, models: Sequence[str] | None = None) -> list[dict]:
+PARTS = ("prefill", "engine", "decode", "kernel")
+
+
+def run(quick: bool, models: Sequence[str] | None = None, batches: Sequence[int] | None = None,
+        contexts: Sequence[int] | None = None, parts: Sequence[str] = PARTS,
+        settings: Sequence[variants.Setting] = (), profile_dir: str | None = None) -> list[dict]:
+    """Rows of the parts asked for, per model (module docstring).
+
+    Args:
+      quick: the tiny model at toy sizes (a CPU smoke test).
+      models: GPT presets (default `MODELS`; ``tiny`` with ``quick``).
+      batches, contexts: the decode and kernel grid (default `BATCHES`, `CONTEXTS`).
+      parts: any of `PARTS`.
+      settings: ``--variant`` settings: each adds ``mtjax bf16 [setting]`` decode rows (kernel choices
+        and XLA options; model and train fields do not apply to decoding).
+      profile_dir: profile every decode row's device time (`mtjax.bench.profile`), traces written here.
+    """
+    for setting in settings:
+        if setting.model or setting.train or setting.recipe:
+            raise ValueError(f"mtjax bench decode: --variant {setting.label()}: only op=implementation and "
+                             "xla_* options apply to decoding")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"mtjax bench decode: parts={unknown}; accepted: {list(PARTS)}")
+    for label, values in (("batches", batches), ("contexts", contexts)):
+        if values is not None and (not values or any(v < 1 for v in values)):
+            raise ValueError(f"mtjax bench decode: {label}={list(values)}; accepted: positive integers")
     sizes = QUICK if quick else FULL
-    if models:
-        sizes = dataclasses.replace(sizes, models=tuple(models))
+    replace = {"models": models, "batches": batches, "contexts": contexts}
+    sizes = dataclasses.replace(sizes, **{k: tuple(v) for k, v in replace.items() if v})
     rows: list[dict] = []
     for model_name in sizes.models:
-        rows += prefill_row(model_name, sizes)
-        rows += engine_row(model_name, sizes)
-        rows += link_hf_peers(decode_rows(model_name, sizes))
-    rows += kernel_rows(sizes, quick)
+        if "prefill" in parts:
+            rows += prefill_row(model_name, sizes)
+        if "engine" in parts:
+            rows += engine_row(model_name, sizes)
+        if "decode" in parts:
+            rows += link_hf_peers(decode_rows(model_name, sizes, settings, profile_dir))
+    if "kernel" in parts:
+        rows += kernel_rows(sizes, quick)
     return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """The decode suite's flags: which parts, and the batch and context grid."""
+    parser.add_argument("--decode-parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="decode suite: which parts to run (default: all)")
+    parser.add_argument("--decode-batches", nargs="+", type=int, metavar="B",
+                        help=f"decode suite: decode batch sizes (default: {' '.join(map(str, BATCHES))})")
+    parser.add_argument("--decode-contexts", nargs="+", type=int, metavar="T",
+                        help=f"decode suite: cache contexts (default: {' '.join(map(str, CONTEXTS))})")

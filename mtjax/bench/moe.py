@@ -58,6 +58,9 @@ QUICK_GEMM_SHAPES = (("4 experts", 256, 64, 128, 4),)
 LAYER_PRESETS = ("moe-mixtral-1b", "moe-deepseek-1b")
 LAYER_TOKENS, QUICK_LAYER_TOKENS = 16384, 64
 TRAIN_PRESETS, QUICK_TRAIN_PRESETS = ("moe-mixtral-1b", "moe-deepseek-1b"), ("moe-tiny",)
+# XLA's GPU ragged_dot materializes a [G, M, N] f32 buffer; above this fraction of device memory the
+# peer row is skipped (at the 128-expert shape its autotuner asked for more than the device holds).
+RAGGED_DOT_MEMORY_FRACTION = 0.4
 NAN_TIMING = timing.Timing(math.nan, math.nan, math.nan, 0)
 PARTS = ("gemm", "layer", "train")
 
@@ -116,10 +119,22 @@ def _fwd_bwd(fn):
     return jax.jit(run)
 
 
-def run_gemm(quick: bool, tiles: GemmTiles | None = None) -> list[dict]:
-    """The grouped GEMM rows (module docstring)."""
+def _ragged_dot_buffer(m: int, n: int, g: int) -> int:
+    """Bytes of the ``[G, M, N]`` float32 buffer XLA's GPU ``ragged_dot`` materializes (one output per group)."""
+    return 4 * g * m * n
+
+
+def run_gemm(quick: bool, tiles: GemmTiles | None = None, experts: Sequence[int] | None = None) -> list[dict]:
+    """The grouped GEMM rows (module docstring); ``experts``: only the shapes with these group counts."""
+    shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
+    if experts is not None:
+        known = sorted({g for *_, g in shapes})
+        if not set(experts) <= set(known):
+            raise ValueError(f"mtjax bench moe: gemm experts {sorted(experts)}; accepted: {known}")
     rows = []
-    for index, (label, m, k, n, g) in enumerate(QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
+    for index, (label, m, k, n, g) in enumerate(shapes):
+        if experts is not None and g not in experts:
+            continue
         keys = jax.random.split(jax.random.key(index), 3)
         x = timing.random_array(keys[0], (m, k), jnp.bfloat16)
         w = timing.random_array(keys[1], (g, k, n), jnp.bfloat16, k ** -0.5)
@@ -133,6 +148,13 @@ def run_gemm(quick: bool, tiles: GemmTiles | None = None) -> list[dict]:
                 cases = {"dense": _dense, **_gemm_variants(tiles, m, k, n, g)}
                 shape_rows = []
                 for implementation, fn in cases.items():
+                    if implementation == "ragged_dot" and _ragged_dot_buffer(m, n, g) > RAGGED_DOT_MEMORY_FRACTION * (
+                            timing.device_memory_bytes() or math.inf):
+                        shape_rows.append(timing.row(
+                            SUITE, name, "ragged_dot skipped: its [G, M, N] f32 buffer exceeds "
+                            f"{RAGGED_DOT_MEMORY_FRACTION:.0%} of the device", NAN_TIMING, shape=[m, k, n, g],
+                            skipped="memory"))
+                        continue
                     weights = dense_w if implementation == "dense" else w
                     args = (x, weights, sizes) + ((dy,) if mode == "fwd+bwd" else ())
                     try:
@@ -153,7 +175,7 @@ def run_gemm(quick: bool, tiles: GemmTiles | None = None) -> list[dict]:
                         r["extra"]["fraction_of_dense"] = times["dense"] / times[r["implementation"]]
                     if "mtjax" in times and r["implementation"] == "mtjax fp8" and "mtjax fp8" in times:
                         r["extra"]["speedup_vs_mtjax_bf16"] = times["mtjax"] / times["mtjax fp8"]
-                    if "tokamax" in times and r["implementation"] == "mtjax":
+                    if "tokamax" in times and "mtjax" in times and r["implementation"] == "mtjax":
                         r["extra"]["speedup_vs_tokamax"] = times["tokamax"] / times["mtjax"]
                 rows += shape_rows
     return rows
@@ -307,15 +329,7 @@ class FlaxMoELayer(nn.Module):
         norm = functools.partial(nn.LayerNorm if self.layernorm_type == "layernorm" else nn.RMSNorm, dtype=self.dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype)
         batch, seq, _ = x.shape
-        heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
-        head_dim = self.hidden_size // heads
-        h = norm(name="ln_attention")(x)
-        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h)
-        qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
-        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                implementation=peers._attention_implementation(q.dtype))
-        x = x + dense(self.hidden_size, name="attention_out")(attended.reshape(batch, seq, self.hidden_size))
+        x = peers.attention_residual(x, self.num_heads, self.num_kv_heads or self.num_heads, norm, dense)
         h = norm(name="ln_mlp")(x).reshape(batch * seq, self.hidden_size)
         init = nn.initializers.lecun_normal()
         router = self.param("router", init, (self.hidden_size, self.num_experts))
@@ -440,7 +454,7 @@ def run_train(quick: bool, presets: Sequence[str] | None = None) -> list[dict]:
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | None = None,
-        parts: Sequence[str] = ("gemm", "layer", "train")) -> list[dict]:
+        parts: Sequence[str] = ("gemm", "layer", "train"), gemm_experts: Sequence[int] | None = None) -> list[dict]:
     """Rows of the parts asked for (``"gemm"``, ``"layer"``, ``"train"``), in that order.
 
     Args:
@@ -449,6 +463,8 @@ def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | No
         with ``quick``).
       tiles: forward tiles of mtjax's grouped GEMM kernel (default: `BlockSizes.default`).
       parts: which parts to run.
+      gemm_experts: the grouped GEMM shapes to run, by their number of experts (default: all of
+        `GEMM_SHAPES`).
     """
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -458,7 +474,7 @@ def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | No
         if part not in parts:
             continue
         if part == "gemm":
-            rows += run_gemm(quick, tiles)
+            rows += run_gemm(quick, tiles, gemm_experts)
         elif part == "layer":
             rows += run_layer(quick)
         else:
@@ -480,6 +496,8 @@ def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
                             help=f"moe suite: grouped GEMM forward tile {flag.replace('-', '_')}")
     parser.add_argument("--moe-parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="moe suite: which parts to run (default: all)")
+    parser.add_argument("--moe-gemm-experts", nargs="+", type=int, metavar="G",
+                        help="moe suite: grouped GEMM shapes to run, by number of experts (default: all)")
     parser.add_argument("--moe-presets", nargs="+", metavar="NAME",
                         help="moe suite: MoE presets to train (default: moe-mixtral-1b moe-deepseek-1b; "
                              "moe-tiny with --quick)")
@@ -493,7 +511,8 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     rows = report.complete(run(args.quick, presets=args.moe_presets, tiles=tiles_from_args(args),
-                               parts=args.moe_parts), {}, report.H200_BF16_PEAK_TFLOPS)
+                               parts=args.moe_parts, gemm_experts=args.moe_gemm_experts), {},
+                           report.H200_BF16_PEAK_TFLOPS)
     print(report.table(rows))
 
 

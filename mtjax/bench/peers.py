@@ -13,6 +13,7 @@ is its AdamW step.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -81,16 +82,7 @@ class FlaxTransformerLayer(nn.Module):
             nn.Dense, dtype=self.dtype, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp if self.fp8 else None
         )
         norm = functools.partial(nn.LayerNorm if self.layernorm_type == "layernorm" else nn.RMSNorm, dtype=self.dtype)
-        batch, seq, _hidden = x.shape
-        heads, kv_heads = self.num_heads, self.num_kv_heads or self.num_heads
-        head_dim = self.hidden_size // heads
-        h = norm(name="ln_attention")(x)
-        qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(h)
-        qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
-        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                implementation=_attention_implementation(q.dtype))
-        x = x + dense(self.hidden_size, name="attention_out")(attended.reshape(batch, seq, self.hidden_size))
+        x = attention_residual(x, self.num_heads, self.num_kv_heads or self.num_heads, norm, dense)
         h = norm(name="ln_mlp")(x)
         act = _ACTIVATIONS[self.activations[0]]
         if len(self.activations) == 2:
@@ -100,6 +92,20 @@ class FlaxTransformerLayer(nn.Module):
             h = act(dense(self.mlp_dim, name="mlp_in")(h))
         x = x + dense(self.hidden_size, name="mlp_out")(h)
         return x, None
+
+
+def attention_residual(x: jax.Array, heads: int, kv_heads: int, norm: Callable[..., nn.Module],
+                       dense: Callable[..., nn.Module]) -> jax.Array:
+    """``x + attention_out(causal_attention(qkv(norm(x))))`` as a stock-Flax user writes it: one fused
+    Q/K/V ``nn.Dense``, `jax.nn.dot_product_attention` (cuDNN on a GPU). Called inside a compact
+    module's ``__call__``, which then owns the ``ln_attention``, ``qkv`` and ``attention_out`` modules."""
+    batch, seq, hidden = x.shape
+    head_dim = hidden // heads
+    qkv = dense((heads + 2 * kv_heads) * head_dim, name="qkv")(norm(name="ln_attention")(x))
+    qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
+    q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_implementation(q.dtype))
+    return x + dense(hidden, name="attention_out")(attended.reshape(batch, seq, hidden))
 
 
 class FlaxGPT(nn.Module):

@@ -162,7 +162,7 @@ def row(suite: str, name: str, implementation: str, timing: Timing, *, flops: fl
     if ceiling is not None and ceiling not in CEILING_KEYS:
         raise ValueError(f"row(ceiling={ceiling!r}): accepted values are {CEILING_KEYS} or None")
     seconds = timing.median
-    return {
+    out = {
         "suite": suite,
         "name": name,
         "implementation": implementation,
@@ -181,6 +181,38 @@ def row(suite: str, name: str, implementation: str, timing: Timing, *, flops: fl
         "mfu": None,
         "extra": {k: _plain(v) for k, v in extra.items()},
     }
+    report_progress(out)
+    return out
+
+
+# Where `row` reports each row as it is made (set by the bench CLI): a run cut short by a time limit
+# keeps what it measured.
+_progress: dict[str, Any] = {"stream": None, "jsonl": None, "start": time.perf_counter()}
+
+
+def set_progress(stream: Any = None, jsonl_path: str | None = None) -> None:
+    """Report every row made from now on: one line to ``stream`` and one JSON line appended to
+    ``jsonl_path`` (either may be None)."""
+    _progress.update(stream=stream, jsonl=jsonl_path, start=time.perf_counter())
+
+
+def note(message: str) -> None:
+    """One progress line (elapsed seconds first) where `set_progress` named a stream."""
+    if _progress["stream"] is not None:
+        print(f"[{time.perf_counter() - _progress['start']:6.0f}s] {message}", file=_progress["stream"], flush=True)
+
+
+def report_progress(r: dict) -> None:
+    stream, path = _progress["stream"], _progress["jsonl"]
+    if stream is not None:
+        ms = "-" if r["time_ms"] is None or math.isnan(r["time_ms"]) else f"{r['time_ms']:.3f} ms"
+        elapsed = time.perf_counter() - _progress["start"]
+        print(f"[{elapsed:6.0f}s] {r['suite']} | {r['name']} | {r['implementation']} | {ms}", file=stream, flush=True)
+    if path is not None:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps(r, default=str) + "\n")
 
 
 
@@ -198,3 +230,12 @@ def _plain(value: Any) -> Any:
 def random_array(key: jax.Array, shape: Sequence[int], dtype: Any, scale: float = 1.0) -> jax.Array:
     """Normal random values of ``dtype`` (never zeros: zeros can run faster than real data)."""
     return (jax.random.normal(key, tuple(shape), jax.numpy.float32) * scale).astype(dtype)
+
+
+def device_memory_bytes() -> int | None:
+    """The first device's memory limit in bytes, or None where the backend does not report it (CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - CPU backends may not report
+        return None
+    return stats.get("bytes_limit")

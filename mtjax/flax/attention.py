@@ -10,6 +10,7 @@ query may attend (the opposite of TransformerEngine's convention, the same as fl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -22,6 +23,7 @@ from jax import lax
 
 from mtjax import axes, ops
 from mtjax.flax.dense import DenseGeneral, LayerNormDenseGeneral
+from mtjax.flax.normalization import LayerNorm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.ops.checks import check_choice
 from mtjax.sharding.context import context_parallel_size
@@ -88,26 +90,100 @@ def _rotate_bwd(group_method, saved, g):
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
+ROPE_SCALING_KINDS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A change of the rotary frequencies for contexts longer than the model was trained on.
+
+    ``"linear"`` (position interpolation) divides every frequency by ``factor``. ``"llama3"``
+    (Llama 3.1's) divides only the low frequencies, those whose wavelength exceeds
+    ``original_max_position / low_freq_factor``, by ``factor``, keeps the high ones (wavelength
+    under ``original_max_position / high_freq_factor``) and blends linearly in between.
+
+    Attributes:
+      kind: one of `ROPE_SCALING_KINDS`.
+      factor: the context extension factor (> 0).
+      low_freq_factor, high_freq_factor: ``"llama3"``'s band edges (``high_freq_factor > low_freq_factor > 0``).
+      original_max_position: ``"llama3"``'s pre-extension context length.
+
+    Example::
+
+        MultiHeadAttention(..., enable_rotary_pos_emb=True,
+                           rotary_pos_emb_scaling=RopeScaling("llama3", factor=32.0, original_max_position=8192))
+    """
+
+    kind: str = "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        check_choice("RopeScaling", "kind", self.kind, ROPE_SCALING_KINDS)
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling: factor={self.factor!r}; expected > 0")
+        if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor
+                                          and self.original_max_position > 0):
+            raise ValueError(f"RopeScaling: low_freq_factor={self.low_freq_factor!r}, high_freq_factor="
+                             f"{self.high_freq_factor!r}, original_max_position={self.original_max_position!r}; "
+                             "expected 0 < low_freq_factor < high_freq_factor and original_max_position > 0")
+
+    def frequencies(self, inv_freq: jax.Array) -> jax.Array:
+        """The scaled angular frequencies (radians per position) of ``inv_freq``."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        wavelength = 2 * math.pi / inv_freq
+        low = inv_freq / self.factor
+        # 0 at the low-frequency edge, 1 at the high-frequency one.
+        blend = (self.original_max_position / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        medium = (1 - blend) * low + blend * inv_freq
+        return jnp.where(wavelength > self.original_max_position / self.low_freq_factor, low,
+                         jnp.where(wavelength < self.original_max_position / self.high_freq_factor, inv_freq, medium))
+
+
+def rotary_dim(head_dim: int, fraction: float) -> int:
+    """The leading coordinates of a head that rotate under ``fraction`` (partial rotary, GPT-NeoX):
+    ``int(head_dim * fraction)``; ValueError unless it is even and positive."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"rotary fraction={fraction!r}; expected 0 < fraction <= 1")
+    dim = int(head_dim * fraction)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"rotary fraction={fraction!r} of head_dim={head_dim} rotates {dim} coordinates; "
+                         "expected an even number >= 2")
+    return dim
+
+
 def apply_rotary_pos_emb(x: jax.Array, positions: jax.Array, *, windows: tuple[float, float] = (1.0, 10000.0),
-                         group_method: str = "consecutive") -> jax.Array:
+                         group_method: str = "consecutive", fraction: float = 1.0,
+                         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary position embedding of ``x [batch, length, heads, head_dim]`` at integer ``positions [batch, length]``.
 
     Coordinate pairs rotate by ``position / timescale`` with timescales geometric from ``windows[0]``
     to ``windows[1]``. ``group_method`` (TransformerEngine's names): ``"consecutive"`` pairs ``(2i, 2i+1)``
     (GPT-J), ``"alternate"`` pairs ``(i, i + head_dim/2)`` (GPT-NeoX, Llama in Hugging Face layout).
-    Computed in float32, returned in ``x.dtype``; the gradient is the opposite rotation of the
-    cotangent (positions get none).
+    ``fraction < 1`` rotates only the first `rotary_dim` coordinates (their timescales spread over
+    that width) and passes the rest through (GPT-NeoX's ``rotary_pct``); ``scaling`` changes the
+    frequencies (`RopeScaling`). Computed in float32, returned in ``x.dtype``; the gradient is the
+    opposite rotation of the cotangent (positions get none).
     """
     check_choice("apply_rotary_pos_emb", "group_method", group_method, ROTARY_GROUP_METHODS)
     head_dim = x.shape[-1]
     if head_dim % 2:
         raise ValueError(f"apply_rotary_pos_emb: head_dim={head_dim} must be even")
-    half = head_dim // 2
+    dim = rotary_dim(head_dim, fraction)
     min_timescale, max_timescale = windows
-    exponent = 2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim
-    timescale = min_timescale * (max_timescale / min_timescale) ** exponent
-    angle = positions.astype(jnp.float32)[:, :, None, None] / timescale  # [batch, length, 1, half]
-    return _rotate(x, jnp.sin(angle), jnp.cos(angle), group_method)
+    exponent = 2.0 * jnp.arange(dim // 2, dtype=jnp.float32) / dim
+    frequency = 1.0 / (min_timescale * (max_timescale / min_timescale) ** exponent)
+    if scaling is not None:
+        frequency = scaling.frequencies(frequency)
+    angle = positions.astype(jnp.float32)[:, :, None, None] * frequency  # [batch, length, 1, dim / 2]
+    if dim == head_dim:
+        return _rotate(x, jnp.sin(angle), jnp.cos(angle), group_method)
+    rotated = _rotate(x[..., :dim], jnp.sin(angle), jnp.cos(angle), group_method)
+    return jnp.concatenate([rotated, x[..., dim:]], axis=-1)
 
 
 @struct.dataclass
@@ -303,8 +379,15 @@ class MultiHeadAttention(nn.Module):
       enable_rotary_pos_emb: rotate Q and K (`apply_rotary_pos_emb`).
       rotary_pos_emb_windows: ``(min_timescale, max_timescale)``.
       rotary_pos_emb_group_method: ``"consecutive"`` or ``"alternate"``.
+      rotary_pos_emb_fraction: the share of each head's coordinates that rotate (`apply_rotary_pos_emb`'s
+        ``fraction``; GPT-NeoX's ``rotary_pct``).
+      rotary_pos_emb_scaling: a `RopeScaling` of the rotary frequencies (None: none).
       fuse_qkv_params: one QKV (or KV) kernel instead of separate ones.
       use_bias: biases on all projections.
+      qkv_bias: biases on the query, key and value projections, also without ``use_bias`` (Qwen2).
+      qk_norm: normalize each query and key head over ``head_dim`` before the rotary embedding
+        (``layernorm_type`` with ``layernorm_epsilon``; parameters in ``query_norm`` and
+        ``key_norm``; Qwen3).
       kernel_init, bias_init: initializers of the projections.
       scale_attn_logits: scale logits by ``1 / sqrt(head_dim)`` (False: by 1, e.g. with ``scaled_query_init``).
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
@@ -331,8 +414,12 @@ class MultiHeadAttention(nn.Module):
     enable_rotary_pos_emb: bool = False
     rotary_pos_emb_windows: tuple[float, float] = (1.0, 10000.0)
     rotary_pos_emb_group_method: str = "consecutive"
+    rotary_pos_emb_fraction: float = 1.0
+    rotary_pos_emb_scaling: RopeScaling | None = None
     fuse_qkv_params: bool = True
     use_bias: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
     kernel_init: Initializer = nn.initializers.lecun_normal()
     bias_init: Initializer = nn.initializers.zeros
     scale_attn_logits: bool = True
@@ -376,6 +463,11 @@ class MultiHeadAttention(nn.Module):
         check_choice(owner, "rotary_pos_emb_group_method", self.rotary_pos_emb_group_method, ROTARY_GROUP_METHODS)
         if self.enable_rotary_pos_emb and self.head_dim % 2:
             raise ValueError(f"{owner}: head_dim={self.head_dim} must be even with enable_rotary_pos_emb")
+        if self.enable_rotary_pos_emb:
+            try:
+                rotary_dim(self.head_dim, self.rotary_pos_emb_fraction)
+            except ValueError as err:
+                raise ValueError(f"{owner}: rotary_pos_emb_fraction: {err}") from None
         self_attention = inputs_kv is None or inputs_kv is inputs_q
         kv_mismatch = not self_attention and (inputs_kv.ndim != 3 or inputs_kv.shape[0] != inputs_q.shape[0])
         if inputs_q.ndim != 3 or kv_mismatch:
@@ -385,6 +477,7 @@ class MultiHeadAttention(nn.Module):
         heads = self.num_attention_heads
         dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype,
                      collective_matmul=self.collective_matmul and not decode and paged_kv is None)
+        qkv_dense = {**dense, "use_bias": self.use_bias or self.qkv_bias}
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
@@ -393,7 +486,7 @@ class MultiHeadAttention(nn.Module):
             qkv, ln_out, *stream = LayerNormDenseGeneral(
                 features=(3, heads, self.head_dim), kernel_init=self._query_init(fused_qkv=True),
                 kernel_axes=(axes.EMBED, None, axes.HEADS, axes.HEAD_DIM), bias_axes=(None, axes.HEADS, axes.HEAD_DIM),
-                return_layernorm_output=self.return_layernorm_output, name="qkv", **norm, **dense,
+                return_layernorm_output=self.return_layernorm_output, name="qkv", **norm, **qkv_dense,
             )(inputs_q, residual)
             # jnp.split, not indexing: its transpose is one concatenate of the three gradients where
             # three indexings transpose to zero pads and adds.
@@ -402,7 +495,8 @@ class MultiHeadAttention(nn.Module):
             query, ln_out, *stream = LayerNormDenseGeneral(
                 features=(heads, self.head_dim), kernel_init=self._query_init(fused_qkv=False),
                 kernel_axes=(axes.EMBED, axes.HEADS, axes.HEAD_DIM), bias_axes=(axes.HEADS, axes.HEAD_DIM),
-                return_layernorm_output=self.return_layernorm_output or self_attention, name="query", **norm, **dense,
+                return_layernorm_output=self.return_layernorm_output or self_attention, name="query", **norm,
+                **qkv_dense,
             )(inputs_q, residual)
             kv_inputs = ln_out if self_attention else inputs_kv
             if self.fuse_qkv_params:
@@ -410,7 +504,7 @@ class MultiHeadAttention(nn.Module):
                     features=(2, groups, self.head_dim), kernel_init=self.kernel_init,
                     kernel_axes=(axes.EMBED, None, axes.KV_HEADS, axes.HEAD_DIM),
                     bias_axes=(None, axes.KV_HEADS, axes.HEAD_DIM),
-                    name="kv", **dense,
+                    name="kv", **qkv_dense,
                 )(kv_inputs)
                 key, value = (t[:, :, 0] for t in jnp.split(kv, 2, axis=2))
             else:
@@ -418,9 +512,15 @@ class MultiHeadAttention(nn.Module):
                     DenseGeneral(features=(groups, self.head_dim), kernel_init=self.kernel_init,
                                  kernel_axes=(axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM),
                                  bias_axes=(axes.KV_HEADS, axes.HEAD_DIM),
-                                 name=name, **dense)(kv_inputs)
+                                 name=name, **qkv_dense)(kv_inputs)
                     for name in ("key", "value")
                 )
+        if self.qk_norm:
+            head_norm = dict(epsilon=self.layernorm_epsilon, layernorm_type=self.layernorm_type,
+                             zero_centered_gamma=self.zero_centered_gamma, scale_axes=(axes.HEAD_DIM,),
+                             bias_axes=(axes.HEAD_DIM,), dtype=self.dtype, param_dtype=self.param_dtype)
+            query = LayerNorm(name="query_norm", **head_norm)(query)
+            key = LayerNorm(name="key_norm", **head_norm)(key)
         query = nn.with_logical_constraint(query, Q_AXES)
         key = nn.with_logical_constraint(key, KV_AXES)
         value = nn.with_logical_constraint(value, KV_AXES)
@@ -447,7 +547,8 @@ class MultiHeadAttention(nn.Module):
                 q_positions = offset + jnp.broadcast_to(jnp.arange(q_len), (batch, q_len))
             if kv_positions is None:
                 kv_positions = q_positions if self_attention else jnp.broadcast_to(jnp.arange(kv_len), (batch, kv_len))
-            rope = dict(windows=self.rotary_pos_emb_windows, group_method=self.rotary_pos_emb_group_method)
+            rope = dict(windows=self.rotary_pos_emb_windows, group_method=self.rotary_pos_emb_group_method,
+                        fraction=self.rotary_pos_emb_fraction, scaling=self.rotary_pos_emb_scaling)
             query = apply_rotary_pos_emb(query, q_positions, **rope)
             key = apply_rotary_pos_emb(key, kv_positions, **rope)
         if cache_index is not None:

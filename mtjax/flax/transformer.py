@@ -16,6 +16,7 @@ from mtjax.flax.attention import (
     MultiHeadAttention,
     PagedKV,
     RelativePositionBiases,
+    RopeScaling,
     check_heads,
 )
 from mtjax.flax.mlp import LayerNormMLP
@@ -47,6 +48,9 @@ class TransformerLayer(nn.Module):
     ``segment_ids [batch, length]`` (0 = padding) restrict attention to the own segment (packing);
     ``positions [batch, length]`` feed the rotary embedding; ``paged_kv`` (a `PagedKV`) runs the
     self-attention on a paged key/value cache. Returns ``[batch, length, hidden_size]``.
+
+    ``parallel_attention_mlp=True`` (GPT-NeoX, GPT-J; pre-LN only) runs the attention and the MLP side
+    by side on the block's input, each behind its own norm: ``x = x + attn(norm1(x)) + mlp(norm2(x))``.
 
     Residual adds across blocks (pre-LN only): with ``defer_residual_add`` a block returns
     ``(branch, stream)``, its output being ``branch + stream``; the next block takes them as
@@ -86,6 +90,11 @@ class TransformerLayer(nn.Module):
       enable_rotary_pos_emb: rotary embeddings in self-attention.
       rotary_pos_emb_windows: ``(min_timescale, max_timescale)``.
       rotary_pos_emb_group_method: ``"consecutive"`` or ``"alternate"``.
+      rotary_pos_emb_fraction, rotary_pos_emb_scaling: partial rotary and frequency scaling
+        (`MultiHeadAttention`).
+      qkv_bias: biases on the query, key and value projections, also without ``use_bias``.
+      qk_norm: per-head query/key norms (`MultiHeadAttention.qk_norm`).
+      parallel_attention_mlp: the parallel block above (self-attention only, ENCODER layers).
       fuse_qkv_params: fused QKV / KV kernels.
       fuse_residual_norm: add the attention output to the residual stream in the MLP's norm kernel
         (`mtjax.ops.residual_norm`) instead of a separate add (not with
@@ -134,6 +143,11 @@ class TransformerLayer(nn.Module):
     enable_rotary_pos_emb: bool = False
     rotary_pos_emb_windows: tuple[float, float] = (1.0, 10000.0)
     rotary_pos_emb_group_method: str = "consecutive"
+    rotary_pos_emb_fraction: float = 1.0
+    rotary_pos_emb_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    parallel_attention_mlp: bool = False
     fuse_qkv_params: bool = True
     fuse_residual_norm: bool = True
     defer_residual_add: bool = False
@@ -207,6 +221,11 @@ class TransformerLayer(nn.Module):
             raise ValueError("TransformerLayer: residual= and defer_residual_add need a pre-LN block "
                              "(output_layernorm=False, apply_residual_connection_post_layernorm=False)")
         is_decoder = self.layer_type == TransformerLayerType.DECODER
+        if self.parallel_attention_mlp and (is_decoder or self.output_layernorm
+                                            or self.apply_residual_connection_post_layernorm):
+            raise ValueError("TransformerLayer: parallel_attention_mlp needs a pre-LN ENCODER layer "
+                             "(layer_type=ENCODER, output_layernorm=False, "
+                             "apply_residual_connection_post_layernorm=False)")
         if is_decoder and encoded is None:
             raise ValueError("TransformerLayer: layer_type=DECODER needs `encoded` (the encoder output)")
         inputs = nn.with_logical_constraint(inputs.astype(self.dtype), BATCH_LENGTH_EMBED)
@@ -218,7 +237,8 @@ class TransformerLayer(nn.Module):
             layernorm_type=self.layernorm_type, layernorm_epsilon=self.layernorm_epsilon,
             zero_centered_gamma=self.zero_centered_gamma,
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
-            use_bias=self.use_bias, kernel_init=self.mha_kernel_init, bias_init=self.bias_init,
+            use_bias=self.use_bias, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, kernel_init=self.mha_kernel_init,
+            bias_init=self.bias_init,
             fuse_qkv_params=self.fuse_qkv_params, scale_attn_logits=self.scale_attn_logits,
             scaled_query_init=self.scaled_query_init, float32_logits=self.float32_attention_logits,
             collective_matmul=self.collective_matmul, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -246,13 +266,22 @@ class TransformerLayer(nn.Module):
             input_layernorm=not self.output_layernorm, attn_mask_type=self.self_attn_mask_type,
             attn_bias_type=self.self_attn_bias_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
             rotary_pos_emb_windows=self.rotary_pos_emb_windows,
-            rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, window_size=self.window_size,
+            rotary_pos_emb_group_method=self.rotary_pos_emb_group_method,
+            rotary_pos_emb_fraction=self.rotary_pos_emb_fraction, rotary_pos_emb_scaling=self.rotary_pos_emb_scaling,
+            window_size=self.window_size,
             logits_soft_cap=self.logits_soft_cap, context_parallel=self.context_parallel,
             context_parallel_load_balanced=self.context_parallel_load_balanced, name="self_attention", **attention,
         )(inputs, None, attention_mask, bias, q_segment_ids=segment_ids, q_positions=positions,
           decode=decode, deterministic=deterministic, residual=residual, paged_kv=paged_kv)
         if stream:
             inputs = nn.with_logical_constraint(stream[0], BATCH_LENGTH_EMBED)
+        if self.parallel_attention_mlp:  # the MLP reads the block's input stream, through its own norm
+            z, _ = self.make_mlp()(inputs, deterministic=deterministic)
+            branch = hidden_dropout(x, deterministic=deterministic) + hidden_dropout(z, deterministic=deterministic)
+            branch = nn.with_logical_constraint(branch, BATCH_LENGTH_EMBED)
+            if self.defer_residual_add:
+                return branch, inputs
+            return nn.with_logical_constraint(branch + inputs, BATCH_LENGTH_EMBED)
         branch, residual = x, inputs  # the stream is inputs + dropout(x) from here
         if is_decoder:
             x = residual_add(branch, residual, ln_out)

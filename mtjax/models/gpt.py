@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import axes, ops
-from mtjax.flax import DenseGeneral, Embed, LayerNorm, MoEBlock, TransformerLayerType
-from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, PagedKV, check_heads
+from mtjax.flax import DenseGeneral, Embed, LayerNorm, MoEBlock, RopeScaling, TransformerLayerType
+from mtjax.flax.attention import CACHE_COLLECTION, ROTARY_GROUP_METHODS, PagedKV, check_heads, rotary_dim
 from mtjax.flax.normalization import LAYERNORM_TYPES
 from mtjax.flax.params import check_float_dtype
 from mtjax.models._stack import apply_layers, check_stack_config
@@ -51,6 +51,15 @@ class GPTConfig:
       position_embedding: ``"rope"``, ``"learned"`` or ``"none"``.
       rope_max_timescale: RoPE base (theta).
       rope_group_method: ``"alternate"`` (half-split, Llama/NeoX) or ``"consecutive"`` (interleaved, GPT-J).
+      rope_fraction: the share of each head's coordinates that rotate (GPT-NeoX's ``rotary_pct``; 1: all).
+      rope_scaling: a `mtjax.flax.RopeScaling` of the rotary frequencies (Llama 3.1's ``"llama3"``,
+        ``"linear"``); None: none.
+      scale_embeddings: multiply the token embeddings by ``sqrt(hidden_size)`` (Gemma).
+      parallel_residual: attention and MLP side by side on each block's input, each behind its own
+        norm (GPT-NeoX; `mtjax.flax.TransformerLayer.parallel_attention_mlp`).
+      qkv_bias: biases on the query, key and value projections only (Qwen2); ``use_bias`` puts them
+        on every projection.
+      qk_norm: per-head norms of the queries and keys (Qwen3; `mtjax.flax.MultiHeadAttention.qk_norm`).
       tie_embeddings: the output layer is the transposed token embedding.
       use_bias: biases in the projections.
       fuse_qkv_params: one Q/K/V kernel (one GEMM) instead of three (three GEMMs, no split of their
@@ -120,6 +129,12 @@ class GPTConfig:
     position_embedding: str = "rope"
     rope_max_timescale: float = 10000.0
     rope_group_method: str = "alternate"
+    rope_fraction: float = 1.0
+    rope_scaling: RopeScaling | None = None
+    scale_embeddings: bool = False
+    parallel_residual: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
     tie_embeddings: bool = True
     use_bias: bool = False
     fuse_qkv_params: bool = True
@@ -179,9 +194,52 @@ class GPTConfig:
             if getattr(self, name) not in accepted:
                 raise ValueError(f"{owner}: {name}={getattr(self, name)!r} is not supported; accepted: "
                                  f"{', '.join(accepted)}")
+        if self.position_embedding == "rope":
+            try:
+                rotary_dim(self.resolved_head_dim, self.rope_fraction)
+            except ValueError as err:
+                raise ValueError(f"{owner}: rope_fraction: {err}") from None
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"{owner}: rope_scaling={self.rope_scaling!r}; expected None or a "
+                             "mtjax.flax.RopeScaling")
         if self.context_parallel is not None and self.context_parallel not in CONTEXT_PARALLEL_STRATEGIES:
             raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} is not supported; accepted: None, "
                              f"{', '.join(CONTEXT_PARALLEL_STRATEGIES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-serialisable values (dtypes by name, tuples as lists, `rope_scaling` as a
+        dict): what a checkpoint stores; `from_dict` rebuilds the same config."""
+        fields = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in ("dtype", "param_dtype"):
+                value = jnp.dtype(value).name
+            elif isinstance(value, RopeScaling):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            fields[field.name] = value
+        return fields
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> GPTConfig:
+        """The config `to_dict` described (fields left out take their defaults).
+
+        Raises:
+          ValueError: a name that is not a field, or a field the config refuses."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{cls.__name__}.from_dict: unknown fields {unknown}")
+        fields = dict(fields)
+        for name in ("dtype", "param_dtype"):
+            if isinstance(fields.get(name), str):
+                fields[name] = getattr(jnp, jnp.dtype(fields[name]).name)
+        if isinstance(fields.get("rope_scaling"), dict):
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        for name in ("activations", "window_size"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
+        return cls(**fields)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -230,6 +288,8 @@ class GPTConfig:
         norm = h if self.layernorm_type == "rmsnorm" else 2 * h
         gates = 2 if ops.is_gated(self.activations) else 1
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv + h if self.use_bias else 0)
+        attention += q + 2 * kv if self.qkv_bias and not self.use_bias else 0
+        attention += 2 * (d if self.layernorm_type == "rmsnorm" else 2 * d) if self.qk_norm else 0
         mlp = h * gates * self.mlp_dim + self.mlp_dim * h + (gates * self.mlp_dim + h if self.use_bias else 0)
         layers = (self.num_layers - self.num_moe_layers) * (attention + mlp + 2 * norm)
         layers += self.num_moe_layers * (attention + self._moe_mlp_params(routed_experts) + 2 * norm)
@@ -356,6 +416,8 @@ class GPT(nn.Module):
         embed = Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=init, dtype=cfg.dtype,
                       param_dtype=cfg.param_dtype, name="token_embed")
         x = embed(tokens)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
         if cfg.position_embedding == "learned":
             x = x + Embed(cfg.max_seq_len, cfg.hidden_size, embedding_init=init, embedding_axes=(None, axes.EMBED),
                           dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="position_embed")(positions)
@@ -371,6 +433,8 @@ class GPT(nn.Module):
             layer_type=TransformerLayerType.ENCODER,
             self_attn_mask_type="causal", enable_rotary_pos_emb=cfg.position_embedding == "rope",
             rotary_pos_emb_windows=(1.0, cfg.rope_max_timescale), rotary_pos_emb_group_method=cfg.rope_group_method,
+            rotary_pos_emb_fraction=cfg.rope_fraction, rotary_pos_emb_scaling=cfg.rope_scaling,
+            qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, parallel_attention_mlp=cfg.parallel_residual,
             window_size=cfg.window_size, logits_soft_cap=cfg.logits_soft_cap, context_parallel=cfg.context_parallel,
             collective_matmul=cfg.collective_matmul, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         )

@@ -209,3 +209,19 @@ def test_recipe_variant_runs_fp8_only_under_that_recipe():
         assert isinstance(fp8.current_autocast().recipe, fp8.BlockScaling)
     with pytest.raises(ValueError, match=r"recipe='blocks'; accepted: \('delayed', 'current', 'block'\)"):
         variants.parse("recipe=blocks")
+
+
+def test_rows_are_reported_as_they_are_made(tmp_path):
+    """`--progress-jsonl`: each row is appended the moment `timing.row` makes it (a run cut short keeps them)."""
+    import io
+
+    stream, path = io.StringIO(), tmp_path / "rows.jsonl"
+    timing.set_progress(stream, str(path))
+    try:
+        timing.row("gemm", "case a", "xla", timing.Timing(1e-3, 1e-3, 1e-3, 1))
+        timing.row("gemm", "case b", "mtjax", timing.Timing(2e-3, 2e-3, 2e-3, 1))
+    finally:
+        timing.set_progress()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["name"] for r in lines] == ["case a", "case b"] and lines[1]["time_ms"] == pytest.approx(2.0)
+    assert "gemm | case b | mtjax | 2.000 ms" in stream.getvalue()

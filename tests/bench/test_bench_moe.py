@@ -92,3 +92,8 @@ def test_flax_moe_gpt_runs_and_has_the_presets_parameter_count():
     biases = [x for path, x in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(variables["params"]))
               if path[-1].key == "bias"]
     assert count - sum(int(np.prod(x.shape)) for x in biases) == config.num_params()
+
+
+def test_gemm_experts_are_checked():
+    with pytest.raises(ValueError, match="gemm experts .*accepted"):
+        moe.run(True, parts=["gemm"], gemm_experts=[3])

@@ -59,3 +59,14 @@ def test_guarded_turns_an_exception_into_a_row():
     [row] = decode.guarded("decode x", "mtjax bf16", boom)
     assert row["time_ms"] is None and "out of memory" in row["implementation"]
     report.table(report.complete([row], {"copy_gbps": 1.0}, 1.0))  # renders
+
+
+def test_grid_parts_and_variants_are_checked():
+    with pytest.raises(ValueError, match="parts=.*accepted"):
+        decode.run(True, parts=["decoding"])
+    with pytest.raises(ValueError, match="batches=.*positive"):
+        decode.run(True, batches=[0])
+    from mtjax.bench import variants
+
+    with pytest.raises(ValueError, match="only op=implementation and xla_"):
+        decode.run(True, parts=["decode"], settings=[variants.parse("scan_layers=false")])

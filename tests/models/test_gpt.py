@@ -12,6 +12,7 @@ from flax.core import meta
 
 from mtjax import fp8
 from mtjax.config import override
+from mtjax.flax import RopeScaling
 from mtjax.models import GPT, BertConfig, BertEncoder, GPTConfig, gpt_config
 
 TINY = gpt_config("tiny", num_layers=2, vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=64)
@@ -37,6 +38,8 @@ def _param_count(cfg, seq=8):
     {},
     dict(position_embedding="learned", tie_embeddings=False, use_bias=True, layernorm_type="layernorm",
          activations=("gelu",), num_kv_heads=None, scan_layers=False, fuse_qkv_params=False),
+    dict(qkv_bias=True, qk_norm=True, parallel_residual=True, rope_fraction=0.5),
+    dict(qk_norm=True, layernorm_type="layernorm", num_kv_heads=None),
 ])
 def test_num_params_matches_init(overrides):
     cfg = dataclasses.replace(TINY, **overrides)
@@ -64,6 +67,9 @@ def test_presets():
     (dict(remat_policy="everything"), "remat_policy"),
     (dict(num_layers=0), "num_layers"),
     (dict(dropout_rate=1.5), "dropout_rate"),
+    (dict(rope_fraction=0.1), "rope_fraction: .* rotates 1 coordinates; expected an even number"),
+    (dict(rope_fraction=1.5), "rope_fraction: rotary fraction=1.5; expected 0 < fraction <= 1"),
+    (dict(rope_scaling="llama3"), "rope_scaling='llama3'; expected None or a mtjax.flax.RopeScaling"),
 ])
 def test_gpt_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -114,6 +120,41 @@ def test_residual_adds_across_layers_change_no_result(tiny, scan_layers):
     second, _ = step(mutated["cache"], toks[:, 4:5])
     np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), plain.apply({"params": params}, toks[:, :5]),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_hugging_face_features_decode_as_the_full_forward_and_defer_residual_adds():
+    """Per-head q/k norms, Q/K/V-only biases, partial rotary with llama3 frequency scaling and the parallel
+    attention/MLP block: KV-cache decoding gives the full forward's logits, and deferring each layer's
+    residual add to the next norm changes nothing."""
+    cfg = dataclasses.replace(TINY, scan_layers=False, qk_norm=True, qkv_bias=True, parallel_residual=True,
+                              rope_fraction=0.5, rope_scaling=RopeScaling("llama3", 4.0, original_max_position=16))
+    model = GPT(cfg)
+    toks = tokens(7, (2, 6))
+    params = meta.unbox(jax.jit(model.init)(jax.random.key(1), toks)["params"])
+    assert params["layers_0"]["self_attention"]["query_norm"]["scale"].shape == (cfg.resolved_head_dim,)
+    assert "bias" in params["layers_0"]["self_attention"]["kv"] and "bias" not in params["layers_0"]["mlp"]
+    full = jax.jit(model.apply)({"params": params}, toks)
+    deferred = jax.jit(GPT(dataclasses.replace(cfg, fuse_residual_across_layers=True)).apply)({"params": params}, toks)
+    np.testing.assert_allclose(deferred, full, rtol=1e-5, atol=1e-5)
+    cache = jax.jit(functools.partial(model.init, decode=True))(jax.random.key(0),
+                                                                jnp.zeros((2, 8), jnp.int32))["cache"]
+    step = jax.jit(lambda c, t: model.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
+    first, mutated = step(cache, toks[:, :3])
+    outs = [first]
+    for i in range(3, 6):
+        logits, mutated = step(mutated["cache"], toks[:, i:i + 1])
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_scale_embeddings_multiplies_the_token_embeddings_by_sqrt_hidden(tiny):
+    _, params = tiny
+    cfg = dataclasses.replace(TINY, tie_embeddings=False)
+    untied = dict(params, logits_dense={"kernel": params["token_embed"]["embedding"].T})
+    scaled = dict(untied, token_embed={"embedding": untied["token_embed"]["embedding"] * cfg.hidden_size ** 0.5})
+    toks = tokens(8, (1, 8))
+    np.testing.assert_allclose(jax.jit(GPT(dataclasses.replace(cfg, scale_embeddings=True)).apply)(
+        {"params": untied}, toks), jax.jit(GPT(cfg).apply)({"params": scaled}, toks), rtol=1e-5, atol=1e-5)
 
 
 def test_loss_falls_on_a_tiny_batch(tiny):
