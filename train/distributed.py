@@ -6,6 +6,7 @@ given, from ``JAX_*`` environment variables, or from the launcher (SLURM, Open M
 indexed Job / JobSet; `detect_launcher`); `topology` describes the process. Each process then
 loads only the rows of each batch that its own devices hold (`process_rows`) and `global_batch`
 assembles the global arrays from those local pieces, without any process holding the whole batch.
+`watch_peers` (a `PeerWatch`) ends every process with a message of its own when one dies or fails.
 """
 
 from __future__ import annotations
