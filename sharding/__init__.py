@@ -30,6 +30,7 @@ from mtjax.sharding.pipeline import (
     GPipe,
     OneFOneB,
     Schedule,
+    Segment,
     Simulation,
     ZeroBubbleH1,
     pipeline_loss,
@@ -43,6 +44,6 @@ __all__ = [
     "reorder_causal_load_balancing",
     "LogicalRules", "MeshResource", "current_mesh_resource", "extend_logical_axis_rules", "logical_axis_rules",
     "init_sharded", "jit_sharded", "logical_shardings", "named_sharding", "shard_variables", "tree_shardings",
-    "Schedule", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",
+    "Schedule", "Segment", "GPipe", "Circular", "OneFOneB", "ZeroBubbleH1", "DualPipeV", "pipeline_loss",
     "SIMULATED_SCHEDULES", "Simulation", "simulate",
 ]

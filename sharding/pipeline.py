@@ -13,9 +13,14 @@ every action and the buffer slots holding activations in flight; it also yields 
 bubble fraction and peak live activations. The executor (`pipeline_loss`) replays that table
 inside ``shard_map`` (manual over ``pp`` only; ``dp``/``fsdp``/``tp`` stay automatic, so the
 layers can be data-, FSDP- and tensor-parallel inside a stage). In a tick where any device runs an
-F (a B, a loss), every device runs one, idle ones on a placeholder whose result is dropped: the
-collectives XLA puts inside a stage must be reached by all devices (the tick's length, set by its
-busiest device, is unchanged).
+F (a B, a W, a loss), every device runs one, idle ones on a placeholder whose result is dropped:
+the collectives XLA puts inside a stage must be reached by all devices (the tick's length, set by
+its busiest device, is unchanged). The timeline is cut into segments (`Segment`), runs of ticks
+with the same kinds of action, each one loop whose body runs those kinds with no conditional
+between them: in the steady state of 1F1B, ZB-H1 and DualPipeV a tick's F of one micro-batch and B
+(and W) of another are one straight-line program, so XLA's scheduler can overlap one's hand-offs
+(and the stages' own collectives) with the other's compute, the overlap DualPipe's F&B pairs are
+built for.
 
 Backward is explicit for every schedule: a B action recomputes its stage from the stashed input
 and applies ``jax.vjp`` there (the stash holds one activation per micro-batch in flight, never a
@@ -73,6 +78,21 @@ class Action(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Segment:
+    """Consecutive ticks ``[start, stop)`` of a `Timeline` in which the same kinds of action run
+    (each on some device at every tick of it): one loop of the executor, whose body runs exactly
+    those, with no conditional between them. The loss (on the last virtual stage) is taken
+    ``"always"``, ``"never"`` or, where only some ticks have one, ``"sometimes"`` (a conditional)."""
+
+    start: int
+    stop: int
+    forward: bool
+    backward: bool
+    weights: bool
+    loss: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Timeline:
     """A schedule laid out in lockstep ticks for ``num_stages`` devices (all arrays ``[ticks, num_stages]``).
 
@@ -125,6 +145,44 @@ class Timeline:
     @property
     def num_ticks(self) -> int:
         return self.f_mb.shape[0]
+
+    def segments(self, merge_ticks: int = 2) -> list[Segment]:
+        """The ticks cut into runs with the same kinds of action (F, B, W) anywhere in each tick.
+
+        A run of at most ``merge_ticks`` ticks whose kinds a neighbouring run also has joins it (its
+        devices then compute the missing kinds on placeholders for those ticks): every loop is one
+        more compiled copy of the stages, and DualPipeV's steady state holds lone F ticks.
+        """
+        kinds = [frozenset(k for k, present in zip("FBW", flags) if present) for flags in
+                 zip((self.f_mb >= 0).any(1), (self.b_mb >= 0).any(1), (self.w_mb >= 0).any(1))]
+        runs: list[list[Any]] = []  # [kinds, start, stop]
+        for t, k in enumerate(kinds):
+            if runs and runs[-1][0] == k:
+                runs[-1][2] = t + 1
+            else:
+                runs.append([k, t, t + 1])
+        merged = True
+        while merged:
+            merged = False
+            for i, (k, start, stop) in enumerate(runs):
+                neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(runs) and k <= runs[j][0]]
+                if stop - start <= merge_ticks and neighbours:
+                    j = max(neighbours, key=lambda j: runs[j][2] - runs[j][1])
+                    runs[j] = [runs[j][0], min(start, runs[j][1]), max(stop, runs[j][2])]
+                    del runs[i]
+                    merged = True
+                    break
+            for i in range(len(runs) - 1, 0, -1):  # neighbours left with the same kinds become one run
+                if runs[i][0] == runs[i - 1][0]:
+                    runs[i - 1][2] = runs[i][2]
+                    del runs[i]
+        losses = self.f_loss.any(1)
+        result = []
+        for k, start, stop in runs:
+            loss = losses[start:stop]
+            result.append(Segment(start, stop, "F" in k, "B" in k, "W" in k,
+                                  loss="always" if loss.all() else "sometimes" if loss.any() else "never"))
+        return result
 
     def table(self) -> dict[str, np.ndarray]:
         """The per-tick arrays, to be scanned over."""
@@ -806,9 +864,8 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         mb_zeros = jnp.zeros(mb_shape, dtype)
         zero = jnp.zeros((), jnp.float32)
         loss_grad_zeros = jax.tree.map(jnp.zeros_like, loss_params)
-        chunk_grad_zeros = jax.tree.map(lambda w: jnp.zeros(w.shape[1:], w.dtype), staged)
         # Each buffer has one extra "dump" row taking the writes of devices with nothing to write,
-        # so every tick updates buffers in place; the conditionals return only per-action values.
+        # so every tick updates buffers in place.
         dump_act, dump_dy = timeline.num_act_slots, timeline.num_dy_slots
         carry = dict(act=jnp.zeros((dump_act + 1, *mb_shape), dtype), loss=zero)
         if backward:
@@ -831,83 +888,88 @@ def _run_schedule(layer_fn, loss_fn, mesh, schedule, layer_params, inputs, loss_
         def put(buffer, slot, dump, value):
             return buffer.at[jnp.where(slot >= 0, slot, dump)].set(value)
 
-        def tick(carry, row):
-            # The branches below are taken by every device or by none (the predicate looks at all
-            # stages' actions): XLA inserts collectives over the automatic axes inside the stages,
-            # and a collective in a branch that only some devices take never completes. A device
-            # without the action computes on a placeholder and its result is discarded.
-            any_f, any_loss, any_b = jnp.any(row["f_mb"] >= 0), jnp.any(row["f_loss"]), jnp.any(row["b_mb"] >= 0)
-            any_w = jnp.any(row["w_mb"] >= 0)
+        forward_ring, backward_ring = [(i, (i + 1) % p) for i in range(p)], [(i, (i - 1) % p) for i in range(p)]
+
+        def tick(carry, row, *, segment: Segment):
+            # Which actions run is static per segment (some device has one at every tick of it):
+            # every device runs them, idle ones on a placeholder whose result is dropped, since XLA
+            # puts collectives over the automatic axes inside the stages and a collective that only
+            # some devices reach never completes. No conditional separates the F, B and W of a
+            # tick, so XLA schedules them as one program: one micro-batch's hand-offs (and the
+            # stages' own collectives) overlap another's compute.
+            any_loss = jnp.any(row["f_loss"])
             row = {k: v[me] for k, v in row.items()}
             carry = dict(carry)
-            # Forward: the stage on its stashed input (the pipeline input on virtual stage 0).
-            x_f = stage_input(carry["act"], row["f_src"], row["f_mb"])
-            y = lax.cond(any_f, lambda: stage_fn(chunk_of(staged, row["f_chunk"]), x_f).astype(dtype),
-                         lambda: mb_zeros)
-            # On the last virtual stage: the micro-batch's loss and, with backward, its gradients.
-            target = chunk_of(ts, row["f_mb"])
-            if backward:
-                def with_loss():
-                    # The mean over micro-batches is taken here, on the gradient flowing back: FP8
-                    # gradient amaxes must see the true gradient, not m times it.
-                    value, (g_lp, dy) = jax.value_and_grad(mean_part, argnums=(0, 1))(loss_params, y, target)
-                    return value, g_lp, dy.astype(dtype)
+            if segment.forward:
+                # Forward: the stage on its stashed input (the pipeline input on virtual stage 0).
+                x_f = stage_input(carry["act"], row["f_src"], row["f_mb"])
+                y = stage_fn(chunk_of(staged, row["f_chunk"]), x_f).astype(dtype)
+                recv_f = lax.ppermute(y, PP, forward_ring)  # in flight while the B and W below compute
+                recv_f_rev = lax.ppermute(y, PP, backward_ring) if bidirectional else None
+            if segment.loss != "never":
+                # On the last virtual stage: the micro-batch's loss and, with backward, its gradients.
+                target = chunk_of(ts, row["f_mb"])
+                if backward:
+                    def with_loss():
+                        # The mean over micro-batches is taken here, on the gradient flowing back: FP8
+                        # gradient amaxes must see the true gradient, not m times it.
+                        value, (g_lp, dy) = jax.value_and_grad(mean_part, argnums=(0, 1))(loss_params, y, target)
+                        return value, g_lp, dy.astype(dtype)
 
-                value, g_lp, dy = lax.cond(any_loss, with_loss, lambda: (zero, loss_grad_zeros, mb_zeros))
-                carry["loss_grads"] = accumulate_gradients(carry["loss_grads"], masked(row["f_loss"], g_lp))
-                carry["dy"] = carry["dy"].at[jnp.where(row["f_loss"], row["f_dy"], dump_dy)].set(dy)
-            else:
-                value = lax.cond(any_loss, lambda: mean_part(loss_params, y, target), lambda: zero)
-            carry["loss"] = carry["loss"] + jnp.where(row["f_loss"], value, 0.0)
-            # Hand-off to the next device (what it does not expect goes to its dump slot).
-            forward_ring, backward_ring = [(i, (i + 1) % p) for i in range(p)], [(i, (i - 1) % p) for i in range(p)]
-            recv_f = lax.ppermute(y, PP, forward_ring)
-            recv_f_rev = lax.ppermute(y, PP, backward_ring) if bidirectional else None
-            if backward:
+                    if segment.loss == "always":
+                        value, g_lp, dy = with_loss()
+                    else:
+                        value, g_lp, dy = lax.cond(any_loss, with_loss, lambda: (zero, loss_grad_zeros, mb_zeros))
+                    carry["loss_grads"] = accumulate_gradients(carry["loss_grads"], masked(row["f_loss"], g_lp))
+                    carry["dy"] = carry["dy"].at[jnp.where(row["f_loss"], row["f_dy"], dump_dy)].set(dy)
+                elif segment.loss == "always":
+                    value = mean_part(loss_params, y, target)
+                else:
+                    value = lax.cond(any_loss, lambda: mean_part(loss_params, y, target), lambda: zero)
+                carry["loss"] = carry["loss"] + jnp.where(row["f_loss"], value, 0.0)
+            if segment.backward:
                 # Backward: recompute the stage from its stashed input and apply its vjp.
                 x_b = stage_input(carry["act"], row["b_src"], row["b_mb"])
                 dy_b = carry["dy"][jnp.maximum(row["b_dy"], 0)]
-
-                def backward_step():
-                    if split:  # the input gradient only; the W action computes the weights' later
-                        _, vjp = jax.vjp(lambda h: stage_fn(chunk_of(staged, row["b_chunk"]), h), x_b)
-                        return chunk_grad_zeros, vjp(dy_b)[0].astype(dtype)
+                if split:  # the input gradient only; the W action computes the weights' later
+                    _, vjp = jax.vjp(lambda h: stage_fn(chunk_of(staged, row["b_chunk"]), h), x_b)
+                    g_x = vjp(dy_b)[0].astype(dtype)
+                else:
                     _, vjp = jax.vjp(stage_fn, chunk_of(staged, row["b_chunk"]), x_b)
                     g_params, g_x = vjp(dy_b)
-                    return g_params, g_x.astype(dtype)
-
-                g_params, g_x = lax.cond(any_b, backward_step, lambda: (chunk_grad_zeros, mb_zeros))
-                if split:
-                    x_w = stage_input(carry["act"], row["w_src"], row["w_mb"])
-                    dy_w = carry["dy"][jnp.maximum(row["w_dy"], 0)]
-
-                    def weight_step():
-                        _, vjp = jax.vjp(lambda prm: stage_fn(prm, x_w), chunk_of(staged, row["w_chunk"]))
-                        return vjp(dy_w)[0]
-
-                    g_params = lax.cond(any_w, weight_step, lambda: chunk_grad_zeros)
-                    grad_chunk, grad_mb = row["w_chunk"], row["w_mb"]
-                else:
-                    grad_chunk, grad_mb = row["b_chunk"], row["b_mb"]
+                    g_x = g_x.astype(dtype)
+                carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
+                # Hand-off to the previous device, in flight during the W below (stored after it:
+                # an arrival may take the slot the W reads).
+                recv_b = lax.ppermute(g_x, PP, backward_ring)
+                recv_b_rev = lax.ppermute(g_x, PP, forward_ring) if bidirectional else None
+            if segment.weights:
+                x_w = stage_input(carry["act"], row["w_src"], row["w_mb"])
+                dy_w = carry["dy"][jnp.maximum(row["w_dy"], 0)]
+                _, vjp = jax.vjp(lambda prm: stage_fn(prm, x_w), chunk_of(staged, row["w_chunk"]))
+                g_params = vjp(dy_w)[0]
+            if segment.weights or (segment.backward and not split):
+                grad_chunk, grad_mb = (row["w_chunk"], row["w_mb"]) if split else (row["b_chunk"], row["b_mb"])
                 chunk = jnp.maximum(grad_chunk, 0)
                 acc = accumulate_gradients(chunk_of(carry["grads"], chunk), masked(grad_mb >= 0, g_params))
                 carry["grads"] = jax.tree.map(
                     lambda all_chunks, a: lax.dynamic_update_index_in_dim(all_chunks, a, chunk, 0), carry["grads"], acc)
-                carry["dx"] = carry["dx"].at[jnp.where(row["b_first"], row["b_mb"], m)].set(g_x)
-                recv_b = lax.ppermute(g_x, PP, backward_ring)
+            # Arrivals, after every read of this tick (what a device does not expect goes to its dump slot).
+            if segment.backward:
                 carry["dy"] = put(carry["dy"], row["recv_b"], dump_dy, recv_b)
                 if bidirectional:
-                    carry["dy"] = put(carry["dy"], row["recv_b_rev"], dump_dy, lax.ppermute(g_x, PP, forward_ring))
+                    carry["dy"] = put(carry["dy"], row["recv_b_rev"], dump_dy, recv_b_rev)
                     carry["dy"] = put(carry["dy"], row["recv_b_self"], dump_dy, g_x)
-            carry["act"] = put(carry["act"], row["recv_f"], dump_act, recv_f)
-            if bidirectional:
-                carry["act"] = put(carry["act"], row["recv_f_rev"], dump_act, recv_f_rev)
-                carry["act"] = put(carry["act"], row["recv_f_self"], dump_act, y)
-            return carry, None
-            carry["act"] = carry["act"].at[jnp.where(row["recv_f"] >= 0, row["recv_f"], dump_act)].set(recv_f)
+            if segment.forward:
+                carry["act"] = put(carry["act"], row["recv_f"], dump_act, recv_f)
+                if bidirectional:
+                    carry["act"] = put(carry["act"], row["recv_f_rev"], dump_act, recv_f_rev)
+                    carry["act"] = put(carry["act"], row["recv_f_self"], dump_act, y)
             return carry, None
 
-        carry, _ = lax.scan(tick, carry, table)
+        for segment in timeline.segments():
+            rows = {k: v[segment.start:segment.stop] for k, v in table.items()}
+            carry, _ = lax.scan(functools.partial(tick, segment=segment), carry, rows)
         loss = lax.psum(carry["loss"], PP)
         if not backward:
             return loss, None

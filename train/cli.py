@@ -31,6 +31,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from mtjax.cli_args import non_negative_float, non_negative_int, positive_float, positive_int
@@ -44,6 +45,9 @@ NONFINITE_POLICIES = ("stop", "skip")
 # Held-out examples decoded greedily at each evaluation of a seq2seq or captioning run, and how many
 # of them the log shows.
 SAMPLES, SHOWN = 64, 3
+
+# mtjax.ops.CONTEXT_PARALLEL_STRATEGIES (not imported here: the flags are parsed before jax loads).
+CONTEXT_PARALLEL_STRATEGIES = ("ring", "all_gather")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mesh.add_argument("--ep", type=positive_int, default=1,
                       help="expert-parallel ways (mixture-of-experts presets; splits the batch too)")
     mesh.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis")
+    mesh.add_argument("--cp", type=positive_int, default=1,
+                      help="context-parallel ways: the sequence of every activation split over this many devices "
+                           "(long sequences; --seq-len a multiple of 2 * cp)")
+    mesh.add_argument("--cp-strategy", choices=CONTEXT_PARALLEL_STRATEGIES, default="ring",
+                      help="how attention reaches the other sequence shards with --cp: keys/values passed round a "
+                           "ring (default), or all-gathered once")
     hosts = parser.add_argument_group("multi-host (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
     hosts.add_argument("--coordinator-address", help="host:port of process 0")
     hosts.add_argument("--num-processes", type=positive_int)
@@ -402,6 +412,20 @@ class _MetricsLog:
         return True
 
 
+def _collective_failure(err: BaseException) -> BaseException | None:
+    """The `jax.errors.JaxRuntimeError` that ``err`` is or was raised from (a failed collective
+    or computation), or None."""
+    import jax
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def _fail(message: str, status: int = 2) -> int:
     print(f"mtjax train: error: {message}", file=sys.stderr, flush=True)
     return status
@@ -524,9 +548,15 @@ def _setup(args: argparse.Namespace) -> _Setup:
         tokenizer = load_tokenizer(spec or "byte")
         config, preset, overridden = _resolve(args, tokenizer, saved, workdir, pretrained)
         _check_tensor_parallel(config.model_config(), args.tp)
-        other = args.fsdp * args.tp * args.ep
+        if args.cp > 1 and not isinstance(config.model_config(), GPTConfig):
+            raise ValueError(f"--cp {args.cp}: context parallelism is for the GPT presets; --preset {args.preset} is a "
+                             f"{type(config.model_config()).__name__}")
+        if args.cp > 1 and config.seq_len % (2 * args.cp):
+            raise ValueError(f"--seq-len {config.seq_len} must be a multiple of 2 * --cp = {2 * args.cp} (each of the "
+                             f"cp devices holds two chunks of every sequence: the causal load-balanced layout)")
+        other = args.fsdp * args.tp * args.ep * args.cp
         dp = args.dp if args.dp is not None else max(jax.device_count() // other, 1)
-        mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep)
+        mesh_config = MeshConfig(dp=dp, fsdp=args.fsdp, tp=args.tp, sp=args.sp, ep=args.ep, cp=args.cp)
         mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
         model_config = config.model_config()
         num_experts = getattr(model_config, "num_experts", 0)
@@ -567,9 +597,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, watcher: Any) -> int:
-    from mtjax.config import config as mtjax_config
-    from mtjax.config import override
-    from mtjax.fp8 import fp8_autocast
     from mtjax.train import distributed
     from mtjax.xla_flags import apply_xla_flags
 
@@ -577,8 +604,33 @@ def _run(args: argparse.Namespace, watcher: Any) -> int:
         apply_xla_flags(args.xla_preset)  # before jax creates its backends
     try:
         spec = distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                      heartbeat_timeout_seconds=args.peer_timeout)
-        print(f"mtjax train: {distributed.topology(spec)}", file=sys.stderr, flush=True)
+                                      peer_timeout_seconds=args.peer_timeout)
+    except ValueError as err:
+        return _fail(str(err))
+    print(f"mtjax train: {distributed.topology(spec)}", file=sys.stderr, flush=True)
+    # With several processes, each one ends with a line of its own when another dies or fails.
+    peers = distributed.watch_peers(args.peer_timeout, on_lost=lambda reason: _fail(
+        f"stopping process {spec.process_id} during set-up: {reason}", 1))
+    if peers is None:
+        return _run_joined(args, watcher, None)
+    try:
+        status = _run_joined(args, watcher, peers)
+    except Exception:  # noqa: BLE001  (printed here: leaving below skips Python's own report)
+        traceback.print_exc()
+        status = 1
+    if status == 0:
+        peers.close()
+    else:  # leave at once: the others may wait for this process in a collective or in jax's shutdown barrier
+        peers.fail(f"it stopped with exit status {status} (its log says why)", status)
+    return status
+
+
+def _run_joined(args: argparse.Namespace, watcher: Any, peers: Any) -> int:
+    from mtjax.config import config as mtjax_config
+    from mtjax.config import override
+    from mtjax.fp8 import fp8_autocast
+
+    try:
         setup = _setup(args)
     except ValueError as err:
         return _fail(str(err))
@@ -588,10 +640,10 @@ def _run(args: argparse.Namespace, watcher: Any) -> int:
         return 0
     # FP8 is decided when the functions are traced: creating the state and the first step.
     with fp8_autocast(enabled=setup.config.fp8), override(debug_checks=args.debug_checks or mtjax_config.debug_checks):
-        return _train(args, setup, watcher)
+        return _train(args, setup, watcher, peers)
 
 
-def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
+def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) -> int:
     import jax
     from tqdm import tqdm
 
@@ -609,6 +661,10 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
     checkpointer = setup.checkpointer
     is_main = jax.process_index() == 0
     config = run_config.model_config()
+    if args.cp > 1:
+        # Context parallelism changes how attention is computed, not the parameters: a checkpoint moves
+        # between --cp settings.
+        config = dataclasses.replace(config, context_parallel=args.cp_strategy)
     model, task = build_model(config), task_for(config)
     optimizer, schedule = make_optimizer(run_config.learning_rate, total_steps=run_config.steps,
                                          warmup_steps=run_config.warmup_steps, clip_norm=args.clip_norm,
@@ -751,6 +807,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         raise Diverged(f"{where}: the run diverged; stopping without saving; {good} (lower --lr, raise "
                        "--warmup-steps, or pass --on-nonfinite skip to skip such steps)")
 
+    if peers is not None:
+        peers.on_lost = lambda reason: _fail(f"process {jax.process_index()} stopped after step {step}: {reason}; "
+                                             f"{last_good_text()}", 1)
     progress = tqdm(total=run_config.steps, initial=step, disable=args.no_progress or not is_main, unit="step",
                     dynamic_ncols=True)
     timer_start, timer_step, stopped = None, step, False
@@ -811,20 +870,21 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any) -> int:
         if pending is not None:
             check(*pending)
             pending = None
-    except (Diverged, CheckpointError, NonFiniteStateError, MetricsWriteError) as err:
+    except (Diverged, CheckpointError, NonFiniteStateError, MetricsWriteError, jax.errors.JaxRuntimeError) as err:
+        collective = _collective_failure(err)
+        if collective is not None and jax.process_count() > 1:
+            # A collective failed (in the step, or in a save's synchronisation): a peer died or hangs.
+            # Waiting for saves or jax's shutdown barrier would hang on it or abort in C++, so say why
+            # and leave at once (the last complete checkpoint stays).
+            _fail(f"process {jax.process_index()} stopped after step {step}: a peer process died or became "
+                  f"unreachable ({str(collective).splitlines()[0][:300]}); {last_good_text()}", 1)
+            peers.fail(f"a collective failed on it after step {step}")
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            raise
         status, failure = 1, str(err)
         if isinstance(err, CheckpointError):
             # The failed write's abandoned asyncio tasks would print the same error again at exit.
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    except jax.errors.JaxRuntimeError as err:
-        if jax.process_count() == 1:
-            raise
-        # A collective failed: a peer died or hangs. Waiting for saves or jax's shutdown barrier would
-        # hang on it or abort in C++, so say why and leave at once (the last complete checkpoint stays).
-        _fail(f"step {step + 1} failed on process {jax.process_index()}: a peer process died or became "
-              f"unreachable ({str(err).splitlines()[0][:300]}); {last_good_text()}", 1)
-        sys.stdout.flush()
-        os._exit(1)
     finally:
         progress.close()
         batches.close()

@@ -6,14 +6,20 @@ given, from ``JAX_*`` environment variables, or from the launcher (SLURM, Open M
 indexed Job / JobSet; `detect_launcher`); `topology` describes the process. Each process then
 loads only the rows of each batch that its own devices hold (`process_rows`) and `global_batch`
 assembles the global arrays from those local pieces, without any process holding the whole batch.
+`watch_peers` (a `PeerWatch`) ends every process with a message of its own when one dies or fails.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
-from collections.abc import Mapping
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -74,9 +80,8 @@ def _coordinator_port() -> str | None:
     return None if port is None else str(port)
 
 
-# Seconds a process may go without a heartbeat before the coordination service declares it dead
-# and every other process stops (jax's own default is 100).
-HEARTBEAT_TIMEOUT_SECONDS = 60
+# Seconds a process may go silent before the others take it as dead (`PeerWatch`).
+PEER_TIMEOUT_SECONDS = 60
 
 
 def _from_jax_cluster(name: str, cluster) -> ProcessSpec | None:
@@ -155,10 +160,6 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     """The `ProcessSpec` of this process: each argument given wins over what the environment says
     (`detect_launcher`; ``JAX_*`` variables fill gaps too); None for a single-process run.
 
-    ``heartbeat_timeout_seconds`` bounds how long the others wait for a process that died or hangs:
-    after it, the coordination service reports the missing process to every other one, which stops
-    (jax terminates it with a message naming the task) instead of waiting in a collective forever.
-
     Raises:
       ValueError: only some of the three are known, or they are inconsistent.
     """
@@ -192,18 +193,30 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     return spec
 
 
+def coordination_heartbeat_timeout(peer_timeout_seconds: int) -> int:
+    """The heartbeat timeout given to jax's coordination service: a backstop behind `PeerWatch`.
+
+    When the service declares a process dead it aborts every other one from C++ (a check failure
+    with a stack trace) before anything reaches Python, so its timeout is set long enough for
+    `PeerWatch` (``peer_timeout_seconds`` plus a few polls) to end them with a message first: the
+    service may act from half its timeout on (its heartbeats are periodic).
+    """
+    return 2 * peer_timeout_seconds + 30
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *,
-               heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT_SECONDS) -> ProcessSpec | None:
+               peer_timeout_seconds: int = PEER_TIMEOUT_SECONDS) -> ProcessSpec | None:
     """Join a multi-process run (`resolve` says how); returns its `ProcessSpec`, or None when the
     run is single-process (nothing given or detected, or a launcher with one process).
 
-    Must be called before jax creates its backends (before any array). A process that misses its
-    heartbeats for ``heartbeat_timeout_seconds`` is declared dead and the others stop.
+    Must be called before jax creates its backends (before any array). ``peer_timeout_seconds`` is
+    how long a silent process is waited for: start `watch_peers` with the same value; jax's own
+    detection is set behind it (`coordination_heartbeat_timeout`).
     """
-    if isinstance(heartbeat_timeout_seconds, bool) or not isinstance(heartbeat_timeout_seconds, int) \
-            or heartbeat_timeout_seconds < 1:
-        raise ValueError(f"distributed.initialize(heartbeat_timeout_seconds={heartbeat_timeout_seconds!r}): "
+    if isinstance(peer_timeout_seconds, bool) or not isinstance(peer_timeout_seconds, int) \
+            or peer_timeout_seconds < 1:
+        raise ValueError(f"distributed.initialize(peer_timeout_seconds={peer_timeout_seconds!r}): "
                          "expected a positive int")
     spec = resolve(coordinator_address, num_processes, process_id)
     if spec is None or spec.num_processes == 1:
@@ -215,8 +228,165 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # detection is off: it would give a process of a one-process-per-node SLURM job only GPU 0.
     jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id,
                                local_device_ids=spec.local_device_ids(), cluster_detection_method="deactivate",
-                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+                               heartbeat_timeout_seconds=coordination_heartbeat_timeout(peer_timeout_seconds))
     return spec
+
+
+class PeerWatch:
+    """Ends every process of a run, each with one line, when one of them dies or fails.
+
+    A background thread of each process writes a heartbeat counter into the coordination service's
+    key-value store every ``interval`` seconds. Process 0 (which hosts the service) reads them all:
+    for a process whose counter has not moved for ``timeout_seconds``, or that reported a failure
+    (`fail`), it writes a verdict into the store. Every process reads the verdict at its next poll,
+    calls ``on_lost(reason)`` (which prints why) and exits with status 1. Process 0 leaves last
+    (once each survivor acknowledged the verdict, or after a few polls), since its exit takes the
+    service away and jax aborts the processes still connected to it.
+
+    Without this, a dead process is noticed only by jax's coordination service, which aborts every
+    other process from C++ (a check failure), or by a collective that fails or waits forever,
+    depending on the backend and jax version. A process that hangs with its threads alive keeps
+    beating and is not detected. Process 0's own death ends the others through jax at once: the
+    service goes with it.
+
+    Args:
+      store: the coordination service's client (``key_value_set(key, value, allow_overwrite)``,
+        ``key_value_dir_get(directory) -> [(key, value)]``).
+      process_id, num_processes: this process and the run's size.
+      timeout_seconds: silence after which a process is taken as dead.
+      on_lost: ``reason -> None``, prints why this process stops (called from the watch thread); the
+        watch then exits the process. Reassign it as the run progresses.
+      interval: seconds between polls (default ``timeout_seconds / 10``, within [0.2, 5]).
+      clock, exit: time source and process exit (``time.monotonic``, ``os._exit``).
+    """
+
+    DIRECTORY = "mtjax/peer_watch"
+    DONE, FAILED = "done", "failed: "
+
+    def __init__(self, store: Any, process_id: int, num_processes: int, timeout_seconds: float,
+                 on_lost: Callable[[str], None], interval: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, exit: Callable[[int], Any] = os._exit) -> None:
+        self.store, self.process_id, self.num_processes = store, process_id, num_processes
+        self.timeout = float(timeout_seconds)
+        self.interval = interval if interval is not None else min(max(self.timeout / 10, 0.2), 5.0)
+        self.on_lost, self.clock, self.exit = on_lost, clock, exit
+        self.beats = 0
+        now = clock()
+        # Process 0's view of every other process: its last heartbeat value and when it changed.
+        self.seen = {p: ("", now) for p in range(num_processes) if p != process_id}
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _set(self, kind: str, value: str) -> None:
+        self.store.key_value_set(f"{self.DIRECTORY}/{kind}/{self.process_id}", value, allow_overwrite=True)
+
+    def _get(self, kind: str) -> dict[int, str]:
+        prefix = f"{self.DIRECTORY}/{kind}/"
+        return {int(key[len(prefix):]): value for key, value in self.store.key_value_dir_get(prefix)}
+
+    def poll(self) -> str | None:
+        """One round: beat, and return the verdict (why the run must end), or None."""
+        self.beats += 1
+        self._set("beat", str(self.beats))
+        verdicts = self._get("verdict")
+        if verdicts or self.process_id != 0:
+            return verdicts[min(verdicts)] if verdicts else None
+        now, lost = self.clock(), []
+        for process, value in self._get("beat").items():
+            if process in self.seen and value != self.seen[process][0]:
+                self.seen[process] = (value, now)
+        for process, (value, since) in sorted(self.seen.items()):
+            if value.startswith(self.FAILED):
+                lost.append(f"process {process} {value}")
+            elif value != self.DONE and now - since > self.timeout:
+                lost.append(f"process {process} sent no heartbeat for {now - since:.0f} s: it died or became "
+                            "unreachable")
+        if not lost:
+            return None
+        verdict = "; ".join(lost)
+        self._set("verdict", verdict)
+        return verdict
+
+    def check(self) -> None:
+        """`poll`; on a verdict, report it (``on_lost``) and exit with status 1."""
+        verdict = self.poll()
+        if verdict is not None and not self.stopped.is_set():
+            self.stopped.set()
+            self.on_lost(verdict)
+            self._leave(status=1)
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001  (the service is unreachable: jax itself ends this process then)
+                continue
+
+    def start(self) -> PeerWatch:
+        self.thread = threading.Thread(target=self._watch, name="mtjax-peer-watch", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)  # runs before jax's own exit handler, which shuts the service down
+        return self
+
+    def _leave(self, status: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            if self.process_id == 0:
+                self._wait_for_the_others()
+            else:
+                self._set("left", "")
+        finally:
+            self.exit(status)
+
+    def _wait_for_the_others(self) -> None:
+        """Until every other process left, failed, finished or went silent, for a few polls at most."""
+        deadline = self.clock() + 3 * self.interval + 2
+        while self.clock() < deadline:
+            left, beats, now = self._get("left"), self._get("beat"), self.clock()
+            for process, value in beats.items():
+                if process in self.seen and value != self.seen[process][0]:
+                    self.seen[process] = (value, now)
+            if all(process in left or value.startswith(self.FAILED) or value == self.DONE
+                   or now - since > self.timeout for process, (value, since) in self.seen.items()):
+                return
+            time.sleep(min(self.interval, 0.2))
+
+    def fail(self, reason: str, status: int = 1) -> None:
+        """This process ends with an error (printed already): tell the others, then exit with ``status``.
+
+        Leaving through `sys.exit` instead would wait in jax's shutdown barrier for processes that
+        wait in a collective for this one."""
+        if not self.stopped.is_set():
+            self.stopped.set()
+            if self.process_id == 0:
+                self._set("verdict", f"process 0 {self.FAILED}{reason}")
+            else:
+                self._set("beat", f"{self.FAILED}{reason}")
+        self._leave(status)
+
+    def close(self) -> None:
+        """This process finished normally: the others stop expecting its heartbeats; the thread stops."""
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        try:
+            self._set("beat", self.DONE)
+        finally:
+            if self.thread is not None and self.thread is not threading.current_thread():
+                self.thread.join(timeout=self.interval + 5)
+
+
+def watch_peers(timeout_seconds: int, on_lost: Callable[[str], None]) -> PeerWatch | None:
+    """Start a `PeerWatch` over the processes `initialize` joined; None for a single process."""
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed as jax_distributed  # the client: no public accessor
+
+    client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
+    if client is None:
+        raise RuntimeError("watch_peers: jax.distributed is not initialized (call distributed.initialize first)")
+    return PeerWatch(client, jax.process_index(), jax.process_count(), timeout_seconds, on_lost).start()
 
 
 def topology(spec: ProcessSpec | None = None) -> str:

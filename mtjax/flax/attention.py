@@ -287,9 +287,9 @@ class DotProductAttention(nn.Module):
       context_parallel: ``"ring"`` or ``"all_gather"`` (`mtjax.ops.CONTEXT_PARALLEL_STRATEGIES`):
         when the mesh in force has a ``cp`` axis of size > 1 and the logical rules split
         ``activation_length`` over it, attend across the sequence shards by ring attention or
-        all-gathered keys/values (`mtjax.ops.context_parallel_attention`); needs self-attention
-        without bias, explicit mask, window or attention dropout. None: plain attention (XLA
-        gathers what a sharded sequence needs).
+        all-gathered keys/values (`mtjax.ops.context_parallel_attention`); self-attention without an
+        explicit mask (a bias, given in the sequence's layout, a window and attention dropout
+        work). None: plain attention (XLA gathers what a sharded sequence needs).
       context_parallel_load_balanced: with a causal mask under context parallelism, the sequence
         is in the load-balanced layout (`mtjax.sharding.reorder_causal_load_balancing`; `GPT`
         reorders its inputs itself).
@@ -346,17 +346,16 @@ class DotProductAttention(nn.Module):
         if self.context_parallel is not None:
             check_choice(owner, "context_parallel", self.context_parallel, ops.CONTEXT_PARALLEL_STRATEGIES)
         if self.context_parallel is not None and context_parallel_size() > 1:
-            for name, present in (("bias", bias is not None), ("mask", mask is not None),
-                                  ("window_size", self.window_size is not None),
-                                  ("attention dropout", dropout_rate > 0)):
-                if present:
-                    raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} does not support {name}")
+            if mask is not None:  # a [q_len, kv_len] mask is what context parallelism avoids materialising
+                raise ValueError(f"{owner}: context_parallel={self.context_parallel!r} does not support an explicit "
+                                 "mask; express it as segment ids, a window_size, or a bias of -inf")
             out = ops.context_parallel_attention(
                 query.astype(compute_dtype), key.astype(compute_dtype), value.astype(compute_dtype),
                 strategy=self.context_parallel, q_spec=nn.logical_to_mesh_axes(Q_AXES),
                 kv_spec=nn.logical_to_mesh_axes(KV_AXES), mask_type=self.attn_mask_type,
                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
                 logits_soft_cap=self.logits_soft_cap, load_balanced=self.context_parallel_load_balanced,
+                bias=bias, window_size=self.window_size, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
             ).astype(self.dtype)
             return jnp.swapaxes(out, 0, 1) if self.transpose_batch_sequence else out
         out = ops.attention(
@@ -426,6 +425,10 @@ class MultiHeadAttention(nn.Module):
         initialisation instead (``scaled_query_init``); standard scaled attention (GPT, BERT,
         Llama and their checkpoints) is ``scale_attn_logits=True, scaled_query_init=False``.
       scaled_query_init: divide the query kernel's initial values by ``sqrt(head_dim)``.
+      collective_matmul: under sequence parallelism, the Q/K/V projections (column-parallel) and the
+        output projection (row-parallel) run with their all-gather / reduce-scatter decomposed into
+        ``ppermute`` steps overlapped with partial GEMMs (`DenseGeneral.collective_matmul`); not
+        while decoding, not with FP8.
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -460,6 +463,7 @@ class MultiHeadAttention(nn.Module):
     logits_soft_cap: float | None = None
     context_parallel: str | None = None
     context_parallel_load_balanced: bool = True
+    collective_matmul: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -505,7 +509,8 @@ class MultiHeadAttention(nn.Module):
                              + ("" if self_attention else f", inputs_kv {inputs_kv.shape}"))
         hidden = inputs_q.shape[-1]
         heads = self.num_attention_heads
-        dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype,
+                     collective_matmul=self.collective_matmul and not decode and paged_kv is None)
         qkv_dense = {**dense, "use_bias": self.use_bias or self.qkv_bias}
         norm = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                     epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma)

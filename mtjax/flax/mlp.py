@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import axes, fp8, ops
+from mtjax.flax.dense import sequence_parallel_axes
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, contract, flat_kernel_init, param_with_axes
 
@@ -81,21 +82,6 @@ class LayerNormMLP(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
-    def _sequence_parallel_axes(self, inputs: jax.Array):
-        """``(batch mesh axes, sequence-parallel axis)`` when `collective_matmul` applies to ``inputs``
-        (the rules split the residual stream's length over one mesh axis of size > 1), else None."""
-        if not self.collective_matmul or inputs.ndim != 3:
-            return None
-        mesh = jax.sharding.get_abstract_mesh()
-        spec = nn.logical_to_mesh_axes(axes.BATCH_LENGTH_EMBED)
-        sequence_axis = spec[1]
-        if mesh.empty or not isinstance(sequence_axis, str) or sequence_axis not in mesh.axis_names or \
-                dict(zip(mesh.axis_names, mesh.axis_sizes))[sequence_axis] == 1:
-            return None
-        if fp8.current_autocast() is not None:
-            raise ValueError("LayerNormMLP: collective_matmul=True does not support FP8 (fp8_autocast)")
-        return spec[0], sequence_axis
-
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False, residual: jax.Array | None = None,
                  ) -> tuple[jax.Array, ...]:
@@ -105,7 +91,7 @@ class LayerNormMLP(nn.Module):
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
         hidden = inputs.shape[-1]
         # fc1 applies the norm unless the normalized input is returned too (or a residual is added first).
-        collective = self._sequence_parallel_axes(inputs)
+        collective = sequence_parallel_axes("LayerNormMLP", self.collective_matmul, inputs)
         x, norm, new_residual = input_norm(self, inputs.astype(self.dtype), residual,
                                            apply_now=self.return_layernorm_output or collective is not None)
         wi = param_with_axes(self, "wi_kernel", flat_kernel_init(self.kernel_init, 1),

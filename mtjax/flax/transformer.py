@@ -122,8 +122,9 @@ class TransformerLayer(nn.Module):
       logits_soft_cap: attention logit soft cap.
       context_parallel, context_parallel_load_balanced: self-attention over a sequence split on the
         ``cp`` mesh axis (`DotProductAttention`).
-      collective_matmul: the MLP's GEMMs overlap their sequence-parallel collectives
-        (`LayerNormMLP.collective_matmul`).
+      collective_matmul: the attention projections' and the MLP's GEMMs overlap their
+        sequence-parallel collectives (`MultiHeadAttention.collective_matmul`,
+        `LayerNormMLP.collective_matmul`).
       dtype: compute and output dtype.
       param_dtype: parameter dtype.
     """
@@ -257,7 +258,7 @@ class TransformerLayer(nn.Module):
             bias_init=self.bias_init,
             fuse_qkv_params=self.fuse_qkv_params, scale_attn_logits=self.scale_attn_logits,
             scaled_query_init=self.scaled_query_init, float32_logits=self.float32_attention_logits,
-            dtype=self.dtype, param_dtype=self.param_dtype,
+            collective_matmul=self.collective_matmul, dtype=self.dtype, param_dtype=self.param_dtype,
         )
         hidden_dropout = nn.Dropout(rate=self.hidden_dropout, broadcast_dims=tuple(self.hidden_dropout_dims),
                                     rng_collection=self.dropout_rng_name)

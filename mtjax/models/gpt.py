@@ -82,9 +82,10 @@ class GPTConfig:
         final hidden states back, so inputs and logits stay in natural order. None: off.
       cross_attention: every layer also attends to ``encoded`` (`GPT`'s argument: a vision-language
         model's image tokens), a `mtjax.flax.TransformerLayer` of type DECODER.
-      collective_matmul: with sequence parallelism (``MeshConfig(tp=..., sp=True)``), the MLPs'
-        all-gather / reduce-scatter run as ``ppermute`` steps overlapped with partial GEMMs
-        (`mtjax.flax.LayerNormMLP.collective_matmul`; not with FP8).
+      collective_matmul: with sequence parallelism (``MeshConfig(tp=..., sp=True)``), the
+        all-gathers before the QKV projections and fc1 and the reduce-scatters after the output
+        projections and fc2 run as ``ppermute`` steps overlapped with partial GEMMs
+        (`mtjax.flax.TransformerLayer.collective_matmul`; not with FP8).
       init_std: standard deviation of the normal initializer of kernels and embeddings.
       scan_layers: ``nn.scan`` over the layers (one compiled layer; parameters stacked on ``"layers"``).
       remat_policy: one of `mtjax.models.REMAT_POLICIES` (``"none"``, ``"full"``, ``"dots"``, ...).

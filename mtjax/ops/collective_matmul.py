@@ -48,11 +48,12 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str = "tp") -> j
 
     Args:
       x: this device's sequence shard ``[batch, seq / tp, in]``.
-      w: this device's column block ``[in, ..., out / tp]`` (e.g. a gated MLP's ``[in, 2, mlp / tp]``).
+      w: this device's column block ``[in, ...]`` (e.g. a gated MLP's ``[in, 2, mlp / tp]``, a QKV
+        projection's ``[in, 3, heads / tp, head_dim]``).
     Returns:
-      ``[batch, seq, ..., out / tp]``: the whole sequence against this device's columns.
+      ``[batch, seq, ...]``: the whole sequence against this device's columns.
     """
-    _check("all_gather_matmul", x, w, max_rank=3)
+    _check("all_gather_matmul", x, w, max_rank=4)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     shard = x.shape[1]
     # Shards travel to the previous device: after k hops this device holds device me + k's.
@@ -93,25 +94,31 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name: str = "tp") 
 
 
 def sequence_parallel_matmul(x: jax.Array, w: jax.Array, *, kind: str, batch_axes: str | tuple[str, ...] | None = None,
-                             axis_name: str = "tp") -> jax.Array:
+                             axis_name: str = "tp", w_split_axis: int = -1) -> jax.Array:
     """`all_gather_matmul` (``kind="all_gather"``: column-parallel, ``x`` split on its sequence and
-    ``w`` on its columns over ``axis_name``) or `matmul_reduce_scatter` (``"reduce_scatter"``: row-
-    parallel, ``x`` split on its features and ``w`` on its rows; the result split on its sequence)
-    of global arrays under the mesh in force (``jax.set_mesh``).
+    ``w`` on one output axis over ``axis_name``) or `matmul_reduce_scatter` (``"reduce_scatter"``:
+    row-parallel, ``x`` split on its features and ``w`` on its rows; the result split on its
+    sequence) of global arrays under the mesh in force (``jax.set_mesh``).
 
     Args:
       batch_axes: the mesh axes splitting the batch (e.g. ``("dp", "fsdp")``); other axes replicate.
+      w_split_axis: with ``"all_gather"``, the output axis of ``w [in, ...]`` split over
+        ``axis_name`` (default the last; e.g. 2, the heads, of a QKV kernel ``[in, 3, heads, head_dim]``).
     """
     check_choice("sequence_parallel_matmul", "kind", kind, COLLECTIVE_MATMUL_KINDS)
-    _check("sequence_parallel_matmul", x, w, max_rank=3 if kind == "all_gather" else 2)
+    _check("sequence_parallel_matmul", x, w, max_rank=4 if kind == "all_gather" else 2)
     mesh = get_abstract_mesh()
     if mesh.empty or axis_name not in mesh.axis_names:
         raise ValueError(f"sequence_parallel_matmul: no mesh with a {axis_name!r} axis in force (use jax.set_mesh)")
     manual = {name for name, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
     if kind == "all_gather":
-        middle = (None,) * (w.ndim - 2)
-        fn, specs = all_gather_matmul, (P(batch_axes, axis_name, None), P(None, *middle, axis_name))
-        out = P(batch_axes, None, *middle, axis_name)
+        split = w_split_axis % w.ndim
+        if split == 0:
+            raise ValueError(f"sequence_parallel_matmul: w_split_axis={w_split_axis} must be an output axis of w "
+                             f"{w.shape} (not its input axis 0)")
+        w_spec = tuple(axis_name if i == split else None for i in range(1, w.ndim))
+        fn, specs = all_gather_matmul, (P(batch_axes, axis_name, None), P(None, *w_spec))
+        out = P(batch_axes, None, *w_spec)
     else:
         fn, specs = matmul_reduce_scatter, (P(batch_axes, None, axis_name), P(axis_name, None))
         out = P(batch_axes, axis_name, None)

@@ -87,40 +87,57 @@ def test_errors(arrays):
         ops.sequence_parallel_matmul(x[0], w1, kind="all_gather")
 
 
-@pytest.mark.parametrize("activations", [("silu", "linear"), ("gelu",)], ids=["swiglu", "gelu"])
-def test_layernorm_mlp_with_collective_matmul_equals_single_device(activations):
+def _check_against_single_device(plain, collective, x, config):
+    """``collective`` (a module with ``collective_matmul=True``) under ``config``'s mesh: the loss
+    and gradients of ``plain`` on one device, and a forward with collective-permutes only."""
     import flax.linen as nn
 
     from mtjax.axes import BATCH_LENGTH_EMBED
-    from mtjax.flax import LayerNormMLP
     from mtjax.sharding import jit_sharded, logical_axis_rules, logical_shardings, named_sharding, shard_variables
 
-    x = jax.random.normal(jax.random.key(0), (4, 8, 16))
-    cotangent = jax.random.normal(jax.random.key(1), (4, 8, 16))
+    cotangent = jax.random.normal(jax.random.key(1), x.shape)
 
     def grad_fn(module):
         def loss(variables, x):
             return jnp.sum(module.apply(variables, x, deterministic=True)[0] * cotangent)
         return jax.value_and_grad(loss, argnums=(0, 1))
 
-    kwargs = dict(intermediate_dim=32, activations=activations, use_bias=True, intermediate_dropout_rate=0.0)
-    plain, collective = LayerNormMLP(**kwargs), LayerNormMLP(**kwargs, collective_matmul=True)
     boxed = jax.jit(lambda k, x: plain.init(k, x, deterministic=True))(jax.random.key(2), x)
     want_loss, (want_grads, want_dx) = jax.jit(grad_fn(plain))(nn.meta.unbox(boxed), x)
     assert jax.jit(grad_fn(collective))(nn.meta.unbox(boxed), x)[0] == pytest.approx(want_loss)  # no mesh: plain
 
-    config = MeshConfig(dp=2, tp=4, sp=True)
     mesh, rules = config.make_mesh(), logical_axis_rules(config)
     x_sharding = named_sharding(mesh, rules, BATCH_LENGTH_EMBED)
-    step = jit_sharded(grad_fn(collective), mesh=mesh, rules=rules,
-                       in_shardings=(logical_shardings(boxed, mesh, rules), x_sharding))
+    shardings = logical_shardings(boxed, mesh, rules)
     args = shard_variables(boxed, mesh, rules), jax.device_put(x, x_sharding)
-    loss, (grads, dx) = step(*args)
+    loss, (grads, dx) = jit_sharded(grad_fn(collective), mesh=mesh, rules=rules,
+                                    in_shardings=(shardings, x_sharding))(*args)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     forward = jit_sharded(lambda v, x: collective.apply(v, x, deterministic=True)[0], mesh=mesh, rules=rules,
-                          in_shardings=(logical_shardings(boxed, mesh, rules), x_sharding))
+                          in_shardings=(shardings, x_sharding))
     kinds = _collectives(forward.lower(*args).compile().as_text())
     assert "collective-permute" in kinds and "all-gather" not in kinds and "reduce-scatter" not in kinds
+
+
+@pytest.mark.parametrize("activations", [("silu", "linear"), ("gelu",)], ids=["swiglu", "gelu"])
+def test_layernorm_mlp_with_collective_matmul_equals_single_device(activations):
+    from mtjax.flax import LayerNormMLP
+
+    kwargs = dict(intermediate_dim=32, activations=activations, use_bias=True, intermediate_dropout_rate=0.0)
+    _check_against_single_device(LayerNormMLP(**kwargs), LayerNormMLP(**kwargs, collective_matmul=True),
+                                 jax.random.normal(jax.random.key(0), (4, 8, 16)), MeshConfig(dp=2, tp=4, sp=True))
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["fused-qkv", "gqa-query-kv"])
+def test_attention_with_collective_matmul_equals_single_device(gqa):
+    """QKV (column-parallel) and out (row-parallel) projections with the decomposed collectives."""
+    from mtjax.flax import MultiHeadAttention
+
+    kwargs = dict(head_dim=8, num_attention_heads=4, num_gqa_groups=2 if gqa else None, use_bias=True,
+                  layernorm_type="rmsnorm")
+    _check_against_single_device(MultiHeadAttention(**kwargs), MultiHeadAttention(**kwargs, collective_matmul=True),
+                                 jax.random.normal(jax.random.key(0), (4, 8, 32)),
+                                 MeshConfig(dp=4, tp=2, sp=True) if gqa else MeshConfig(dp=2, tp=4, sp=True))

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtjax import ops
 from mtjax.config import override
+from mtjax.flax import DotProductAttention
 from mtjax.models import GPT, GPTConfig, gpt_config
 from mtjax.sharding import (
     MeshConfig,
@@ -229,6 +230,50 @@ def test_context_parallel_attention_equals_unsharded(strategy, mesh_config, mask
         _close(a, b, name=name)
 
 
+POSITIONAL_CASES = [
+    # (strategy, mesh, mask_type, window_size, dropout_rate, bias shape)
+    ("ring", MeshConfig(dp=2, cp=4), "causal", (5, 0), 0.3, (1, H, S, S)),
+    ("all_gather", MeshConfig(cp=2, tp=2, dp=2), "padding_causal", (3, -1), 0.2, None),
+    ("ring", MeshConfig(cp=2, tp=2, dp=2), "no_mask", (2, 3), 0.0, (B, 1, S, S)),
+]
+
+
+@pytest.mark.parametrize("strategy,mesh_config,mask_type,window_size,dropout_rate,bias_shape", POSITIONAL_CASES,
+                         ids=["ring-window-dropout-bias", "all_gather-window-dropout-segments", "ring-window-bias"])
+def test_context_parallel_window_dropout_and_bias_equal_unsharded(strategy, mesh_config, mask_type, window_size,
+                                                                  dropout_rate, bias_shape):
+    """The same mask, dropout draw and bias gradient as the unsharded op, forward and backward."""
+    q, k, v, do = _qkv(5)
+    seg = SEGMENTS if mask_type.startswith("padding") else None
+    bias = None if bias_shape is None else jax.random.normal(jax.random.key(6), bias_shape)
+    rng = jax.random.key(7)
+    kwargs = dict(mask_type=mask_type, window_size=window_size, dropout_rate=dropout_rate, dropout_rng=rng)
+
+    def unsharded(q, k, v, bias):
+        return ops.attention(q, k, v, bias=bias, q_segment_ids=seg, kv_segment_ids=seg, **kwargs)
+
+    want, vjp = jax.vjp(unsharded, q, k, v, bias)
+    want_grads = vjp(do)
+    cp, causal = mesh_config.cp, mask_type.endswith("causal")
+    to_layout = (lambda x, axis=1: reorder_causal_load_balancing(x, cp, axis)) if causal else (lambda x, axis=1: x)
+    spec = P(("dp", "fsdp"), "cp", "tp")
+
+    def sharded(q, k, v, bias):
+        seg_layout = None if seg is None else to_layout(seg)
+        out = ops.context_parallel_attention(
+            to_layout(q), to_layout(k), to_layout(v), strategy=strategy, q_spec=spec, kv_spec=spec,
+            q_segment_ids=seg_layout, kv_segment_ids=seg_layout,
+            bias=None if bias is None else to_layout(to_layout(bias, 2), 3), **kwargs)
+        return inverse_reorder_causal_load_balancing(out, cp) if causal else out
+
+    with jax.set_mesh(mesh_config.make_mesh()):
+        got, vjp = jax.vjp(jax.jit(sharded), q, k, v, bias)
+        got_grads = vjp(do)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), (got, *got_grads), (want, *want_grads)):
+        if b is not None:
+            _close(a, b, name=name)
+
+
 def test_ring_through_the_flash_kernel():
     """The ring with every block through the Pallas kernel (interpret mode), forward and backward."""
     q, k, v, do = _qkv(4)
@@ -273,6 +318,17 @@ def test_context_parallel_errors():
             ops.context_parallel_attention(q[:, :8], k[:, :8], v[:, :8], q_spec=spec, kv_spec=spec)
         with pytest.raises(ValueError, match="needs q/kv_segment_ids"):
             ops.context_parallel_attention(q, k, v, q_spec=spec, kv_spec=spec, mask_type="padding")
+        with pytest.raises(ValueError, match="bias has shape \\(1, 4, 16\\); expected"):
+            ops.context_parallel_attention(q, k, v, q_spec=spec, kv_spec=spec, bias=jnp.zeros((1, H, S)))
+        with pytest.raises(ValueError, match="needs dropout_rng"):
+            jax.jit(lambda q: ops.context_parallel_attention(q, k, v, q_spec=spec, kv_spec=spec, dropout_rate=0.1))(q)
+        with pytest.raises(ValueError, match="implementation='pallas_triton': with a window"):
+            jax.jit(lambda q: ops.context_parallel_attention(q, k, v, q_spec=spec, kv_spec=spec, window_size=(2, 0),
+                                                             implementation="pallas_triton"))(q)
+    attend = DotProductAttention(head_dim=D, num_attention_heads=H, num_gqa_groups=KH, context_parallel="ring")
+    config = MeshConfig(cp=8)
+    with use_mesh(config.make_mesh(), logical_axis_rules(config)), pytest.raises(ValueError, match="explicit mask"):
+        attend.apply({}, q, k, v, jnp.ones((1, 1, S, S), bool))
 
 
 # -------------------------------------------------------------------------------------------------- a whole GPT
@@ -319,6 +375,32 @@ def test_gpt_loss_and_grads_equal_single_device(boxed, references, strategy, mes
                        in_shardings=(shardings, tokens_sharding), out_shardings=(None, shardings))
     loss, grads = step(shard_variables(boxed, mesh, rules), jax.device_put(TOKENS, tokens_sharding))
     want_loss, want_grads = references[with_segments]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+
+def test_gpt_with_window_and_attention_dropout_equals_single_device(boxed):
+    """A sliding window and attention dropout under cp: the same loss and gradients (the same dropout draw)."""
+    config = GPTConfig(**{**CONFIG.__dict__, "window_size": (5, 0), "attention_dropout": 0.2})
+    rngs = {"dropout": jax.random.key(3)}
+
+    def loss_fn(model):
+        def loss(variables, tokens):
+            logits = model.apply(variables, tokens[:, :-1], deterministic=False, rngs=rngs)
+            logp = jax.nn.log_softmax(logits)
+            return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+        return jax.value_and_grad(loss)
+
+    want_loss, want_grads = jax.jit(loss_fn(GPT(config)))(nn.meta.unbox(boxed), TOKENS)
+    mesh_config = MeshConfig(dp=2, cp=4)
+    mesh, rules = mesh_config.make_mesh(), logical_axis_rules(mesh_config)
+    shardings = logical_shardings(boxed, mesh, rules)
+    tokens_sharding = named_sharding(mesh, rules, ("activation_batch", None))
+    step = jit_sharded(loss_fn(GPT(GPTConfig(**{**config.__dict__, "context_parallel": "ring"}))), mesh=mesh,
+                       rules=rules, in_shardings=(shardings, tokens_sharding), out_shardings=(None, shardings))
+    loss, grads = step(shard_variables(boxed, mesh, rules), jax.device_put(TOKENS, tokens_sharding))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

@@ -147,6 +147,26 @@ def test_pipeline_matches_unpipelined(problem, mesh_config, schedule):
         np.testing.assert_allclose(jax.jit(loss)(params, x, head), expected_loss, rtol=1e-5)
 
 
+
+def test_dualpipev_computes_two_microbatches_forward_and_backward_in_one_step(problem):
+    """DualPipeV's steady state: every tick runs the F of one (chunk, micro-batch) and the B and W of
+    another in one loop body with no conditional between them (so XLA may overlap one's hand-offs with the other's
+    compute); the only conditionals left are the loss's, in segments where some ticks have none."""
+    params, x, head, labels, _ = problem
+    schedule, mesh = DualPipeV(8), MeshConfig(pp=4, dp=2).make_mesh()
+    timeline = schedule.timeline(4)
+    segments = timeline.segments()
+    steady = max(segments, key=lambda s: s.stop - s.start)
+    assert (steady.forward, steady.backward, steady.weights) == (True, True, True)
+    assert steady.stop - steady.start >= 8 and len(segments) <= 5
+    both = [int(((timeline.f_mb[t] >= 0) & (timeline.b_mb[t] >= 0)).sum()) for t in range(steady.start, steady.stop)]
+    assert min(both) >= 1 and max(both) == 4  # a device with an F and a B at every tick; all four at the peak
+    grad = jax.grad(lambda p, x, h: pipeline_loss(layer, p, x, head_loss, h, labels, mesh=mesh, schedule=schedule),
+                    argnums=(0, 1, 2))
+    text = jax.jit(grad).lower(params, x, head).as_text()
+    assert text.count("stablehlo.case") == sum(s.loss == "sometimes" for s in segments) == 1
+    assert text.count("stablehlo.if") == 0
+
 def test_1f1b_memory_stays_bounded():
     """Compiled temporary memory as the micro-batches go from 4 to 16 (of a fixed size): GPipe's
     grows by a stashed activation and an output gradient per micro-batch on top of what every

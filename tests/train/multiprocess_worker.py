@@ -2,9 +2,9 @@
 
     python -m tests.train.multiprocess_worker PROCESS_ID NUM_PROCESSES PORT CHECKPOINT_DIR
 
-joins the job on localhost:PORT (each process has 4 CPU devices), trains `TinyLM` for `STEPS` steps
-on one 8-device data-parallel mesh, each process loading only its rows of every batch, saves a
-checkpoint and prints the losses as JSON (process 0).
+joins the job on localhost:PORT (each process has 4 CPU devices) with a peer watch, trains `TinyLM`
+for `STEPS` steps on one 8-device data-parallel mesh, each process loading only its rows of every
+batch, saves a checkpoint and prints the losses as JSON (process 0).
 """
 
 import json
@@ -56,6 +56,9 @@ if __name__ == "__main__":
     import jax
 
     assert jax.device_count() == 8 and jax.local_device_count() == 8 // num_processes
+    # The peer watch runs through the whole job and lets both processes finish normally.
+    peers = distributed.watch_peers(60, on_lost=lambda reason: print(f"peer lost: {reason}", file=sys.stderr))
     losses = train(directory)
+    peers.close()
     if process_id == 0:
         print(json.dumps(losses), flush=True)

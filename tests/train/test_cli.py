@@ -109,6 +109,8 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     (["--tokenizer", "bpe"], "--tokenizer"),
     (["--eval-batches", "100"], "too few"),
     (["--num-processes", "2"], "coordinator_address"),
+    (["--cp", "3"], "--seq-len 32 must be a multiple of 2 * --cp = 6"),
+    (["--cp", "16"], "MeshConfig: pp=1 * dp=1 * fsdp=1 * ep=1 * cp=16 * tp=1 = 16 devices, but 8 are available"),
 ])
 def test_bad_flags_get_a_clear_message(flags, message, corpus, tmp_path, capsys):
     argv = ["train", "--data", corpus, "--workdir", str(tmp_path), "--seq-len", "32", "--no-progress", *flags]
@@ -146,3 +148,4 @@ def test_data_that_is_not_utf8_is_an_error_unless_replace_is_asked(corpus, tmp_p
     assert main(argv) == 2
     assert "latin1.txt: not UTF-8 text (byte 3" in capsys.readouterr().err
     assert main([*argv, "--data-errors", "replace", "--steps", "1", "--save-every", "0"]) == 0
+

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -77,3 +78,64 @@ def test_process_rows_of_a_single_process_is_the_whole_batch():
     batch = distributed.global_batch({"inputs": np.arange(16).reshape(8, 2)}, sharding, 8)
     assert batch["inputs"].sharding == sharding
     np.testing.assert_array_equal(batch["inputs"], np.arange(16).reshape(8, 2))
+
+
+class _Store:
+    """The coordination service's key-value store, in memory."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.values
+        self.values[key] = value
+
+    def key_value_dir_get(self, directory):
+        return [(key, value) for key, value in self.values.items() if key.startswith(directory)]
+
+
+def _watches(num_processes, timeout=10.0):
+    """One `PeerWatch` per process over one store and one clock (no threads; polls by hand)."""
+    store, now, lost, exits = _Store(), [0.0], {}, {}
+    watches = [distributed.PeerWatch(store, p, num_processes, timeout, interval=1.0, clock=lambda: now[0],
+                                     on_lost=lambda reason, p=p: lost.setdefault(p, reason),
+                                     exit=lambda status, p=p: exits.setdefault(p, status))
+               for p in range(num_processes)]
+    return watches, now, lost, exits
+
+
+def test_peer_watch_gives_every_survivor_the_verdict_on_a_silent_process():
+    watches, now, _, _ = _watches(3)
+    for t in range(1, 10):  # all beat: no verdict
+        now[0] = float(t)
+        assert [w.poll() for w in watches] == [None, None, None]
+    for t in range(10, 30):  # process 2 goes silent; process 0 saw its last beat at t=10
+        now[0] = float(t)
+        verdicts = [w.poll() for w in watches[:2]]
+        if verdicts[0] is not None:
+            break
+    assert t == 21
+    assert verdicts[0] == verdicts[1] == "process 2 sent no heartbeat for 11 s: it died or became unreachable"
+
+
+def test_peer_watch_reports_a_failed_process_at_once_and_ignores_a_finished_one():
+    watches, now, lost, exits = _watches(3)
+    watches[2].close()  # finished normally: never reported
+    watches[1].fail("it stopped with exit status 1")
+    assert exits == {1: 1} and lost == {}  # the failing process reported itself
+    now[0] = 1.0
+    assert watches[0].poll() == "process 1 failed: it stopped with exit status 1"
+    now[0] = 100.0
+    assert watches[0].poll() == "process 1 failed: it stopped with exit status 1"
+
+
+def test_peer_watch_process_0_leaves_after_the_others():
+    watches, _, lost, exits = _watches(2)  # the clock stands still: process 0 waits for the acknowledgement
+    leaving = threading.Thread(target=watches[0].fail, args=("step 3 diverged",))
+    leaving.start()
+    while 1 not in exits:
+        watches[1].check()
+    leaving.join(timeout=30)
+    assert exits == {0: 1, 1: 1} and lost == {1: "process 0 failed: step 3 diverged"}
+    with pytest.raises(ValueError, match="peer_timeout_seconds"):
+        distributed.initialize("localhost:1234", 2, 0, peer_timeout_seconds=0)
