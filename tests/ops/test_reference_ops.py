@@ -32,7 +32,7 @@ def directional_derivative_check(f_jax, f_np, args, argnum, seed, rtol=2e-3):
         new[argnum] = x
         return jnp.sum(f_jax(*new).astype(jnp.float32) * w.astype(np.float32))
 
-    g = np.asarray(jax.grad(loss)(jnp.asarray(args[argnum])), np.float64)
+    g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(args[argnum])), np.float64)  # one compile, not one per op
     eps = 1e-5
 
     def np_loss(delta):
@@ -189,7 +189,7 @@ def test_attention_matches_numpy(case):
         return ops.attention(q, k, v, bias=None if bias is None else jnp.asarray(bias), mask_type=c["mask_type"],
                              window_size=c["window"], logits_soft_cap=c["soft_cap"], **kwargs)
 
-    out = f(q, k, v)
+    out = jax.jit(f)(q, k, v)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     fn = lambda q, k, v: npref.attention(q, k, v, bias=bias, keep=keep, scale=scale, soft_cap=c["soft_cap"])
     for argnum in range(3):
