@@ -14,6 +14,7 @@ from flax.core import FrozenDict
 from jax.sharding import PartitionSpec
 
 from mtjax import axes, fp8, ops
+from mtjax.dtypes import check_fp8_dtype
 from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
@@ -165,6 +166,10 @@ class MoEBlock(nn.Module):
       capacity_factor: None: dropless; else each expert takes at most ``ceil(capacity_factor *
         tokens * experts_per_token / num_experts)`` of a device's rows, the rest is dropped (counted in
         ``dropped_fraction``; the residual stream carries the token on).
+      dispatch_dtype: None: tokens travel to their experts' devices in ``dtype``; an FP8 dtype
+        (``jnp.float8_e4m3fn``): the expert-parallel dispatch sends them in it, scaled per 1x128 tile
+        (`mtjax.sharding.expert.dispatch`'s ``payload_dtype``, DeepEP's FP8 dispatch). The combine and
+        the gradients stay in ``dtype``. Used only on a mesh with an ``ep`` axis.
       intermediate_dropout_rate: dropout after the shared experts' activation (the routed experts
         have none).
       intermediate_dropout_rng_name: its rng collection.
@@ -193,6 +198,7 @@ class MoEBlock(nn.Module):
     load_balancing_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.0
     capacity_factor: float | None = None
+    dispatch_dtype: Dtype | None = None
     intermediate_dropout_rate: float = 0.0
     intermediate_dropout_rng_name: str = "dropout"
     enable_layernorm: bool = True
@@ -240,6 +246,8 @@ class MoEBlock(nn.Module):
                 raise ValueError(f"{owner}: {name}={getattr(self, name)!r}; expected a number >= 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"{owner}: capacity_factor={self.capacity_factor!r}; expected None or a number > 0")
+        if self.dispatch_dtype is not None:
+            check_fp8_dtype(owner, self.dispatch_dtype, "dispatch_dtype")
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
             raise ValueError(f"{owner}: intermediate_dropout_rate={self.intermediate_dropout_rate}; "
                              "expected 0 <= rate < 1")
@@ -366,7 +374,7 @@ class MoEBlock(nn.Module):
             if expert_capacity is not None:  # a chunk holds at most local_experts * expert_capacity rows
                 capacity = min(capacity, local_experts * expert_capacity)
             x_local, local_sizes, dispatch_state = expert_parallel.dispatch(
-                x_sorted, group_sizes, axis_name=ep_axis, capacity=capacity)
+                x_sorted, group_sizes, axis_name=ep_axis, capacity=capacity, payload_dtype=self.dispatch_dtype)
             y_local = expert_mlp(x_local, local_sizes, wi, wo, activation)
             y_sorted = expert_parallel.combine(y_local, dispatch_state, axis_name=ep_axis, rows=rows)
         if mlp_axes:  # partial sums of the second GEMM over the split expert columns

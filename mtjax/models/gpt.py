@@ -114,6 +114,8 @@ class GPTConfig:
       router_z_loss_weight: coefficient of the router z-loss.
       capacity_factor: None: dropless; else each expert takes at most ``capacity_factor`` times its
         even share of a device's tokens (`mtjax.flax.MoEBlock.capacity_factor`).
+      moe_dispatch_dtype: None, or the FP8 dtype the expert-parallel dispatch sends tokens in
+        (`mtjax.flax.MoEBlock.dispatch_dtype`).
     """
 
     vocab_size: int = 256
@@ -170,6 +172,7 @@ class GPTConfig:
     load_balancing_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.0
     capacity_factor: float | None = None
+    moe_dispatch_dtype: Any = None
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -215,7 +218,7 @@ class GPTConfig:
         fields = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("dtype", "param_dtype"):
+            if field.name in ("dtype", "param_dtype", "moe_dispatch_dtype") and value is not None:
                 value = jnp.dtype(value).name
             elif isinstance(value, RopeScaling):
                 value = dataclasses.asdict(value)
@@ -234,7 +237,7 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"{cls.__name__}.from_dict: unknown fields {unknown}")
         fields = dict(fields)
-        for name in ("dtype", "param_dtype"):
+        for name in ("dtype", "param_dtype", "moe_dispatch_dtype"):
             if isinstance(fields.get(name), str):
                 fields[name] = getattr(jnp, jnp.dtype(fields[name]).name)
         if isinstance(fields.get("rope_scaling"), dict):
@@ -265,7 +268,8 @@ class GPTConfig:
                     expert_group_top_k=self.expert_group_top_k, normalize_weights=self.normalize_router_weights,
                     routed_scaling_factor=self.routed_scaling_factor, use_expert_bias=self.use_expert_bias,
                     load_balancing_loss_weight=self.load_balancing_loss_weight,
-                    router_z_loss_weight=self.router_z_loss_weight, capacity_factor=self.capacity_factor)
+                    router_z_loss_weight=self.router_z_loss_weight, capacity_factor=self.capacity_factor,
+                    dispatch_dtype=self.moe_dispatch_dtype)
 
     def _moe_mlp_params(self, experts: int) -> int:
         """Parameters of one MoE layer's MLP counting ``experts`` routed experts (router and shared included)."""

@@ -14,7 +14,7 @@ from flax.core import meta
 
 from mtjax.cli import main
 from mtjax.flax import MOE_LOSSES, MOE_METRICS
-from mtjax.models import GPT, gpt_config
+from mtjax.models import GPT, GPTConfig, gpt_config
 from mtjax.sharding import MeshConfig, logical_axis_rules
 from mtjax.train.state import abstract_train_state, init_train_state
 from mtjax.train.step import make_train_step
@@ -182,3 +182,13 @@ def test_large_preset_trains_on_one_gpu_at_sequence_2048(preset):
         state, metrics = step(state, batch)
     metrics = jax.device_get(metrics)
     assert np.isfinite(metrics["loss"]) and metrics["moe_expert_load"].shape == (cfg.num_experts,)
+
+
+def test_config_with_fp8_dispatch_round_trips_through_its_dict():
+    config = gpt_config("moe-tiny", moe_dispatch_dtype=jnp.float8_e4m3fn)
+    fields = json.loads(json.dumps(config.to_dict()))           # what a checkpoint's meta stores
+    assert fields["moe_dispatch_dtype"] == "float8_e4m3fn"
+    assert GPTConfig.from_dict(fields) == config
+    assert GPTConfig.from_dict(gpt_config("moe-tiny").to_dict()).moe_dispatch_dtype is None
+    with pytest.raises(TypeError, match="dispatch_dtype"):
+        gpt_config("moe-tiny", moe_dispatch_dtype=jnp.bfloat16)
