@@ -16,6 +16,7 @@ from mtjax.train.distributed import global_batch, initialize, process_rows
 from mtjax.train.state import TrainState, abstract_train_state, batch_sharding, init_train_state
 from mtjax.train.step import (
     check_token_ids,
+    classification_loss,
     make_eval_step,
     make_optimizer,
     make_train_step,
@@ -36,7 +37,8 @@ __all__ = [
     "DataIterator", "PackedDataset", "default_corpus",
     "global_batch", "initialize", "process_rows",
     "TrainState", "abstract_train_state", "batch_sharding", "init_train_state",
-    "check_token_ids", "make_eval_step", "make_optimizer", "make_train_step", "next_token_loss", "throughput",
+    "check_token_ids", "classification_loss", "make_eval_step", "make_optimizer", "make_train_step",
+    "next_token_loss", "throughput",
     "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "Tokenizer", "find_tokenizer", "load_tokenizer",
 ]
 
