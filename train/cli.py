@@ -52,6 +52,7 @@ CONTEXT_PARALLEL_STRATEGIES = ("ring", "all_gather")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``mtjax train`` flags; unset ones take the preset's value."""
+    from mtjax.fp8 import RECIPE_NAMES
     from mtjax.models import REMAT_POLICIES
     from mtjax.xla_flags import XLA_PRESETS
 
@@ -69,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default 0.1)")
     run.add_argument("--clip-norm", type=positive_float, default=1.0, help="gradient global-norm clip (default 1)")
     run.add_argument("--seed", type=non_negative_int, help="initialisation, dropout and data order (default 0)")
-    run.add_argument("--fp8", action="store_true", help="FP8 GEMMs with delayed scaling (mtjax.fp8)")
+    run.add_argument("--fp8", nargs="?", const="delayed", choices=RECIPE_NAMES, metavar="RECIPE",
+                     help="FP8 GEMMs (mtjax.fp8) with this recipe: delayed (the default when the flag stands "
+                          "alone), current or block (1x128 tiles, 128x128 weight blocks)")
     run.add_argument("--remat", choices=sorted(REMAT_POLICIES), help="rematerialisation policy of the layers")
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES, default="stop",
                      help="a NaN/Inf loss or gradient norm: stop without saving (default), or skip that "
@@ -142,9 +145,10 @@ class RunConfig:
 
     Attributes mirror `mtjax.train.presets.TrainPreset`, plus ``model_overrides`` (fields changed
     from the model preset, e.g. the vocabulary padded to the tokenizer), ``tokenizer`` (its spec),
-    ``grad_accum``, ``seed`` and ``fp8``. A run started from pretrained weights (``--init-from``) has
-    ``model="pretrained"``, the whole model configuration in ``model_fields``
-    (`mtjax.models.GPTConfig.to_dict`) and the weights' folder in ``init_from``.
+    ``grad_accum``, ``seed``, ``fp8`` and ``fp8_recipe`` (a name of `mtjax.fp8.RECIPE_NAMES`). A run
+    started from pretrained weights (``--init-from``) has ``model="pretrained"``, the whole model
+    configuration in ``model_fields`` (`mtjax.models.GPTConfig.to_dict`) and the weights' folder in
+    ``init_from``.
     """
 
     preset: str
@@ -159,6 +163,7 @@ class RunConfig:
     grad_accum: int
     seed: int
     fp8: bool
+    fp8_recipe: str = "delayed"
     model_fields: dict[str, Any] | None = None
     init_from: str | None = None
 
@@ -169,7 +174,7 @@ class RunConfig:
 
 
 # RunConfig fields the saved state's structure depends on: a resume must match them.
-STATE_FIELDS = ("model", "model_overrides", "model_fields", "tokenizer", "fp8")
+STATE_FIELDS = ("model", "model_overrides", "model_fields", "tokenizer", "fp8", "fp8_recipe")
 # RunConfig fields that change what a resumed run computes, and their flags.
 RUN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--seq-len",
              "learning_rate": "--lr", "warmup_steps": "--warmup-steps", "seed": "--seed"}
@@ -232,7 +237,8 @@ def _resolve(args: argparse.Namespace, tokenizer, saved: RunConfig | None = None
         preset=args.preset, model=preset.model if model_fields is None else "pretrained", model_overrides=overrides,
         tokenizer=tokenizer.spec, batch_size=values["batch_size"], seq_len=seq_len, steps=values["steps"],
         learning_rate=values["learning_rate"], warmup_steps=values["warmup_steps"],
-        grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8, model_fields=model_fields,
+        grad_accum=values["grad_accum"], seed=values["seed"], fp8=args.fp8 is not None,
+        fp8_recipe=args.fp8 or "delayed", model_fields=model_fields,
         init_from=pretrained.source if pretrained is not None else saved.init_from if saved is not None else None)
     if saved is not None and any(getattr(saved, name) != getattr(run, name) for name in STATE_FIELDS):
         raise ValueError(f"the checkpoint in {workdir} was written with "
@@ -628,7 +634,7 @@ def _run(args: argparse.Namespace, watcher: Any) -> int:
 def _run_joined(args: argparse.Namespace, watcher: Any, peers: Any) -> int:
     from mtjax.config import config as mtjax_config
     from mtjax.config import override
-    from mtjax.fp8 import fp8_autocast
+    from mtjax.fp8 import fp8_autocast, recipe_by_name
 
     try:
         setup = _setup(args)
@@ -639,7 +645,9 @@ def _run_joined(args: argparse.Namespace, watcher: Any, peers: Any) -> int:
         print(f"mtjax train: {watcher.signal_name} before the first step: nothing trained, nothing saved")
         return 0
     # FP8 is decided when the functions are traced: creating the state and the first step.
-    with fp8_autocast(enabled=setup.config.fp8), override(debug_checks=args.debug_checks or mtjax_config.debug_checks):
+    recipe = recipe_by_name(setup.config.fp8_recipe) if setup.config.fp8 else None
+    debug_checks = args.debug_checks or mtjax_config.debug_checks
+    with fp8_autocast(enabled=setup.config.fp8, recipe=recipe), override(debug_checks=debug_checks):
         return _train(args, setup, watcher, peers)
 
 
@@ -763,8 +771,9 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
     if is_main:
         active = (f", {config.num_active_params() / 1e6:.1f}M active" if getattr(config, "num_experts", 0) else "")
         name = run_config.preset if run_config.init_from is None else f"{run_config.init_from} (--init-from)"
-        print(f"mtjax train: {name} ({config.num_params() / 1e6:.1f}M parameters{active}"
-              f"{', FP8' if run_config.fp8 else ''}) on {jax.device_count()} {jax.devices()[0].platform} device(s), "
+        fp8_note = f", FP8 {run_config.fp8_recipe} scaling" if run_config.fp8 else ""
+        print(f"mtjax train: {name} ({config.num_params() / 1e6:.1f}M parameters{active}{fp8_note}) on "
+              f"{jax.device_count()} {jax.devices()[0].platform} device(s), "
               f"mesh {dict(mesh.shape)}; {task.name}: {task.describe_data(setup.train_data, run_config.seq_len)}; "
               f"steps {step}..{run_config.steps}; writing to {setup.workdir}", flush=True)
     if setup.overridden:

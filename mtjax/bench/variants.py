@@ -22,6 +22,7 @@ from typing import Any
 
 from mtjax import backend
 from mtjax.config import override
+from mtjax.fp8 import RECIPE_NAMES, recipe_by_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +54,8 @@ DEFAULT = Setting()
 TRAIN_OPTIONS = ("compute_params",)
 
 
-def _recipes() -> dict[str, Any]:
-    from mtjax import fp8
-
-    return {"delayed": fp8.DelayedScaling(), "current": fp8.CurrentScaling(), "block": fp8.BlockScaling()}
-
-
-# ``--variant recipe=NAME``: the FP8 recipes a row can run under.
-RECIPES = ("delayed", "current", "block")
+# ``--variant recipe=NAME``: the FP8 recipes a row can run under (`mtjax.fp8.recipe_by_name`).
+RECIPES = RECIPE_NAMES
 
 
 def _text(value: Any) -> str:
@@ -129,7 +124,7 @@ def mtjax_context(fp8: bool, setting: Setting) -> Iterator[None]:
     """Enter around tracing (and init) of an mtjax row: ``fp8_autocast`` and the kernel choices."""
     from mtjax.fp8 import fp8_autocast
 
-    recipe = None if setting.recipe is None else _recipes()[setting.recipe]
+    recipe = None if setting.recipe is None else recipe_by_name(setting.recipe)
     with fp8_autocast(enabled=fp8, recipe=recipe), override(implementations=dict(setting.kernels)):
         yield
 

@@ -58,6 +58,7 @@ from mtjax.fp8.mlp import fp8_mlp, fuses_mlp
 from mtjax.fp8.recipes import (
     AMAX_COMPUTE_ALGOS,
     BLOCK_SIZE,
+    RECIPE_NAMES,
     RECIPE_TYPES,
     BlockScaling,
     CurrentScaling,
@@ -65,6 +66,7 @@ from mtjax.fp8.recipes import (
     Format,
     Recipe,
     max_margin,
+    recipe_by_name,
 )
 from mtjax.fp8.scaling import (
                                  AMAX_JUMP_FACTOR,
@@ -85,13 +87,13 @@ from mtjax.ops.quantization import cast_transpose, cast_transpose_reference, deq
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS", "AMAX_JUMP_FACTOR", "FP8_COLLECTION", "FP8_DTYPES", "MAX_SCALE", "META_KEYS", "MIN_SCALE",
-    "RECIPE_TYPES", "ROLES",
+    "RECIPE_NAMES", "RECIPE_TYPES", "ROLES",
     "BLOCK_SIZE", "Autocast", "BlockScaling", "CurrentScaling", "DelayedScaling", "DotGeneral", "Format", "Optimizer",
     "Prologue", "Recipe", "accumulate_gradients", "amax", "amax_jump", "autocast", "block_fp8_matmul",
     "cast_transpose",
     "cast_transpose_reference", "compiler_options",
     "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
-    "map_param_gradients", "max_margin", "quantize",
+    "map_param_gradients", "max_margin", "quantize", "recipe_by_name",
     "roll_amax_history", "split_gradients",
 ]

@@ -158,3 +158,19 @@ Recipe = DelayedScaling | CurrentScaling | BlockScaling
 
 # Every recipe type `fp8_autocast` and `fp8_dot_general` accept.
 RECIPE_TYPES = (DelayedScaling, CurrentScaling, BlockScaling)
+
+# The names a command line gives the recipes (`recipe_by_name`).
+RECIPE_NAMES = ("delayed", "current", "block")
+
+
+def recipe_by_name(name: str) -> Recipe:
+    """The recipe ``name`` stands for, with its default fields: ``"delayed"`` (`DelayedScaling`),
+    ``"current"`` (`CurrentScaling`) or ``"block"`` (`BlockScaling`).
+
+    Raises:
+      ValueError: another name (the message lists `RECIPE_NAMES`).
+    """
+    recipes = {"delayed": DelayedScaling, "current": CurrentScaling, "block": BlockScaling}
+    if name not in recipes:
+        raise ValueError(f"FP8 recipe {name!r}: accepted: {', '.join(RECIPE_NAMES)}")
+    return recipes[name]()

@@ -1,6 +1,7 @@
 """``mtjax train`` / ``mtjax generate`` end to end on a small corpus: SIGTERM, resume, generate, bad flags."""
 
 import json
+import math
 import os
 import signal
 import threading
@@ -149,3 +150,23 @@ def test_data_that_is_not_utf8_is_an_error_unless_replace_is_asked(corpus, tmp_p
     assert "latin1.txt: not UTF-8 text (byte 3" in capsys.readouterr().err
     assert main([*argv, "--data-errors", "replace", "--steps", "1", "--save-every", "0"]) == 0
 
+
+
+def test_fp8_block_scaling_trains_and_a_resume_must_keep_the_recipe(tmp_path, corpus, capsys):
+    workdir = str(tmp_path / "run")
+    args = ["train", "--data", corpus, "--workdir", workdir, *SMALL, "--log-every", "1", "--eval-batches", "0"]
+    assert main([*args, "--steps", "2", "--fp8", "block"]) == 0
+    assert "FP8 block scaling" in capsys.readouterr().out
+    losses = [r["loss"] for r in _records(workdir) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    # The recipe decides the saved state (delayed scaling keeps amax histories): a resume keeps it.
+    assert main([*args, "--steps", "3", "--fp8", "--resume", "--override"]) == 2
+    assert "'fp8_recipe': 'block'" in capsys.readouterr().err
+    assert main([*args, "--steps", "3", "--fp8", "block", "--resume", "--override"]) == 0
+    assert [r["step"] for r in _records(workdir) if "loss" in r] == [1, 2, 3]
+
+
+def test_fp8_recipe_must_be_known(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--fp8", "mxfp8", "--workdir", str(tmp_path)])
+    assert "invalid choice: 'mxfp8'" in capsys.readouterr().err
