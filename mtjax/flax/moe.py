@@ -77,12 +77,17 @@ def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
 
 
 def _expert_gemm(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``ops.grouped_gemm``, or its FP8 variant under `mtjax.fp8.fp8_autocast` (current scaling)."""
+    """``ops.grouped_gemm``, or under `mtjax.fp8.fp8_autocast` its FP8 variant: block-scaled for
+    `mtjax.fp8.BlockScaling`, current scaling for the per-tensor recipes."""
     x, kernel = _vary_alike(x, kernel)
     autocast = fp8.current_autocast()
     if autocast is None:
         return ops.grouped_gemm(x, kernel, group_sizes)
-    forward, gradient = autocast.recipe.fp8_format.dtypes()
+    recipe = autocast.recipe
+    forward, gradient = recipe.fp8_format.dtypes()
+    if isinstance(recipe, fp8.BlockScaling):
+        return ops.grouped_gemm_block_fp8(x, kernel, group_sizes, forward_dtype=forward, gradient_dtype=gradient,
+                                          power_of_two=recipe.power_of_two_scales, amax_epsilon=recipe.amax_epsilon)
     return ops.grouped_gemm_fp8(x, kernel, group_sizes, forward_dtype=forward, gradient_dtype=gradient)
 
 
@@ -108,8 +113,9 @@ class MoEBlock(nn.Module):
     ``experts_per_token`` of ``num_experts`` experts (`mtjax.ops.route`: optionally group-limited,
     DeepSeek-V3's expert groups, and biased by ``expert_bias`` for auxiliary-loss-free balancing);
     the tokens are sorted by expert (`mtjax.ops.permute`), each expert's MLP runs on its rows as one
-    grouped GEMM per layer (`mtjax.ops.grouped_gemm`; `mtjax.ops.grouped_gemm_fp8` with current
-    scaling under `mtjax.fp8.fp8_autocast`) and the results are combined back with the top-k
+    grouped GEMM per layer (`mtjax.ops.grouped_gemm`; under `mtjax.fp8.fp8_autocast`
+    `mtjax.ops.grouped_gemm_block_fp8` for `BlockScaling`, else `mtjax.ops.grouped_gemm_fp8` with
+    current scaling) and the results are combined back with the top-k
     weights (`mtjax.ops.unpermute`). Shared experts are one dense `LayerNormMLP` every token passes
     through, added to the routed result (DeepSeek's shared experts).
 

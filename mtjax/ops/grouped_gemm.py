@@ -20,6 +20,9 @@ scaling: a per-tensor scale for ``lhs`` and the output gradient, a per-group sca
 computed from each tensor's amax in the same step. Accumulation is float32; the dequantization scales
 multiply the float32 accumulator in the kernels' epilogue (one ``[G]`` scale per group), so no float32
 product is ever written out.
+
+`grouped_gemm_block_fp8` has `mtjax.fp8.BlockScaling`'s numerics: 1x128 tiles for the activations
+and gradients, 128x128 blocks per group for ``rhs``.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mtjax import backend
+from mtjax.dtypes import check_fp8_dtype
 from mtjax.kernels import grouped_gemm as gg_kernels
 from mtjax.kernels.common import interpret as kernel_interpret
 from mtjax.kernels.common import saturate_cast
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
+from mtjax.ops.block_quantization import TILE, block_quantize, tile_dequantize, tile_quantize
 from mtjax.ops.checks import check_choice, check_float, check_rank
 
 
@@ -356,3 +361,101 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     blocks = block_sizes or BlockSizes.default(m, k, n, g, forward_dtype)
     return _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, jnp.dtype(lhs.dtype), blocks,
                              implementation)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 with block scaling
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_blocks(rhs: jax.Array, dtype: Any, power_of_two: bool, amax_epsilon: float) -> tuple[jax.Array, jax.Array]:
+    """``rhs [G, K, N]`` cast in 128x128 blocks per group: ``(q [G, K, N], scale_inv [G, ceil(K/128),
+    ceil(N/128)])``. Each group's K is padded to whole blocks, so no block spans two groups."""
+    g, k, n = rhs.shape
+    padded = jnp.pad(rhs, ((0, 0), (0, (-k) % TILE), (0, 0)))
+    q, _, scale_inv = block_quantize(padded.reshape(-1, n), dtype, power_of_two=power_of_two,
+                                     amax_epsilon=amax_epsilon)
+    return q.reshape(g, -1, n)[:, :k], scale_inv.reshape(g, -1, scale_inv.shape[-1])
+
+
+def _group_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
+    expanded = jnp.repeat(jnp.repeat(scale_inv, TILE, axis=1), TILE, axis=2)[:, :q.shape[1], :q.shape[2]]
+    return (q.astype(jnp.float32) * expanded).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two, amax_epsilon, blocks,
+                            implementation):
+    return _grouped_gemm_block_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two,
+                                       amax_epsilon, blocks, implementation)[0]
+
+
+def _grouped_gemm_block_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two, amax_epsilon,
+                                blocks, implementation):
+    scaling = dict(power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+    # lhs in 1x128 tiles along K (forward) and, re-cut from the same values, along M (weight gradient).
+    lhs_q, lhs_scale_inv, lhs_q_t, lhs_scale_inv_t = tile_quantize(lhs, forward_dtype, transpose=True, **scaling)
+    rhs_q, rhs_scale_inv = _group_blocks(rhs, forward_dtype, power_of_two, amax_epsilon)
+    out = _gmm(tile_dequantize(lhs_q, lhs_scale_inv, lhs.dtype), _group_dequantize(rhs_q, rhs_scale_inv, lhs.dtype),
+               group_sizes, False, lhs.dtype, blocks.forward, implementation)
+    return out, (lhs_q_t, lhs_scale_inv_t, rhs_q, rhs_scale_inv, group_sizes)
+
+
+def _grouped_gemm_block_fp8_bwd(forward_dtype, gradient_dtype, power_of_two, amax_epsilon, blocks, implementation,
+                                residuals, grad):
+    lhs_q_t, lhs_scale_inv_t, rhs_q, rhs_scale_inv, group_sizes = residuals
+    dtype = grad.dtype
+    # The output gradient in 1x128 tiles along N (d lhs contracts N) and along M (d rhs contracts M).
+    grad_q, grad_scale_inv, grad_q_t, grad_scale_inv_t = tile_quantize(
+        grad, gradient_dtype, transpose=True, power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+    # d lhs = grad @ rhs[g]^T: rhs [G, K, N] read as [G, N', K'] with the contraction (N) last.
+    d_lhs = _gmm(tile_dequantize(grad_q, grad_scale_inv, dtype), _group_dequantize(rhs_q, rhs_scale_inv, dtype),
+                 group_sizes, True, dtype, blocks.dlhs, implementation)
+    d_rhs = _tgmm(tile_dequantize(lhs_q_t, lhs_scale_inv_t, dtype).T, tile_dequantize(grad_q_t, grad_scale_inv_t,
+                                                                                       dtype).T,
+                  group_sizes, dtype, blocks.wgrad, implementation)
+    return d_lhs, d_rhs, None
+
+
+_grouped_gemm_block_fp8.defvjp(_grouped_gemm_block_fp8_fwd, _grouped_gemm_block_fp8_bwd)
+
+
+def grouped_gemm_block_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                           forward_dtype: DTypeLike = jnp.float8_e4m3fn, gradient_dtype: DTypeLike = jnp.float8_e4m3fn,
+                           power_of_two: bool = False, amax_epsilon: float = 0.0,
+                           block_sizes: BlockSizes | None = None, implementation: str | None = None) -> jax.Array:
+    """`grouped_gemm` with block-scaled FP8 operands (`mtjax.fp8.BlockScaling`'s numerics); differentiable.
+
+    ``lhs`` is cast in 1x128 tiles along K, each group's ``rhs[g]`` in 128x128 blocks (K padded per
+    group, so no block spans two experts), the output gradient in 1x128 tiles along N for ``d lhs``;
+    the weight gradient contracts M, so ``lhs`` and the output gradient are cast again from their
+    own values in 1x128 tiles along M (a tile may span the boundary of two groups: one scale then
+    covers rows of both). Every scale comes from its tile's amax in this step (`mtjax.ops.tile_quantize`,
+    `mtjax.ops.block_quantize`); only FP8 values and scales are kept for the backward pass.
+
+    The three GEMMs take the dequantized operands in ``lhs.dtype`` through `grouped_gemm` (its
+    kernels, float32 accumulation): the rounding is block-scaled FP8's (a float32 ``lhs`` gives it
+    exactly; bfloat16 adds at most 2^-9 relative to each dequantized value), the speed is the bf16
+    grouped GEMM's plus the casts, not an FP8 tensor-core GEMM's.
+
+    Args:
+      lhs: ``[M, K]`` float, rows sorted by group; rhs: ``[G, K, N]`` of the same dtype.
+      group_sizes: ``[G]`` integer, ``sum <= M``.
+      forward_dtype: FP8 dtype of ``lhs`` and ``rhs``; gradient_dtype: of the output gradient.
+      power_of_two, amax_epsilon: as `mtjax.fp8.BlockScaling`'s ``power_of_two_scales`` and ``amax_epsilon``.
+      block_sizes, implementation: as in `grouped_gemm`.
+    Returns:
+      ``[M, N]`` in ``lhs.dtype``; gradients in ``lhs.dtype`` too.
+    """
+    op = "grouped_gemm_block_fp8"
+    m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, False)
+    _check_block_sizes(op, block_sizes, BlockSizes)
+    forward_dtype = check_fp8_dtype(op, forward_dtype, "forward_dtype")
+    gradient_dtype = check_fp8_dtype(op, gradient_dtype, "gradient_dtype")
+    if not isinstance(power_of_two, bool):
+        raise TypeError(f"{op}(power_of_two={power_of_two!r}): expected True or False")
+    if not (isinstance(amax_epsilon, (int, float)) and 0 <= amax_epsilon < float("inf")):
+        raise ValueError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
+    blocks = block_sizes or BlockSizes.default(m, k, n, g, lhs.dtype)
+    return _grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two,
+                                   float(amax_epsilon), blocks, implementation)

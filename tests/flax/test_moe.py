@@ -124,6 +124,29 @@ def test_fp8_grouped_gemm_under_autocast():
     assert 0 < rel < 0.1
 
 
+def test_block_scaled_grouped_gemm_under_block_scaling():
+    block = MoEBlock(num_experts=4, experts_per_token=2, expert_dim=32, enable_layernorm=False)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32))
+    params = _init(block, x)
+
+    def run(params, x):
+        (y, _), _ = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
+        return y
+
+    def under(recipe):
+        with fp8.fp8_autocast(recipe=recipe):
+            y, grads = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(run(p, x) ** 2) / 2, has_aux=False))(params, x)
+            return run(params, x), grads
+
+    y = jax.jit(run)(params, x)
+    y_block, grads = under(fp8.BlockScaling())
+    y_current, _ = under(fp8.CurrentScaling(fp8.Format.E4M3))
+    # Both recipes round to E4M3 (at most 2^-4 per operand, two GEMMs in a row); they scale differently.
+    rel = float(jnp.linalg.norm(y_block - y) / jnp.linalg.norm(y))
+    assert 0 < rel < 0.1 and not np.array_equal(np.asarray(y_block), np.asarray(y_current))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
 def test_transformer_layer_with_moe_mlp_and_fused_residual():
     layer = MoETransformerLayer(hidden_size=16, num_attention_heads=2, mlp_activations=("silu", "linear"),
                                 hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,

@@ -218,6 +218,21 @@ def test_lowers_for_cuda(dtype, fp8, persistent, monkeypatch):
     assert text.count("mtjax_grouped_gemm") >= 3  # forward, d lhs, and the weight gradient's name
 
 
+def test_block_fp8_lowers_to_kernels_for_cuda():
+    """The block-scaled grouped GEMM on a GPU: its three GEMMs are the grouped GEMM kernels, and the
+    casts of lhs (with lhs^T), of the gradient (with its transpose) and of rhs's blocks are kernels
+    (each cast above `mtjax.kernels.common.SMALL_ELEMENTS`: smaller ones are left to XLA)."""
+    def f(lhs, rhs, group_sizes):
+        out, vjp = jax.vjp(lambda a, b: ops.grouped_gemm_block_fp8(a, b, group_sizes), lhs, rhs)
+        return out, vjp(out)
+
+    with backend.abstract_gpu():
+        text = jax.jit(f).trace(S((4096, 2048), jnp.bfloat16), S((8, 2048, 2048), jnp.bfloat16),
+                                S((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mtjax_grouped_gemm_wgrad") >= 1 and text.count("mtjax_grouped_gemm") >= 3
+    assert text.count("__gpu$xla.gpu.triton") >= 6
+
+
 def test_lowers_for_cuda_inside_shard_map():
     """Inside ``shard_map(check_vma=True)`` (MoEBlock's per-device experts) the kernels are staged
     too: their outputs vary over the mesh axes their operands vary over."""
