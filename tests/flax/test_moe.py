@@ -104,47 +104,40 @@ def test_capacity_drops_tokens_and_counts_them():
     assert not np.allclose(y, y_full)
 
 
-def test_fp8_grouped_gemm_under_autocast():
-    block = MoEBlock(num_experts=4, experts_per_token=2, expert_dim=32, enable_layernorm=False)
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32))
-    params = _init(block, x)
+FP8_BLOCK = MoEBlock(num_experts=4, experts_per_token=2, expert_dim=32, enable_layernorm=False)
 
+
+def _fp8_block_run(params, x, recipe=None):
+    """FP8_BLOCK's output, parameter gradients and jaxpr, under ``recipe`` (None: no FP8)."""
     def run(params, x):
-        (y, _), _ = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
+        (y, _), _ = FP8_BLOCK.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
         return y
 
-    y = jax.jit(run)(params, x)
-    with fp8.fp8_autocast(recipe=fp8.CurrentScaling()):
-        # A new function: jit's trace cache does not key on the autocast context.
-        y8 = jax.jit(lambda p, x: run(p, x))(params, x)
-        jaxpr = str(jax.make_jaxpr(lambda p, x: run(p, x))(params, x))
+    def loss(params, x):
+        y = run(params, x)
+        return jnp.sum(y ** 2) / 2, y
+
+    # New functions in each context: jit's trace cache does not key on the autocast context.
+    with fp8.fp8_autocast(enabled=recipe is not None, recipe=recipe):
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
+        jaxpr = str(jax.make_jaxpr(run)(params, x))
+    return y, grads, jaxpr
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.BlockScaling()], ids=["current", "block"])
+def test_fp8_grouped_gemm_under_autocast(recipe):
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32))
+    params = _init(FP8_BLOCK, x)
+    y, _, _ = _fp8_block_run(params, x)
+    y8, grads, jaxpr = _fp8_block_run(params, x, recipe)
     assert "float8_e4m3fn" in jaxpr
     # E4M3 keeps 3 mantissa bits (relative rounding error <= 2^-4 per operand); two GEMMs in a row.
     rel = float(jnp.linalg.norm(y8 - y) / jnp.linalg.norm(y))
     assert 0 < rel < 0.1
-
-
-def test_block_scaled_grouped_gemm_under_block_scaling():
-    block = MoEBlock(num_experts=4, experts_per_token=2, expert_dim=32, enable_layernorm=False)
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32))
-    params = _init(block, x)
-
-    def run(params, x):
-        (y, _), _ = block.apply({"params": params}, x, deterministic=True, mutable=[MOE_METRICS])
-        return y
-
-    def under(recipe):
-        with fp8.fp8_autocast(recipe=recipe):
-            y, grads = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(run(p, x) ** 2) / 2, has_aux=False))(params, x)
-            return run(params, x), grads
-
-    y = jax.jit(run)(params, x)
-    y_block, grads = under(fp8.BlockScaling())
-    y_current, _ = under(fp8.CurrentScaling(fp8.Format.E4M3))
-    # Both recipes round to E4M3 (at most 2^-4 per operand, two GEMMs in a row); they scale differently.
-    rel = float(jnp.linalg.norm(y_block - y) / jnp.linalg.norm(y))
-    assert 0 < rel < 0.1 and not np.array_equal(np.asarray(y_block), np.asarray(y_current))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    if isinstance(recipe, fp8.BlockScaling):  # its own grouped GEMM, not current scaling's
+        y_current, _, _ = _fp8_block_run(params, x, fp8.CurrentScaling(fp8.Format.E4M3))
+        assert not np.array_equal(np.asarray(y8), np.asarray(y_current))
 
 
 def test_transformer_layer_with_moe_mlp_and_fused_residual():
