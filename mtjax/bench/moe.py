@@ -7,9 +7,11 @@ Three parts, every row timed in one process (``--quick``: tiny shapes for the CP
   experts), with balanced and skewed (Zipf: expert ``g`` gets a share proportional to ``1 / (g + 1)``)
   group sizes. Implementations: ``mtjax`` (`mtjax.ops.grouped_gemm`, the Pallas kernel on a GPU;
   ``--block-m`` ... set its forward tiles), ``mtjax fp8`` (`mtjax.ops.grouped_gemm_fp8`, current
-  scaling), ``ragged_dot`` (`jax.lax.ragged_dot`, the peer), ``tokamax`` (``tokamax.ragged_dot`` where
-  importable) and ``dense`` (one ``[tokens * top_k, hidden] x [hidden, ffn]`` GEMM: the same FLOPs, the
-  rate a grouped GEMM aims for; each row's ``extra.fraction_of_dense`` is the dense time over its time).
+  scaling), ``mtjax fp8 block`` (`mtjax.ops.grouped_gemm_block_fp8`: the casts of `BlockScaling` and
+  bf16 grouped GEMMs of the dequantized operands; measured against the bf16 ceiling), ``ragged_dot``
+  (`jax.lax.ragged_dot`, the peer), ``tokamax`` (``tokamax.ragged_dot`` where importable) and
+  ``dense`` (one ``[tokens * top_k, hidden] x [hidden, ffn]`` GEMM: the same FLOPs, the rate a
+  grouped GEMM aims for; each row's ``extra.fraction_of_dense`` is the dense time over its time).
   FLOPs: ``2 M K N`` forward, ``6 M K N`` forward+backward.
 - ``moe layer``: `mtjax.flax.MoEBlock` (router, permute, two grouped GEMMs with SwiGLU, unpermute,
   shared experts) forward+backward against `stock_moe_mlp`, the same layer as a JAX user writes it
@@ -96,6 +98,7 @@ def _gemm_variants(tiles: GemmTiles | None, m: int, k: int, n: int, g: int) -> d
         "mtjax": lambda x, w, s: ops.grouped_gemm(x, w, s, block_sizes=blocks),
         "ragged_dot": lambda x, w, s: lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32).astype(x.dtype),
         "mtjax fp8": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, block_sizes=blocks),
+        "mtjax fp8 block": lambda x, w, s: ops.grouped_gemm_block_fp8(x, w, s, block_sizes=blocks),
     }
     tokamax_ragged_dot = _tokamax_ragged_dot()
     if tokamax_ragged_dot is not None:
@@ -173,8 +176,9 @@ def run_gemm(quick: bool, tiles: GemmTiles | None = None, experts: Sequence[int]
                 for r in shape_rows:
                     if "dense" in times and r["implementation"] in times:
                         r["extra"]["fraction_of_dense"] = times["dense"] / times[r["implementation"]]
-                    if "mtjax" in times and r["implementation"] == "mtjax fp8" and "mtjax fp8" in times:
-                        r["extra"]["speedup_vs_mtjax_bf16"] = times["mtjax"] / times["mtjax fp8"]
+                    fp8_row = r["implementation"].startswith("mtjax fp8")
+                    if fp8_row and "mtjax" in times and r["implementation"] in times:
+                        r["extra"]["speedup_vs_mtjax_bf16"] = times["mtjax"] / times[r["implementation"]]
                     if "tokamax" in times and "mtjax" in times and r["implementation"] == "mtjax":
                         r["extra"]["speedup_vs_tokamax"] = times["tokamax"] / times["mtjax"]
                 rows += shape_rows

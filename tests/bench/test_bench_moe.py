@@ -35,9 +35,10 @@ def quick_run(tmp_path_factory):
 def test_every_part_reports_rows(quick_run):
     rows = [r for r in quick_run["results"] if r["suite"] == "moe"]
     gemm = [r for r in rows if r["name"].startswith("grouped gemm")]
-    # 1 quick shape x (balanced, skewed) x (fwd, fwd+bwd) x (dense, mtjax, ragged_dot, mtjax fp8[, tokamax]).
+    # 1 quick shape x (balanced, skewed) x (fwd, fwd+bwd) x (dense, mtjax, ragged_dot, mtjax fp8, mtjax fp8 block
+    # [, tokamax]).
     assert len({r["name"] for r in gemm}) == 4
-    assert {"dense", "mtjax", "ragged_dot", "mtjax fp8"} <= {r["implementation"] for r in gemm}
+    assert {"dense", "mtjax", "ragged_dot", "mtjax fp8", "mtjax fp8 block"} <= {r["implementation"] for r in gemm}
     for r in rows:
         assert "error" not in r["extra"], (r["name"], r["implementation"], r["extra"].get("error"))
         assert r["time_ms"] > 0 and r["tflops"] > 0
