@@ -152,6 +152,17 @@ def _linear_out(kernel: Array) -> Array:
     return np.ascontiguousarray(kernel.reshape(kernel.shape[0], -1).T)
 
 
+def _heads_in(w: Array, heads: int, head_dim: int) -> Array:
+    """The attention output's torch Linear weight ``[hidden, heads * head_dim]`` as the kernel
+    ``[heads, head_dim, hidden]`` (its input split by head)."""
+    return w.T.reshape(heads, head_dim, w.shape[0])
+
+
+def _heads_out(kernel: Array) -> Array:
+    """The inverse of `_heads_in`: a kernel ``[heads, head_dim, hidden]`` as ``[hidden, heads * head_dim]``."""
+    return np.ascontiguousarray(kernel.reshape(-1, kernel.shape[-1]).T)
+
+
 class Architecture:
     """How one Hugging Face ``model_type`` maps onto mtjax."""
 
@@ -320,7 +331,7 @@ class _Llama(Architecture):
                   "q": _linear_in(read(n["q"], (heads * d, h)), heads, d),
                   "k": _linear_in(read(n["k"], (kv * d, h)), kv, d),
                   "v": _linear_in(read(n["v"], (kv * d, h)), kv, d),
-                  "o": read(n["o"], (h, heads * d)).T.reshape(heads, d, h),
+                  "o": _heads_in(read(n["o"], (h, heads * d)), heads, d),
                   "wi": np.stack([read(n["gate"], (m, h)).T, read(n["up"], (m, h)).T], axis=1),
                   "wo": read(n["down"], (h, m)).T}
         if config.use_bias or config.qkv_bias:
@@ -336,10 +347,9 @@ class _Llama(Architecture):
 
     def layer_from_pieces(self, pieces: Mapping[str, Array], i: int, config: GPTConfig) -> dict[str, Array]:
         n = self._names(i)
-        h = config.hidden_size
         tensors = {n["attn_norm_scale"]: pieces["attn_norm_scale"], n["mlp_norm_scale"]: pieces["mlp_norm_scale"],
                    n["q"]: _linear_out(pieces["q"]), n["k"]: _linear_out(pieces["k"]), n["v"]: _linear_out(pieces["v"]),
-                   n["o"]: np.ascontiguousarray(pieces["o"].reshape(-1, h).T),
+                   n["o"]: _heads_out(pieces["o"]),
                    n["gate"]: _linear_out(pieces["wi"][:, 0]), n["up"]: _linear_out(pieces["wi"][:, 1]),
                    n["down"]: _linear_out(pieces["wo"])}
         for name in ("q_bias", "k_bias", "v_bias"):
@@ -470,7 +480,7 @@ class _NeoX(Architecture):
                 "attn_norm_bias": read(p + "input_layernorm.bias", (h,)),
                 "q": qkv[:, 0], "k": qkv[:, 1], "v": qkv[:, 2],
                 "q_bias": qkv_bias[0], "k_bias": qkv_bias[1], "v_bias": qkv_bias[2],
-                "o": read(p + "attention.dense.weight", (h, h)).T.reshape(heads, d, h),
+                "o": _heads_in(read(p + "attention.dense.weight", (h, h)), heads, d),
                 "o_bias": read(p + "attention.dense.bias", (h,)),
                 "mlp_norm_scale": read(p + "post_attention_layernorm.weight", (h,)),
                 "mlp_norm_bias": read(p + "post_attention_layernorm.bias", (h,)),
@@ -487,7 +497,7 @@ class _NeoX(Architecture):
                 p + "input_layernorm.bias": pieces["attn_norm_bias"],
                 p + "attention.query_key_value.weight": np.ascontiguousarray(qkv.transpose(2, 1, 3, 0).reshape(-1, h)),
                 p + "attention.query_key_value.bias": np.ascontiguousarray(qkv_bias.transpose(1, 0, 2).reshape(-1)),
-                p + "attention.dense.weight": np.ascontiguousarray(pieces["o"].reshape(h, h).T),
+                p + "attention.dense.weight": _heads_out(pieces["o"]),
                 p + "attention.dense.bias": pieces["o_bias"],
                 p + "post_attention_layernorm.weight": pieces["mlp_norm_scale"],
                 p + "post_attention_layernorm.bias": pieces["mlp_norm_bias"],
@@ -538,7 +548,7 @@ class _Bert(Architecture):
             pieces[name] = _linear_in(read(f"{p}attention.self.{hf}.weight", (h, h)), heads, d)
             pieces[name + "_bias"] = read(f"{p}attention.self.{hf}.bias", (h,)).reshape(heads, d)
         pieces.update({
-            "o": read(p + "attention.output.dense.weight", (h, h)).T.reshape(heads, d, h),
+            "o": _heads_in(read(p + "attention.output.dense.weight", (h, h)), heads, d),
             "o_bias": read(p + "attention.output.dense.bias", (h,)),
             "mlp_norm_scale": read(p + "attention.output.LayerNorm.weight", (h,)),
             "mlp_norm_bias": read(p + "attention.output.LayerNorm.bias", (h,)),
@@ -550,13 +560,13 @@ class _Bert(Architecture):
         return pieces
 
     def layer_from_pieces(self, pieces: Mapping[str, Array], i: int, config: BertConfig) -> dict[str, Array]:
-        p, h = f"encoder.layer.{i}.", config.hidden_size
+        p = f"encoder.layer.{i}."
         tensors = {}
         for name, hf in (("q", "query"), ("k", "key"), ("v", "value")):
             tensors[f"{p}attention.self.{hf}.weight"] = _linear_out(pieces[name])
             tensors[f"{p}attention.self.{hf}.bias"] = pieces[name + "_bias"].reshape(-1)
         tensors.update({
-            p + "attention.output.dense.weight": np.ascontiguousarray(pieces["o"].reshape(h, h).T),
+            p + "attention.output.dense.weight": _heads_out(pieces["o"]),
             p + "attention.output.dense.bias": pieces["o_bias"],
             p + "attention.output.LayerNorm.weight": pieces["mlp_norm_scale"],
             p + "attention.output.LayerNorm.bias": pieces["mlp_norm_bias"],
