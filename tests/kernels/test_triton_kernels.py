@@ -486,31 +486,25 @@ def test_paged_attention_compiles_for_hopper():
 # -------------------------------------------------------------------------------------------------- block-scaled FP8
 
 
-def _assert_identical(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-
-
 @pytest.mark.parametrize("m,k,transpose,dtype,out_dtype,power_of_two", [
     (130, 140, True, jnp.bfloat16, jnp.float8_e4m3fn, False),
     (5, 130, False, jnp.float32, jnp.float8_e5m2, True),
 ])
 def test_tile_quantize_is_bit_identical(interpret, m, k, transpose, dtype, out_dtype, power_of_two):
-    from tests.kernels.test_block_fp8 import _x
+    from tests.kernels.test_block_fp8 import _assert_equal, _x
 
     x = _x(m + k, (m, k), dtype)
     options = dict(transpose=transpose, power_of_two=power_of_two)
-    _assert_identical(ops.tile_quantize(x, out_dtype, implementation="triton", **options),
+    _assert_equal(ops.tile_quantize(x, out_dtype, implementation="triton", **options),
                       ops.tile_quantize(x, out_dtype, implementation="xla", **options))
 
 
 def test_block_quantize_is_bit_identical(interpret):
-    from tests.kernels.test_block_fp8 import _x
+    from tests.kernels.test_block_fp8 import _assert_equal, _x
 
     w = _x(5, (100, 130), jnp.bfloat16, 0.05)
     options = dict(power_of_two=False, amax_epsilon=1e-2)
-    _assert_identical(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton", **options),
+    _assert_equal(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton", **options),
                       ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla", **options))
 
 
@@ -678,13 +672,13 @@ def test_paged_attention_on_gpu():
 
 @pytest.mark.gpu
 def test_block_fp8_on_gpu():
-    from tests.kernels.test_block_fp8 import _x
+    from tests.kernels.test_block_fp8 import _assert_equal, _x
 
     x = _x(0, (4096, 2048), jnp.bfloat16)
     w = _x(1, (1024, 2048), jnp.bfloat16, 0.05)
-    _assert_identical(ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, implementation="triton"),
+    _assert_equal(ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, implementation="triton"),
                       ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, implementation="xla"))
-    _assert_identical(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton"),
+    _assert_equal(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton"),
                       ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla"))
     a, a_s = ops.tile_quantize(x, jnp.float8_e4m3fn, implementation="xla")
     b, _, b_s = ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla")
