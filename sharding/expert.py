@@ -34,9 +34,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtjax.dtypes import check_fp8_dtype, fp8_max
-
-PAYLOAD_TILE = 128  # features per FP8 scale of a dispatched row (DeepEP's 1x128 tiles)
+from mtjax.dtypes import check_fp8_dtype
+from mtjax.ops import tile_dequantize, tile_quantize
 
 
 class DispatchState(NamedTuple):
@@ -80,9 +79,10 @@ def dispatch(x_sorted: jax.Array, group_sizes: jax.Array, *, axis_name: str, cap
       axis_name: the expert-parallel mesh axis.
       capacity: rows per (source, destination) pair (see `capacity`).
       payload_dtype: None: the rows travel in their own dtype; an FP8 dtype: they travel cast to it,
-        scaled per 1x128 tile of features (one tile a row when ``hidden`` is not a multiple of 128)
-        with float32 scales, and arrive dequantized to ``x_sorted``'s dtype (DeepEP's FP8 dispatch:
-        about half the bytes of bf16). The gradient goes back unquantized, in the cotangent's dtype.
+        scaled per 1x128 tile of features (`mtjax.ops.tile_quantize`; a row's last tile is shorter
+        when ``hidden`` is not a multiple of 128) with float32 scales, and arrive dequantized to
+        ``x_sorted``'s dtype (DeepEP's FP8 dispatch: about half the bytes of bf16). The gradient goes
+        back unquantized, in the cotangent's dtype.
 
     Returns:
       ``(x_local [ep * capacity, hidden], local_group_sizes [local experts] int32, state)``: the rows
@@ -153,32 +153,15 @@ def combine(y_local: jax.Array, state: DispatchState, *, axis_name: str, rows: i
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-def quantize_payload(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``x [..., hidden]`` cast to the FP8 ``dtype`` per tile of `PAYLOAD_TILE` features (the whole row
-    when ``hidden`` is not a multiple of it): ``(q [..., hidden], scale_inv [..., tiles] float32)``,
-    ``x ≈ q * scale_inv`` tile by tile. An all-zero tile gets ``scale_inv`` 1."""
-    hidden = x.shape[-1]
-    tile = PAYLOAD_TILE if hidden % PAYLOAD_TILE == 0 else hidden
-    tiles = x.astype(jnp.float32).reshape(*x.shape[:-1], hidden // tile, tile)
-    amax = jnp.max(jnp.abs(tiles), axis=-1)
-    scale_inv = jnp.where(amax > 0, amax / fp8_max(dtype), 1.0)
-    q = (tiles / scale_inv[..., None]).astype(dtype).reshape(x.shape)
-    return q, scale_inv
-
-
-def dequantize_payload(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
-    """The inverse of `quantize_payload`, in ``dtype``."""
-    tiles = q.astype(jnp.float32).reshape(*scale_inv.shape, -1) * scale_inv[..., None]
-    return tiles.reshape(q.shape).astype(dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _quantized_all_to_all(x: jax.Array, axis_name: str, dtype: Any) -> jax.Array:
-    """``all_to_all(x)`` over ``axis_name`` with the payload in FP8 ``dtype`` (tile-scaled)."""
-    q, scale_inv = quantize_payload(x, dtype)
-    q = jax.lax.all_to_all(q, axis_name, 0, 0, tiled=True)
-    scale_inv = jax.lax.all_to_all(scale_inv, axis_name, 0, 0, tiled=True)
-    return dequantize_payload(q, scale_inv, x.dtype)
+    """``all_to_all(x)`` over ``axis_name`` (``x [ep, capacity, hidden]``) with the payload in FP8
+    ``dtype``, each row cast in 1x128 tiles (`mtjax.ops.tile_quantize`)."""
+    q, scale_inv = tile_quantize(x.reshape(-1, x.shape[-1]), dtype)
+    q = jax.lax.all_to_all(q.reshape(x.shape), axis_name, 0, 0, tiled=True)
+    scale_inv = jax.lax.all_to_all(scale_inv.reshape(*x.shape[:-1], -1), axis_name, 0, 0, tiled=True)
+    rows = q.reshape(-1, x.shape[-1])
+    return tile_dequantize(rows, scale_inv.reshape(rows.shape[0], -1), x.dtype).reshape(x.shape)
 
 
 def _quantized_all_to_all_fwd(x, axis_name, dtype):
