@@ -41,7 +41,7 @@ from mtjax.kernels import grouped_gemm as gg_kernels
 from mtjax.kernels.common import interpret as kernel_interpret
 from mtjax.kernels.common import saturate_cast
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
-from mtjax.ops.block_quantization import TILE, block_quantize, tile_dequantize, tile_quantize
+from mtjax.ops.block_quantization import TILE, block_dequantize, block_quantize, tile_dequantize, tile_quantize
 from mtjax.ops.checks import check_choice, check_float, check_rank
 
 
@@ -379,25 +379,33 @@ def _group_blocks(rhs: jax.Array, dtype: Any, power_of_two: bool, amax_epsilon: 
 
 
 def _group_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
-    expanded = jnp.repeat(jnp.repeat(scale_inv, TILE, axis=1), TILE, axis=2)[:, :q.shape[1], :q.shape[2]]
-    return (q.astype(jnp.float32) * expanded).astype(dtype)
+    """`block_dequantize` of each group of ``q [G, K, N]``."""
+    return jax.vmap(lambda q, s: block_dequantize(q, s, dtype))(q, scale_inv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two, amax_epsilon, blocks,
                             implementation):
-    return _grouped_gemm_block_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two,
-                                       amax_epsilon, blocks, implementation)[0]
+    return _block_forward(lhs, rhs, group_sizes, forward_dtype, power_of_two, amax_epsilon, blocks, implementation,
+                          transpose=False)[0]
+
+
+def _block_forward(lhs, rhs, group_sizes, forward_dtype, power_of_two, amax_epsilon, blocks, implementation, *,
+                   transpose):
+    """``(out, lhs casts, rhs casts)``; ``transpose`` also casts ``lhs`` in tiles along M (the weight
+    gradient's operand, re-cut from the same values), which only differentiation needs."""
+    lhs_casts = tile_quantize(lhs, forward_dtype, transpose=transpose, power_of_two=power_of_two,
+                              amax_epsilon=amax_epsilon)
+    rhs_q, rhs_scale_inv = _group_blocks(rhs, forward_dtype, power_of_two, amax_epsilon)
+    out = _gmm(tile_dequantize(*lhs_casts[:2], lhs.dtype), _group_dequantize(rhs_q, rhs_scale_inv, lhs.dtype),
+               group_sizes, False, lhs.dtype, blocks.forward, implementation)
+    return out, lhs_casts, (rhs_q, rhs_scale_inv)
 
 
 def _grouped_gemm_block_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two, amax_epsilon,
                                 blocks, implementation):
-    scaling = dict(power_of_two=power_of_two, amax_epsilon=amax_epsilon)
-    # lhs in 1x128 tiles along K (forward) and, re-cut from the same values, along M (weight gradient).
-    lhs_q, lhs_scale_inv, lhs_q_t, lhs_scale_inv_t = tile_quantize(lhs, forward_dtype, transpose=True, **scaling)
-    rhs_q, rhs_scale_inv = _group_blocks(rhs, forward_dtype, power_of_two, amax_epsilon)
-    out = _gmm(tile_dequantize(lhs_q, lhs_scale_inv, lhs.dtype), _group_dequantize(rhs_q, rhs_scale_inv, lhs.dtype),
-               group_sizes, False, lhs.dtype, blocks.forward, implementation)
+    out, (_, _, lhs_q_t, lhs_scale_inv_t), (rhs_q, rhs_scale_inv) = _block_forward(
+        lhs, rhs, group_sizes, forward_dtype, power_of_two, amax_epsilon, blocks, implementation, transpose=True)
     return out, (lhs_q_t, lhs_scale_inv_t, rhs_q, rhs_scale_inv, group_sizes)
 
 
