@@ -6,7 +6,7 @@ adds rows compiled with that XLA option (``Lowered.compile(compiler_options=...)
 compares several); ``--variant scan_layers=false`` (any `mtjax.models.GPTConfig` field) changes
 the trained model and ``--variant compute_params=false`` trains without the compute-dtype copy of
 the weights (`mtjax.train.state.compute_copy`) (both train suite only: the layer suite skips such
-settings); ``--variant recipe=block`` runs the FP8 row under another recipe (`RECIPES`: ``delayed``,
+settings); ``--variant recipe=block`` runs the FP8 row under another recipe (`mtjax.fp8.RECIPE_NAMES`: ``delayed``,
 the default, ``current`` or ``block``, `mtjax.fp8.BlockScaling`), with no bf16 row of its own (its
 speed-up is over the bf16 row of the same settings without the recipe). Rows are labelled
 ``"mtjax [activation=xla,layernorm=xla]"``; the peers always run with defaults, so each such row
@@ -34,7 +34,7 @@ class Setting:
       xla_options: XLA compiler options (``{"xla_gpu_...": value}``) for this row's compilation.
       model: `mtjax.models.GPTConfig` fields overridden (``{"scan_layers": False}``), train suite only.
       train: train-state options (`TRAIN_OPTIONS`: ``{"compute_params": False}``), train suite only.
-      recipe: the FP8 recipe of the FP8 row, a key of `RECIPES` (``None``: `fp8_autocast`'s default).
+      recipe: the FP8 recipe of the FP8 row, a name of `mtjax.fp8.RECIPE_NAMES` (``None``: `fp8_autocast`'s default).
     """
 
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -52,10 +52,6 @@ class Setting:
 DEFAULT = Setting()
 # compute_params: keep the weights' compute-dtype copy in the train state (default true).
 TRAIN_OPTIONS = ("compute_params",)
-
-
-# ``--variant recipe=NAME``: the FP8 recipes a row can run under (`mtjax.fp8.recipe_by_name`).
-RECIPES = RECIPE_NAMES
 
 
 def _text(value: Any) -> str:
@@ -96,8 +92,8 @@ def parse(spec: str) -> Setting:
         elif key in model_fields:
             model[key] = _value(value)
         elif key == "recipe":
-            if value not in RECIPES:
-                raise ValueError(f"--variant {spec!r}: recipe={value!r}; accepted: {RECIPES}")
+            if value not in RECIPE_NAMES:
+                raise ValueError(f"--variant {spec!r}: recipe={value!r}; accepted: {RECIPE_NAMES}")
             recipe = value
         elif key in TRAIN_OPTIONS:
             train[key] = _value(value)
@@ -106,7 +102,7 @@ def parse(spec: str) -> Setting:
         else:
             raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option, "
                              f"a GPTConfig field {sorted(model_fields)}, a train option {TRAIN_OPTIONS} nor "
-                             f"recipe={'|'.join(RECIPES)}")
+                             f"recipe={'|'.join(RECIPE_NAMES)}")
     if not (kernels or options or model or train or recipe):
         raise ValueError(f"--variant {spec!r}: expected op=implementation, xla_option=value, "
                          "config_field=value or train_option=value, comma-separated")
