@@ -92,14 +92,14 @@ def dispatch(x_sorted: jax.Array, group_sizes: jax.Array, *, axis_name: str, cap
     if x_sorted.ndim != 2 or group_sizes.ndim != 1:
         raise ValueError(f"dispatch: x_sorted {x_sorted.shape} must be [rows, hidden] and group_sizes "
                          f"{group_sizes.shape} [num_experts]")
-    ep = jax.lax.axis_size(axis_name)
-    num_experts = group_sizes.shape[0]
-    if num_experts % ep:
-        raise ValueError(f"dispatch: num_experts={num_experts} is not divisible by the {axis_name!r} axis size {ep}")
     if not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"dispatch: capacity={capacity!r}; expected a positive int")
     if payload_dtype is not None:
         payload_dtype = check_fp8_dtype("dispatch", payload_dtype, "payload_dtype")
+    ep = jax.lax.axis_size(axis_name)
+    num_experts = group_sizes.shape[0]
+    if num_experts % ep:
+        raise ValueError(f"dispatch: num_experts={num_experts} is not divisible by the {axis_name!r} axis size {ep}")
     rows, hidden = x_sorted.shape
     local = num_experts // ep
     counts = group_sizes.astype(jnp.int32).reshape(ep, local)          # [destination, local expert]

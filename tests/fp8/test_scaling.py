@@ -31,6 +31,13 @@ def test_delayed_scaling_validation(kwargs, error, field):
         fp8.DelayedScaling(**kwargs)
 
 
+def test_recipe_by_name():
+    assert [type(fp8.recipe_by_name(name)) for name in fp8.RECIPE_NAMES] == list(fp8.RECIPE_TYPES)
+    assert fp8.recipe_by_name("block") == fp8.BlockScaling()
+    with pytest.raises(ValueError, match="'mxfp8'.*delayed, current, block"):
+        fp8.recipe_by_name("mxfp8")
+
+
 def test_current_scaling_and_autocast_validation():
     with pytest.raises(TypeError, match="fp8_format"):
         fp8.CurrentScaling(fp8_format=jnp.float8_e4m3fn)

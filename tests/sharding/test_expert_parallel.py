@@ -191,3 +191,5 @@ def test_moe_block_with_fp8_dispatch_on_ep_mesh_is_close_to_single_device():
 def test_dispatch_dtype_must_be_fp8():
     with pytest.raises(TypeError, match="dispatch_dtype"):
         BLOCK.clone(dispatch_dtype=jnp.bfloat16)._validate()
+    with pytest.raises(TypeError, match="payload_dtype"):
+        expert.dispatch(jnp.ones((4, 8)), jnp.array([2, 2]), axis_name="ep", capacity=4, payload_dtype=jnp.int8)
