@@ -8,6 +8,10 @@ row and every ``128 x 128`` block of a weight its own float32 scale, from the ti
   ``[k, ceil(m/128)]``): the weight-gradient GEMM contracts over the tokens, so its operands need
   tiles re-cut along that axis, from the original values (not from the first cast). Each program
   reads one ``128 x 128`` tile of ``x`` once and writes both.
+- Its ``prologue`` fuses the op in front of a GEMM into the cast, so that op's output never goes
+  through memory in bf16: `NormPrologue` (LayerNorm/RMSNorm, the row statistics computed beforehand
+  by `row_statistics`, one read of ``x``) or `ActivationPrologue` (bias + activation, gated or not).
+  Each program applies it to the tile it loads, in float32, and quantizes the result.
 - `block_quantize` casts ``w [k, n]`` in ``128 x 128`` blocks (scales ``[ceil(k/128), ceil(n/128)]``)
   and writes its transpose too: a block's scale is the same for ``w`` and ``w.T``.
 
@@ -17,6 +21,7 @@ CPU (interpret mode) kernel and reference agree bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from mtjax.kernels.activation import ACTIVATIONS
 from mtjax.kernels.common import (
     interpret,
     saturate_cast,
@@ -68,6 +74,46 @@ def unsupported(shape, dtype, out_dtype) -> str | None:
     return unsupported_array(shape, dtype, max_row=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class NormPrologue:
+    """The tile cast normalizes what it loads: ``(x - mean) * rstd * gamma (+ beta)`` per row, RMSNorm
+    without the mean (``gamma`` taken as ``1 + gamma`` if ``zero_centered_gamma``). Its operands:
+    ``rstd [m]`` (and ``mean [m]`` first, for LayerNorm) from `row_statistics`, ``gamma [k]``, ``beta [k]``
+    if ``has_beta``."""
+
+    rms: bool
+    zero_centered_gamma: bool
+    has_beta: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPrologue:
+    """The tile cast applies ``act(x + bias)`` to what it loads (an activation of
+    `mtjax.kernels.activation.ACTIVATIONS`); gated ones read ``x [m, 2 * k]`` as rows ``[a | gate]``
+    (a contiguous ``[m, 2, k]``). Its operand: ``bias [k]`` (``[2 * k]`` gated) if ``has_bias``."""
+
+    activation: str
+    has_bias: bool
+
+    @property
+    def gated(self) -> bool:
+        return ACTIVATIONS[self.activation][1] is not None
+
+
+Prologue = NormPrologue | ActivationPrologue
+
+
+def row_statistics(x: jax.Array, *, rms: bool, epsilon: float) -> tuple[jax.Array, ...]:
+    """The float32 row statistics `NormPrologue` reads, as the norms' references compute them:
+    ``(mean [m], rstd [m])`` for LayerNorm, ``(rstd [m],)`` for RMSNorm."""
+    xf = x.astype(jnp.float32)
+    if rms:
+        return (lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + epsilon),)
+    mean = jnp.mean(xf, axis=-1)
+    var = jnp.mean(jnp.square(xf - mean[:, None]), axis=-1)
+    return mean, lax.rsqrt(var + epsilon)
+
+
 def _load(x_ref, rows, cols, m, k, exact):
     mask = None if exact else (rows < m)[:, None] & (cols < k)[None, :]
     tile = x_ref.at[rows[:, None], cols[None, :]]
@@ -75,14 +121,49 @@ def _load(x_ref, rows, cols, m, k, exact):
     return x.astype(jnp.float32), mask
 
 
-def _tile_kernel(x_ref, q_ref, s_ref, *rest, m, k, rows_per_program, transpose, fp8_max, power_of_two,
-                 amax_epsilon):
+def _load_vector(ref, index, size, exact):
+    value = plgpu.load(ref.at[index]) if exact else plgpu.load(ref.at[index], mask=index < size, other=0.0)
+    return value.astype(jnp.float32)
+
+
+def _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact):
+    """The float32 ``[rows, cols]`` tile of ``prologue(x)`` (of ``x`` without one), 0 where masked,
+    and the mask (None when the tiles cover the array exactly)."""
+    x, mask = _load(x_ref, rows, cols, m, k, exact)
+    if prologue is None:
+        return x, mask  # masked elements load as 0 already
+    if isinstance(prologue, NormPrologue):
+        gamma_ref, *rest = operands[1:] if prologue.rms else operands[2:]
+        rstd = _load_vector(operands[0] if prologue.rms else operands[1], rows, m, exact)
+        gamma = _load_vector(gamma_ref, cols, k, exact)
+        gamma = gamma + 1.0 if prologue.zero_centered_gamma else gamma
+        y = x if prologue.rms else x - _load_vector(operands[0], rows, m, exact)[:, None]
+        y = y * rstd[:, None] * gamma[None, :]
+        if prologue.has_beta:
+            y = y + _load_vector(rest[0], cols, k, exact)[None, :]
+    else:
+        fn, gate_fn = ACTIVATIONS[prologue.activation]
+        if prologue.has_bias:
+            x = x + _load_vector(operands[0], cols, k, exact)[None, :]
+        y = fn(x)[0]
+        if gate_fn is not None:
+            gate, _ = _load(x_ref, rows, cols + k, m, 2 * k, exact)
+            if prologue.has_bias:
+                gate = gate + _load_vector(operands[0], cols + k, 2 * k, exact)[None, :]
+            y = y * gate_fn(gate)[0]
+    # The prologue of a masked (zero) element need not be 0; it must not enter an amax.
+    return (y, mask) if mask is None else (jnp.where(mask, y, 0.0), mask)
+
+
+def _tile_kernel(*refs, m, k, rows_per_program, transpose, fp8_max, power_of_two, amax_epsilon, prologue,
+                 num_operands):
+    x_ref, operands = refs[0], refs[1:1 + num_operands]
+    q_ref, s_ref, *rest = refs[1 + num_operands:]
     i, j = pl.program_id(0), pl.program_id(1)
     rows = i * rows_per_program + jnp.arange(rows_per_program)
     cols = j * TILE + jnp.arange(TILE)
     exact = m % rows_per_program == 0 and k % TILE == 0
-    x, mask = _load(x_ref, rows, cols, m, k, exact)
-    # Masked elements load as 0, which never raises a max of absolute values.
+    x, mask = _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact)
     scale, scale_inv = tile_scales(jnp.max(jnp.abs(x), axis=1), fp8_max, power_of_two, amax_epsilon)
     plgpu.store(q_ref.at[rows[:, None], cols[None, :]], saturate_cast(x * scale[:, None], q_ref.dtype), mask=mask)
     plgpu.store(s_ref.at[rows, j], scale_inv, mask=None if exact else rows < m)
@@ -95,25 +176,52 @@ def _tile_kernel(x_ref, q_ref, s_ref, *rest, m, k, rows_per_program, transpose, 
 
 
 def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: float, power_of_two: bool = False,
-                  amax_epsilon: float = 0.0, num_warps: int = NUM_WARPS) -> tuple[jax.Array, ...]:
+                  amax_epsilon: float = 0.0, prologue: Prologue | None = None, operands: tuple[jax.Array, ...] = (),
+                  num_warps: int = NUM_WARPS) -> tuple[jax.Array, ...]:
     """``(q [m, k], scale_inv [m, ceil(k/128)])``, plus ``(q_t [k, m], scale_inv_t [k, ceil(m/128)])``
-    with ``transpose=True``: ``x [m, k]`` cast in 1x128 row tiles (see the module docstring)."""
+    with ``transpose=True``: ``x [m, k]`` (or ``prologue(x)`` with its ``operands``; a gated
+    activation's ``x`` is ``[m, 2 * k]``) cast in 1x128 row tiles (see the module docstring)."""
     why = unsupported(x.shape, x.dtype, out_dtype)
     if why is not None:
         raise ValueError(f"tile_quantize: unsupported input: {why}")
     m, k = x.shape
+    if isinstance(prologue, ActivationPrologue) and prologue.gated:
+        k //= 2
     rows = TILE if transpose else ROWS
     grid = (pl.cdiv(m, rows), pl.cdiv(k, TILE))
     out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
     if transpose:
         out_shape += [jax.ShapeDtypeStruct((k, m), out_dtype), jax.ShapeDtypeStruct((k, grid[0]), jnp.float32)]
     kernel = functools.partial(_tile_kernel, m=m, k=k, rows_per_program=rows, transpose=transpose, fp8_max=fp8_max,
-                               power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+                               power_of_two=power_of_two, amax_epsilon=amax_epsilon, prologue=prologue,
+                               num_operands=len(operands))
     return tuple(pl.pallas_call(
         kernel, out_shape=tuple(out_shape), grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret(), name="mtjax_tile_quantize",
-    )(x))
+    )(x, *operands))
+
+
+def norm_tile_quantize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, out_dtype, *, rms: bool,
+                       epsilon: float, zero_centered_gamma: bool, transpose: bool = False, fp8_max: float,
+                       power_of_two: bool = False, amax_epsilon: float = 0.0) -> tuple[jax.Array, ...]:
+    """`tile_quantize` of ``norm(x)`` for ``x [m, k]`` (LayerNorm, or RMSNorm with ``rms``; ``beta``
+    None for RMSNorm): the row statistics first, then the norm applied in the cast's kernel."""
+    prologue = NormPrologue(rms=rms, zero_centered_gamma=zero_centered_gamma, has_beta=beta is not None)
+    operands = (*row_statistics(x, rms=rms, epsilon=epsilon), gamma, *(() if beta is None else (beta,)))
+    return tile_quantize(x, out_dtype, transpose=transpose, fp8_max=fp8_max, power_of_two=power_of_two,
+                         amax_epsilon=amax_epsilon, prologue=prologue, operands=operands)
+
+
+def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *, activation: str,
+                             transpose: bool = False, fp8_max: float, power_of_two: bool = False,
+                             amax_epsilon: float = 0.0) -> tuple[jax.Array, ...]:
+    """`tile_quantize` of ``act(x + bias)`` for ``x [m, k]`` (``[m, 2, k]`` for a gated activation,
+    ``bias`` then ``[2, k]``), the activation applied in the cast's kernel."""
+    prologue = ActivationPrologue(activation=activation, has_bias=bias is not None)
+    operands = () if bias is None else (bias.reshape(-1),)
+    return tile_quantize(x.reshape(x.shape[0], -1), out_dtype, transpose=transpose, fp8_max=fp8_max,
+                         power_of_two=power_of_two, amax_epsilon=amax_epsilon, prologue=prologue, operands=operands)
 
 
 def _block_kernel(w_ref, q_ref, qt_ref, s_ref, *, k, n, fp8_max, power_of_two, amax_epsilon):

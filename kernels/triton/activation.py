@@ -38,7 +38,7 @@ def _sigmoid_linear(x, k):
 
 
 @triton.jit
-def _act(x, ACT: tl.constexpr):
+def activation_fn(x, ACT: tl.constexpr):
     """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS` (gelu: sqrt(2 / pi)
     = 0.7978845608028654, cubic coefficient 0.044715; quick_gelu's 1.702; literals, which Triton's
     compiler and interpreter both take inside a kernel)."""
@@ -65,7 +65,7 @@ def _act(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gate(gate, GATE: tl.constexpr):
+def gate_fn(gate, GATE: tl.constexpr):
     """``(g(gate), g'(gate))``: the identity, or clamped_swiglu's ``clip(gate, -7, 7) + 1``."""
     if GATE == 1:
         inside = (gate >= -7.0) & (gate <= 7.0)
@@ -119,9 +119,9 @@ def _forward_kernel(x_ptr, bias_ptr, scale_ptr, y_ptr, amax_ptr, M: tl.constexpr
     pid_n = tl.program_id(1)
     rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
-    y, _ = _act(a, ACT)
+    y, _ = activation_fn(a, ACT)
     if GATED:
-        g, _ = _gate(gate, GATE)
+        g, _ = gate_fn(gate, GATE)
         y = y * g
     if FP8:
         tl.store(amax_ptr + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(tl.where(mask, tl.abs(y), 0.0), 1), 0))
@@ -163,10 +163,10 @@ def _backward_kernel(x_ptr, bias_ptr, dy_ptr, dx_ptr, M: tl.constexpr, HIDDEN: t
     rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
     dy = _load(dy_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, EXACT)
-    y, dact = _act(a, ACT)
+    y, dact = activation_fn(a, ACT)
     offsets = rows[:, None] * K + cols[None, :]
     if GATED:
-        g, dg = _gate(gate, GATE)
+        g, dg = gate_fn(gate, GATE)
         _store(dx_ptr, offsets, dy * g * dact, mask, EXACT)
         _store(dx_ptr, offsets + HIDDEN, dy * y * dg, mask, EXACT)
     else:
@@ -209,10 +209,10 @@ def _backward_fp8_kernel(x_ptr, bias_ptr, dy_ptr, scale_ptr, dx_ptr, dxt_ptr, am
     rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
     dy = _load(dy_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, EXACT)  # 0 where masked: so are the grads
-    y, dact = _act(a, ACT)
+    y, dact = activation_fn(a, ACT)
     scale = tl.load(scale_ptr)
     if GATED:
-        g, dg = _gate(gate, GATE)
+        g, dg = gate_fn(gate, GATE)
         grad = dy * g * dact
         grad_gate = dy * y * dg
         amax = tl.maximum(tl.max(tl.max(tl.abs(grad), 1), 0), tl.max(tl.max(tl.abs(grad_gate), 1), 0))

@@ -1,6 +1,7 @@
 """Block-scaled FP8 in native Triton: the kernels of `mtjax.kernels.block_quantize` (1x128 row tiles,
 128x128 blocks, each with its own scale, plus transposed copies) and `mtjax.kernels.block_fp8_gemm`
-(one float32 promotion per 128-wide K block, DeepGEMM-style).
+(one float32 promotion per 128-wide K block, DeepGEMM-style). The tile cast takes the same prologues
+(a norm or an activation applied to each loaded tile) as the Pallas kernel.
 
 The scale math is `block_quantize.tile_scales` (``fp8_max / max(amax, amax_epsilon)``, 1 where that is
 not finite or the amax is 0 or NaN, optionally rounded down to a power of two) with IEEE division, so
@@ -15,8 +16,9 @@ import triton.language as tl
 from mtjax.kernels import block_fp8_gemm as pallas_gemm
 from mtjax.kernels import block_quantize as pallas_quantize
 from mtjax.kernels.common import Launchers
+from mtjax.kernels.triton.activation import CODES, GATE_CODES, activation_fn, gate_fn
 from mtjax.kernels.triton.language import saturate
-from mtjax.kernels.triton.runtime import launch
+from mtjax.kernels.triton.runtime import launch, stand_in
 
 TILE = pallas_quantize.TILE
 
@@ -58,15 +60,65 @@ def _store(ptr, offsets, value, mask, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _tile_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-                 TILE: tl.constexpr, TRANSPOSE: tl.constexpr, EXACT: tl.constexpr, FP8_MAX: tl.constexpr,
-                 POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr):
+def _load_vector(ptr, index, SIZE: tl.constexpr, EXACT: tl.constexpr):
+    if EXACT:
+        return tl.load(ptr + index).to(tl.float32)
+    return tl.load(ptr + index, mask=index < SIZE, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M: tl.constexpr, K: tl.constexpr,
+                   EXACT: tl.constexpr, PROLOGUE: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                   HAS_SHIFT: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr):
+    """The float32 ``[rows, cols]`` tile of the prologue applied to ``x`` (PROLOGUE 0: none; 1: a norm
+    with ``mean, rstd, gamma, beta`` at ``a..d``; 2: an activation with its bias at ``a``), 0 where
+    masked."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x_cols: tl.constexpr = 2 * K if GATED else K
+    offsets = rows[:, None] * x_cols + cols[None, :]
+    if EXACT:
+        x = tl.load(x_ptr + offsets).to(tl.float32)
+    else:  # masked elements load as 0, which never raises a max of absolute values
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        gamma = _load_vector(c_ptr, cols, K, EXACT)
+        if ZERO_CENTERED:
+            gamma += 1.0
+        if not RMS:
+            x = x - _load_vector(a_ptr, rows, M, EXACT)[:, None]
+        x = x * _load_vector(b_ptr, rows, M, EXACT)[:, None] * gamma[None, :]
+        if HAS_SHIFT:
+            x = x + _load_vector(d_ptr, cols, K, EXACT)[None, :]
+    elif PROLOGUE == 2:
+        if HAS_SHIFT:
+            x = x + _load_vector(a_ptr, cols, K, EXACT)[None, :]
+        x, _ = activation_fn(x, ACT)
+        if GATED:
+            if EXACT:
+                gate = tl.load(x_ptr + offsets + K).to(tl.float32)
+            else:
+                gate = tl.load(x_ptr + offsets + K, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SHIFT:
+                gate = gate + _load_vector(a_ptr, K + cols, 2 * K, EXACT)[None, :]
+            g, _ = gate_fn(gate, GATE)
+            x = x * g
+    if PROLOGUE != 0 and not EXACT:  # a masked element's prologue need not be 0
+        x = tl.where(mask, x, 0.0)
+    return x, mask
+
+
+@triton.jit
+def _tile_kernel(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.constexpr,
+                 ROWS: tl.constexpr, TILE: tl.constexpr, TRANSPOSE: tl.constexpr, EXACT: tl.constexpr,
+                 FP8_MAX: tl.constexpr, POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr,
+                 PROLOGUE: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                 ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
     rows = i * ROWS + tl.arange(0, ROWS)
     cols = j * TILE + tl.arange(0, TILE)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = _load_tile(x_ptr, rows, cols, M, K, EXACT)
+    x, mask = _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M, K, EXACT, PROLOGUE, RMS,
+                             ZERO_CENTERED, HAS_SHIFT, ACT, GATE, GATED)
     scale, scale_inv = _tile_scales(_amax(x, 1), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
     q = saturate(x * scale[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
     _store(q_ptr, rows[:, None] * K + cols[None, :], q, mask, EXACT)
@@ -78,24 +130,68 @@ def _tile_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M: tl.constexpr, K: tl.con
         _store(st_ptr, cols * tl.num_programs(0) + i, scale_inv_t, cols < K, EXACT)
 
 
-def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: float, power_of_two: bool = False,
-                  amax_epsilon: float = 0.0, num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, ...]:
-    """`mtjax.kernels.block_quantize.tile_quantize` (same arguments and results) in native Triton."""
-    why = pallas_quantize.unsupported(x.shape, x.dtype, out_dtype)
-    if why is not None:
-        raise ValueError(f"tile_quantize: unsupported input: {why}")
-    m, k = x.shape
+_NO_PROLOGUE = dict(PROLOGUE=0, RMS=False, ZERO_CENTERED=False, HAS_SHIFT=False, ACT=0, GATE=0, GATED=False)
+
+
+def _tile_launch(x, operands, k, out_dtype, *, transpose, fp8_max, power_of_two, amax_epsilon, num_warps,
+                 **prologue):
+    """The tile cast of ``x [m, *]`` into ``k`` columns, the four operand slots filled with stand-ins."""
+    m = x.shape[0]
     rows = TILE if transpose else pallas_quantize.ROWS
     grid = (triton.cdiv(m, rows), triton.cdiv(k, TILE))
     out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
     out_shape += ([jax.ShapeDtypeStruct((k, m), out_dtype), jax.ShapeDtypeStruct((k, grid[0]), jnp.float32)]
                   if transpose else [jax.ShapeDtypeStruct((1,), out_dtype), jax.ShapeDtypeStruct((1,), jnp.float32)])
+    operands = tuple(stand_in() if a is None else a for a in operands)
     outs = launch(
-        _tile_kernel, x, out_shape=out_shape, grid=grid, name="mtjax_triton_tile_quantize", num_warps=num_warps,
-        num_stages=1, M=m, K=k, ROWS=rows, TILE=TILE, TRANSPOSE=bool(transpose), EXACT=m % rows == 0 and k % TILE == 0,
-        FP8_MAX=float(fp8_max), POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon),
+        _tile_kernel, x, *operands, out_shape=out_shape, grid=grid, name="mtjax_triton_tile_quantize",
+        num_warps=num_warps, num_stages=1, M=m, K=k, ROWS=rows, TILE=TILE, TRANSPOSE=bool(transpose),
+        EXACT=m % rows == 0 and k % TILE == 0, FP8_MAX=float(fp8_max), POWER_OF_TWO=bool(power_of_two),
+        AMAX_EPSILON=float(amax_epsilon), **{**_NO_PROLOGUE, **prologue},
     )
     return tuple(outs if transpose else outs[:2])
+
+
+def _check(x, out_dtype, op):
+    why = pallas_quantize.unsupported(x.shape, x.dtype, out_dtype)
+    if why is not None:
+        raise ValueError(f"{op}: unsupported input: {why}")
+
+
+def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: float, power_of_two: bool = False,
+                  amax_epsilon: float = 0.0, num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, ...]:
+    """`mtjax.kernels.block_quantize.tile_quantize` (same arguments and results) in native Triton."""
+    _check(x, out_dtype, "tile_quantize")
+    return _tile_launch(x, (None,) * 4, x.shape[1], out_dtype, transpose=transpose, fp8_max=fp8_max,
+                        power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps)
+
+
+def norm_tile_quantize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, out_dtype, *, rms: bool,
+                       epsilon: float, zero_centered_gamma: bool, transpose: bool = False, fp8_max: float,
+                       power_of_two: bool = False, amax_epsilon: float = 0.0,
+                       num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, ...]:
+    """`mtjax.kernels.block_quantize.norm_tile_quantize` (same arguments and results) in native Triton."""
+    _check(x, out_dtype, "norm_tile_quantize")
+    stats = pallas_quantize.row_statistics(x, rms=rms, epsilon=epsilon)
+    mean, rstd = (None, *stats) if rms else stats
+    return _tile_launch(x, (mean, rstd, gamma, beta), x.shape[1], out_dtype, transpose=transpose, fp8_max=fp8_max,
+                        power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=1,
+                        RMS=bool(rms), ZERO_CENTERED=bool(zero_centered_gamma), HAS_SHIFT=beta is not None)
+
+
+def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *, activation: str,
+                             transpose: bool = False, fp8_max: float, power_of_two: bool = False,
+                             amax_epsilon: float = 0.0,
+                             num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, ...]:
+    """`mtjax.kernels.block_quantize.activation_tile_quantize` (same arguments and results) in native Triton."""
+    x2 = x.reshape(x.shape[0], -1)
+    _check(x2, out_dtype, "activation_tile_quantize")
+    gated = x.ndim == 3
+    bias = None if bias is None else bias.reshape(-1)
+    return _tile_launch(x2, (bias, None, None, None), x.shape[-1], out_dtype, transpose=transpose, fp8_max=fp8_max,
+                        power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=2,
+                        HAS_SHIFT=bias is not None, ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0),
+                        GATED=gated)
 
 
 @triton.jit

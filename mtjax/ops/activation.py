@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -35,10 +36,13 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from mtjax import backend
+from mtjax.dtypes import fp8_max
 from mtjax.kernels import activation as activation_kernels
+from mtjax.kernels import block_quantize as block_kernels
 from mtjax.kernels.activation import CLAMP_ALPHA, CLAMP_GATE_OFFSET, CLAMP_LIMIT, QUICK_GELU_ALPHA
 from mtjax.kernels.common import saturate_cast, too_small, unsupported_fp8_dtype
-from mtjax.ops.checks import check_float, check_fp8_output, check_shape
+from mtjax.ops.block_quantization import tile_quantize_reference
+from mtjax.ops.checks import check_float, check_fp8_output, check_shape, check_tile_options
 
 
 def _gelu_tanh(x):
@@ -219,6 +223,49 @@ def activation_fp8(
                             activation_type=name, out_dtype=jnp.dtype(out_dtype))
 
 
+@backend.register("activation_tile_fp8", backend.REFERENCE)
+def activation_tile_fp8_reference(x: jax.Array, bias: jax.Array | None, *, activation_type: str, out_dtype: DTypeLike,
+                                  transpose: bool, power_of_two: bool, amax_epsilon: float) -> tuple[jax.Array, ...]:
+    """The ``"xla"`` implementation of `activation_tile_fp8`: the activation in float32, then
+    `tile_quantize`'s."""
+    y = activation_reference(x.astype(jnp.float32), bias, activation_type=activation_type)
+    return tile_quantize_reference(y, out_dtype=out_dtype, transpose=transpose, power_of_two=power_of_two,
+                                   amax_epsilon=amax_epsilon)
+
+
+def activation_tile_fp8(
+    x: jax.Array,
+    activation_type: str | Sequence[str] = "gelu",
+    bias: jax.Array | None = None,
+    *,
+    out_dtype: DTypeLike = jnp.float8_e4m3fn,
+    transpose: bool = False,
+    power_of_two: bool = False,
+    amax_epsilon: float = 0.0,
+    implementation: str | None = None,
+) -> tuple[jax.Array, ...]:
+    """``y = act(x + bias)`` cast for a block-scaled FP8 GEMM: `mtjax.ops.tile_quantize` of ``y``
+    computed in float32, in one kernel (``y`` never goes through memory in bf16).
+
+    Args:
+      x: ``[m, hidden]``, or ``[m, 2, hidden]`` for a gated activation; activation_type, bias: as
+        `activation`.
+      out_dtype, transpose, power_of_two, amax_epsilon: as `tile_quantize`.
+    Returns:
+      as `tile_quantize` for ``y [m, hidden]``. Forward only: the block-scaled GEMM consuming the
+      output owns the backward, which is `activation`'s.
+    """
+    op = "activation_tile_fp8"
+    name = _check(op, x, activation_type, bias)
+    gated = ACTIVATIONS[name][1] is not None
+    if jnp.ndim(x) != (3 if gated else 2):
+        raise ValueError(f"{op}: x has shape {jnp.shape(x)}; expected {'[m, 2, hidden]' if gated else '[m, hidden]'}"
+                         f" for {name!r}")
+    out_dtype = check_tile_options(op, out_dtype, power_of_two, amax_epsilon, transpose)
+    return backend.dispatch(op, x, bias, implementation=implementation, activation_type=name, out_dtype=out_dtype,
+                            transpose=transpose, power_of_two=power_of_two, amax_epsilon=float(amax_epsilon))
+
+
 @backend.register("activation_grad_fp8", backend.REFERENCE)
 def activation_grad_fp8_reference(x: jax.Array, bias: jax.Array | None, dy: jax.Array, scale: jax.Array, *,
                                   activation_type: str, out_dtype: DTypeLike) -> tuple:
@@ -287,6 +334,11 @@ class Activation:
         """`activation_fp8` of ``x``: ``(saturate_cast(act(x) * scale, out_dtype), max |act(x)|)``."""
         return activation_fp8(x, self.activation_type, self.bias, scale=scale, out_dtype=out_dtype)
 
+    def tile_fp8(self, x: jax.Array, out_dtype: DTypeLike, **options: bool | float) -> tuple[jax.Array, ...]:
+        """`activation_tile_fp8` of ``x [m, hidden]`` (``[m, 2, hidden]`` gated; ``options``:
+        ``transpose``, ``power_of_two``, ``amax_epsilon``): ``act(x)`` cast in 1x128 row tiles."""
+        return activation_tile_fp8(x, self.activation_type, self.bias, out_dtype=out_dtype, **options)
+
     def fp8_grad(self, x: jax.Array, dy: jax.Array, scale: jax.Array,
                  out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array, Activation]:
         """The backward of ``self(x)`` for the cotangent ``dy``, written for an FP8 GEMM
@@ -326,6 +378,21 @@ def _activation_fp8_pallas(x, bias, scale, *, activation_type: str, out_dtype):
     return activation_kernels.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype)
 
 
+def _tile_kernel_unsupported(x, *_, activation_type: str, out_dtype, **__) -> str | None:
+    shape = jnp.shape(x)
+    return (activation_kernels.unsupported(shape, jnp.result_type(x), activation_type)
+            or block_kernels.unsupported((shape[0], math.prod(shape[1:])), jnp.result_type(x), out_dtype))
+
+
+# The tile cast's kernel with the activation applied to each tile it loads.
+@backend.register("activation_tile_fp8", "pallas_triton", **{**_KERNEL, "unsupported": _tile_kernel_unsupported})
+def _activation_tile_fp8_pallas(x, bias, *, activation_type: str, out_dtype, transpose: bool, power_of_two: bool,
+                                amax_epsilon: float):
+    return block_kernels.activation_tile_quantize(
+        x, bias, out_dtype, activation=activation_type, transpose=transpose, fp8_max=fp8_max(out_dtype),
+        power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+
+
 # Native Triton ports of the same kernels (kernels/triton/activation.py): the same declines and size
 # rule, below the Pallas ones while both can run.
 _NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 9}
@@ -350,3 +417,13 @@ def _activation_fp8_triton(x, bias, scale, *, activation_type: str, out_dtype):
     from mtjax.kernels.triton import activation as native
 
     return native.activation_fp8(x, bias, scale, activation=activation_type, out_dtype=out_dtype)
+
+
+@backend.register("activation_tile_fp8", "triton", **{**_NATIVE, "unsupported": _tile_kernel_unsupported})
+def _activation_tile_fp8_triton(x, bias, *, activation_type: str, out_dtype, transpose: bool, power_of_two: bool,
+                                amax_epsilon: float):
+    from mtjax.kernels.triton import block_fp8 as native
+
+    return native.activation_tile_quantize(
+        x, bias, out_dtype, activation=activation_type, transpose=transpose, fp8_max=fp8_max(out_dtype),
+        power_of_two=power_of_two, amax_epsilon=amax_epsilon)

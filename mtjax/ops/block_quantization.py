@@ -17,7 +17,7 @@ from mtjax import backend
 from mtjax.dtypes import check_fp8_dtype, fp8_max
 from mtjax.kernels import block_quantize as block_kernels
 from mtjax.kernels.common import too_small
-from mtjax.ops.checks import check_float, check_rank
+from mtjax.ops.checks import check_float, check_rank, check_tile_options
 
 TILE = block_kernels.TILE
 
@@ -65,14 +65,10 @@ def _tile_quantize_triton(x, *, out_dtype, transpose, power_of_two, amax_epsilon
                                 power_of_two=power_of_two, amax_epsilon=amax_epsilon)
 
 
-def _check(op: str, x: jax.Array, dtype: Any, power_of_two: bool, amax_epsilon: float) -> Any:
+def _check(op: str, x: jax.Array, dtype: Any, power_of_two: bool, amax_epsilon: float, transpose: bool = False) -> Any:
     check_float(op, "x", x)
     check_rank(op, "x", x, 2)
-    if not isinstance(power_of_two, bool):
-        raise TypeError(f"{op}(power_of_two={power_of_two!r}): expected True or False")
-    if not (isinstance(amax_epsilon, (int, float)) and amax_epsilon >= 0 and amax_epsilon != float("inf")):
-        raise ValueError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
-    return check_fp8_dtype(op, dtype)
+    return check_tile_options(op, dtype, power_of_two, amax_epsilon, transpose)
 
 
 def tile_quantize(x: jax.Array, dtype: Any, *, transpose: bool = False, power_of_two: bool = False,
@@ -85,9 +81,7 @@ def tile_quantize(x: jax.Array, dtype: Any, *, transpose: bool = False, power_of
     ``power_of_two`` rounds scales down to powers of two; ``amax_epsilon`` floors each tile's amax.
     Values beyond the FP8 range saturate; NaN stays NaN.
     """
-    dtype = _check("tile_quantize", x, dtype, power_of_two, amax_epsilon)
-    if not isinstance(transpose, bool):
-        raise TypeError(f"tile_quantize(transpose={transpose!r}): expected True or False")
+    dtype = _check("tile_quantize", x, dtype, power_of_two, amax_epsilon, transpose)
     return backend.dispatch("tile_quantize", x, implementation=implementation, out_dtype=dtype, transpose=transpose,
                             power_of_two=power_of_two, amax_epsilon=float(amax_epsilon))
 

@@ -7,6 +7,9 @@ applied as ``1 + gamma``), which keeps weight decay from pulling the scale towar
 - `norm_fp8`: the norm with its output quantized for an FP8 GEMM (``q = saturate_cast(y * scale)``,
   plus ``amax = max |y|`` before scaling), forward only: the FP8 GEMM consuming ``q`` owns the
   backward pass, which is `layernorm`/`rmsnorm`'s.
+- `norm_tile_fp8`: the norm with its output cast in 1x128 row tiles for a block-scaled FP8 GEMM
+  (`mtjax.fp8.BlockScaling`), each tile with its own scale, and the transposed cast too if asked;
+  forward only, like `norm_fp8`.
 - `residual_norm`: ``new_residual = dropout(x) + residual`` and ``norm(new_residual)`` together, returned
   as ``(normalized, new_residual)``: the output first, the residual stream second, as the modules do.
 - `Norm`: a norm with its parameters bound, as one value (a pytree) that a fused consumer such as
@@ -28,10 +31,13 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from mtjax import backend
+from mtjax.dtypes import fp8_max
+from mtjax.kernels import block_quantize as block_kernels
 from mtjax.kernels import layer_norm as norm_kernels
 from mtjax.kernels import residual_norm as residual_norm_kernels
 from mtjax.kernels.common import dropout_keep, saturate_cast, too_small, unsupported_array, unsupported_fp8_dtype
-from mtjax.ops.checks import check_choice, check_float, check_fp8_output, check_shape
+from mtjax.ops.block_quantization import tile_quantize_reference
+from mtjax.ops.checks import check_choice, check_float, check_fp8_output, check_rank, check_shape, check_tile_options
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -189,6 +195,53 @@ def norm_fp8(
     )
 
 
+@backend.register("norm_tile_fp8", backend.REFERENCE)
+def norm_tile_fp8_reference(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, *, layernorm_type: str,
+                            epsilon: float, zero_centered_gamma: bool, out_dtype: DTypeLike, transpose: bool,
+                            power_of_two: bool, amax_epsilon: float) -> tuple[jax.Array, ...]:
+    """The ``"xla"`` implementation of `norm_tile_fp8`: the norm in float32, then `tile_quantize`'s."""
+    y = _norm_reference(x.astype(jnp.float32), gamma, beta, layernorm_type, epsilon, zero_centered_gamma)
+    return tile_quantize_reference(y, out_dtype=out_dtype, transpose=transpose, power_of_two=power_of_two,
+                                   amax_epsilon=amax_epsilon)
+
+
+def norm_tile_fp8(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None,
+    *,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    out_dtype: DTypeLike = jnp.float8_e4m3fn,
+    transpose: bool = False,
+    power_of_two: bool = False,
+    amax_epsilon: float = 0.0,
+    implementation: str | None = None,
+) -> tuple[jax.Array, ...]:
+    """Norm with its output cast for a block-scaled FP8 GEMM: `mtjax.ops.tile_quantize` of ``norm(x)``
+    computed in float32, in one kernel (the normalized values never go through memory in bf16).
+
+    Args:
+      x: ``[m, hidden]``; gamma, beta: ``[hidden]`` (``beta`` must be ``None`` for RMSNorm).
+      layernorm_type, epsilon, zero_centered_gamma: as `layernorm` / `rmsnorm`.
+      out_dtype, transpose, power_of_two, amax_epsilon: as `tile_quantize`.
+    Returns:
+      ``(q [m, hidden], scale_inv [m, ceil(hidden/128)])``, plus ``(q_t [hidden, m],
+      scale_inv_t [hidden, ceil(m/128)])`` with ``transpose=True``, as `tile_quantize`. Forward only:
+      the block-scaled GEMM consuming ``q`` owns the backward, which is the norm's.
+    """
+    op = "norm_tile_fp8"
+    _check_typed(op, layernorm_type, x, gamma, beta, epsilon)
+    check_rank(op, "x", x, 2)
+    out_dtype = check_tile_options(op, out_dtype, power_of_two, amax_epsilon, transpose)
+    return backend.dispatch(
+        op, x, gamma, beta, implementation=implementation, layernorm_type=layernorm_type, epsilon=float(epsilon),
+        zero_centered_gamma=bool(zero_centered_gamma), out_dtype=out_dtype, transpose=transpose,
+        power_of_two=power_of_two, amax_epsilon=float(amax_epsilon),
+    )
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["gamma", "beta"],
                    meta_fields=["layernorm_type", "epsilon", "zero_centered_gamma"])
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +281,12 @@ class Norm:
         """`norm_fp8` of ``x``: ``(saturate_cast(norm(x) * scale, out_dtype), max |norm(x)|)``."""
         return norm_fp8(x, self.gamma, self.beta, scale, layernorm_type=self.layernorm_type,
                              epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma, out_dtype=out_dtype)
+
+    def tile_fp8(self, x: jax.Array, out_dtype: DTypeLike, **options: bool | float) -> tuple[jax.Array, ...]:
+        """`norm_tile_fp8` of ``x [m, hidden]`` (``options``: ``transpose``, ``power_of_two``,
+        ``amax_epsilon``): ``norm(x)`` cast in 1x128 row tiles, as `tile_quantize` returns it."""
+        return norm_tile_fp8(x, self.gamma, self.beta, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                             zero_centered_gamma=self.zero_centered_gamma, out_dtype=out_dtype, **options)
 
 
 @backend.register("residual_norm", backend.REFERENCE)
@@ -342,6 +401,20 @@ def _norm_fp8_pallas(x, gamma, beta, scale, *, layernorm_type: str, epsilon: flo
                                  zero_centered_gamma=zero_centered_gamma, out_dtype=out_dtype)
 
 
+def _tile_kernel_unsupported(x, *_, out_dtype, **__) -> str | None:
+    return block_kernels.unsupported(jnp.shape(x), jnp.result_type(x), out_dtype)
+
+
+# The tile cast's kernel with the norm applied to each tile it loads, after a row-statistics pass.
+@backend.register("norm_tile_fp8", "pallas_triton", **{**_KERNEL, "unsupported": _tile_kernel_unsupported})
+def _norm_tile_fp8_pallas(x, gamma, beta, *, layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
+                          out_dtype, transpose: bool, power_of_two: bool, amax_epsilon: float):
+    return block_kernels.norm_tile_quantize(
+        x, gamma, beta, out_dtype, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, transpose=transpose, fp8_max=fp8_max(out_dtype),
+        power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+
+
 @backend.register("residual_norm", "pallas_triton", **_KERNEL)
 def _residual_norm_pallas(x, residual, gamma, beta, seed, *, layernorm_type: str, epsilon: float,
                           zero_centered_gamma: bool, dropout_rate: float):
@@ -386,3 +459,14 @@ def _residual_norm_triton(x, residual, gamma, beta, seed, *, layernorm_type: str
 
     return native.residual_norm(x, residual, gamma, beta, seed, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
                                 zero_centered_gamma=zero_centered_gamma, dropout_rate=dropout_rate)
+
+
+@backend.register("norm_tile_fp8", "triton", **{**_NATIVE, "unsupported": _tile_kernel_unsupported})
+def _norm_tile_fp8_triton(x, gamma, beta, *, layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
+                          out_dtype, transpose: bool, power_of_two: bool, amax_epsilon: float):
+    from mtjax.kernels.triton import block_fp8 as native
+
+    return native.norm_tile_quantize(
+        x, gamma, beta, out_dtype, rms=layernorm_type == "rmsnorm", epsilon=epsilon,
+        zero_centered_gamma=zero_centered_gamma, transpose=transpose, fp8_max=fp8_max(out_dtype),
+        power_of_two=power_of_two, amax_epsilon=amax_epsilon)
