@@ -30,7 +30,11 @@ def is_fp8(dtype: Any) -> bool:
 def check_fp8_dtype(fn: str, dtype: Any, name: str = "dtype") -> Any:
     """``jnp.dtype(dtype)``, or `TypeError` naming ``fn``, ``name`` and the accepted dtypes."""
     if not is_fp8(dtype):
-        raise TypeError(f"{fn}({name}={dtype}): expected one of {[d.name for d in FP8_DTYPES]}")
+        try:
+            shown = jnp.dtype(dtype).name
+        except TypeError:
+            shown = repr(dtype)
+        raise TypeError(f"{fn}({name}={shown}): expected one of {[d.name for d in FP8_DTYPES]}")
     return jnp.dtype(dtype)
 
 

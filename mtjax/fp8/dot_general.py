@@ -22,7 +22,7 @@ from jax import lax
 
 from mtjax import backend
 from mtjax.dtypes import fp8_max
-from mtjax.fp8.block_scaling import block_fp8_matmul
+from mtjax.fp8.block_scaling import block_fp8_matmul, prologue_backward
 from mtjax.fp8.context import current_autocast
 from mtjax.fp8.recipes import RECIPE_TYPES, BlockScaling, CurrentScaling, DelayedScaling, Recipe
 from mtjax.fp8.scaling import (
@@ -193,16 +193,7 @@ def _fp8_prologue_matmul_fwd(x, prologue, w, meta, spec):
 def _fp8_prologue_matmul_bwd(spec, residuals, g):
     x, prologue, gemm_residuals = residuals
     d_operand, dw, next_meta = _fp8_matmul_bwd(spec, gemm_residuals, g)
-    return (*_prologue_bwd(x, prologue, d_operand), dw, next_meta)
-
-
-def _prologue_bwd(x, prologue, d_out):
-    """``(dx, d_prologue)``: the prologue's own backward from its saved input (``prologue`` None: the
-    identity)."""
-    if prologue is None:
-        return d_out, None
-    _, prologue_vjp = jax.vjp(lambda x, prologue: prologue(x), x, prologue)
-    return prologue_vjp(d_out)
+    return (*prologue_backward(x, prologue, d_operand), dw, next_meta)
 
 
 _fp8_prologue_matmul.defvjp(_fp8_prologue_matmul_fwd, _fp8_prologue_matmul_bwd)
@@ -296,8 +287,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
         x = lhs.reshape((m,) + lhs.shape[len(lhs_free):])
     w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(batch + (k, n))
     spec = _GemmSpec.build(recipe, reduce_axes, operand.dtype, rhs.dtype, result.dtype, implementation)
-    if isinstance(recipe, BlockScaling):  # per-tile scales from the prologue's output: two passes
-        out = block_fp8_matmul(x if lhs_prologue is None else lhs_prologue(x), w, spec)
+    if isinstance(recipe, BlockScaling):  # the prologue's kernel writes the FP8 tiles of its output
+        out = block_fp8_matmul(x, w, spec, lhs_prologue)
     elif lhs_prologue is None:
         out = _fp8_matmul(x, w, meta, spec)
     elif isinstance(recipe, CurrentScaling):  # its scale needs the prologue's amax first: two passes anyway

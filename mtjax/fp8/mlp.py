@@ -9,13 +9,13 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from mtjax.fp8.block_scaling import prologue_backward
 from mtjax.fp8.context import current_autocast
 from mtjax.fp8.dot_general import (
     _check_meta,
     _delayed_cast,
     _fp8_matmul_bwd,
     _GemmSpec,
-    _prologue_bwd,
     _quantize_input,
     _quantized_grad_matmul_bwd,
     _quantized_input_matmul_fwd,
@@ -51,7 +51,7 @@ def _fp8_mlp_bwd(spec1, spec2, residuals, g):
         lambda scale: activation.fp8_grad(h, d_activation_out, scale, spec1.bwd_dtype))
     d_fc1_input, dw1, next_meta1 = _quantized_grad_matmul_bwd(spec1, gemm1, g_q.reshape(h.shape[0], -1), g_q_t,
                                                               g_scale, g_state)
-    dx, d_norm = _prologue_bwd(x, norm, d_fc1_input)
+    dx, d_norm = prologue_backward(x, norm, d_fc1_input)
     return dx, d_norm, dw1.reshape(w1_shape), d_activation, dw2, next_meta1, next_meta2
 
 

@@ -68,7 +68,7 @@ def _tile_quantize_triton(x, *, out_dtype, transpose, power_of_two, amax_epsilon
 def _check(op: str, x: jax.Array, dtype: Any, power_of_two: bool, amax_epsilon: float, transpose: bool = False) -> Any:
     check_float(op, "x", x)
     check_rank(op, "x", x, 2)
-    return check_tile_options(op, dtype, power_of_two, amax_epsilon, transpose)
+    return check_tile_options(op, dtype, power_of_two, amax_epsilon, transpose, dtype_name="dtype")
 
 
 def tile_quantize(x: jax.Array, dtype: Any, *, transpose: bool = False, power_of_two: bool = False,

@@ -44,12 +44,13 @@ def check_fp8_output(op: str, scale: Any, out_dtype: Any) -> None:
     check_choice(op, "out_dtype", jnp.dtype(out_dtype), FP8_DTYPES)
 
 
-def check_tile_options(op: str, dtype: Any, power_of_two: Any, amax_epsilon: Any, transpose: Any = False) -> Any:
+def check_tile_options(op: str, dtype: Any, power_of_two: Any, amax_epsilon: Any, transpose: Any = False,
+                       dtype_name: str = "out_dtype") -> Any:
     """The options of the 1x128-tile casts (`mtjax.ops.tile_quantize` and the ops fused with one);
-    returns ``jnp.dtype(dtype)``."""
+    returns ``jnp.dtype(dtype)`` (``dtype_name``: the op's name of that argument)."""
     for name, value in (("power_of_two", power_of_two), ("transpose", transpose)):
         if not isinstance(value, bool):
             raise TypeError(f"{op}({name}={value!r}): expected True or False")
     if not (isinstance(amax_epsilon, (int, float)) and amax_epsilon >= 0 and amax_epsilon != float("inf")):
         raise ValueError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
-    return check_fp8_dtype(op, dtype)
+    return check_fp8_dtype(op, dtype, dtype_name)

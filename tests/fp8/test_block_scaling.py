@@ -8,6 +8,8 @@ element and less after averaging; 0.1 bounds every comparison with f32 here."""
 
 from __future__ import annotations
 
+import importlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -175,17 +177,18 @@ def test_batch_axes_and_bf16():
 # ----------------------------------------------------------------------------------------------
 
 
+# name -> (module, GEMMs in the forward, GEMMs in all, tile casts fused with a norm, with an activation)
 MODULES = {
-    "DenseGeneral": (lambda: mtflax.DenseGeneral(features=(4, 32)), 1, 3),
-    "LayerNormDenseGeneral": (lambda: mtflax.LayerNormDenseGeneral(features=96), 1, 3),
-    "LayerNormMLP": (lambda: mtflax.LayerNormMLP(intermediate_dim=256, activations=("gelu",)), 2, 6),
-    "MultiHeadAttention": (lambda: mtflax.MultiHeadAttention(head_dim=16, num_attention_heads=4), 2, 6),
+    "DenseGeneral": (lambda: mtflax.DenseGeneral(features=(4, 32)), 1, 3, 0, 0),
+    "LayerNormDenseGeneral": (lambda: mtflax.LayerNormDenseGeneral(features=96), 1, 3, 1, 0),
+    "LayerNormMLP": (lambda: mtflax.LayerNormMLP(intermediate_dim=256, activations=("gelu",)), 2, 6, 1, 1),
+    "MultiHeadAttention": (lambda: mtflax.MultiHeadAttention(head_dim=16, num_attention_heads=4), 2, 6, 1, 0),
 }
 
 
 @pytest.mark.parametrize("name", list(MODULES))
 def test_every_module_runs_block_scaled(name, spy):
-    make, fwd_gemms, all_gemms = MODULES[name]
+    make, fwd_gemms, all_gemms, norm_casts, activation_casts = MODULES[name]
     module = make()
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 32, 128)).astype(np.float32))
     variables = module.init(jax.random.key(0), x)
@@ -199,12 +202,45 @@ def test_every_module_runs_block_scaled(name, spy):
     with fp8.fp8_autocast(recipe=BLOCK):
         assert set(module.init(jax.random.key(0), x)) == {"params"}  # no state
         calls = spy(block_scaling, "block_fp8_gemm", lambda args, kwargs: args[0].shape)
+        fused = {op: spy(module_of_op, op, lambda args, kwargs: args[0].shape)
+                 for module_of_op, op in ((importlib.import_module("mtjax.ops.normalization"), "norm_tile_fp8"),
+                                          (importlib.import_module("mtjax.ops.activation"), "activation_tile_fp8"))}
         (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     assert len(calls) == all_gemms, calls  # forward, dgrad and wgrad of each projection
+    # the norm and the activation in front of a GEMM write its FP8 tiles
+    assert (len(fused["norm_tile_fp8"]), len(fused["activation_tile_fp8"])) == (norm_casts, activation_casts), fused
     (_, want), grads_want = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     assert _rel(out, want) < 0.1
     for g, g_want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want)):
         assert np.all(np.isfinite(g)) and _rel(g, g_want) < 0.15
+
+
+@pytest.mark.parametrize("prologue", [
+    ops.Norm(jnp.linspace(0.5, 1.5, 256), jnp.linspace(-0.1, 0.1, 256)),
+    ops.Norm(jnp.linspace(0.5, 1.5, 256), None, "rmsnorm", zero_centered_gamma=True),
+    ops.Activation(jnp.linspace(-0.5, 0.5, 512).reshape(2, 256), "swiglu"),
+], ids=["layernorm", "rmsnorm", "swiglu"])
+def test_fused_prologue_is_the_cast_of_its_float32_output(prologue):
+    """In float32 the fused cast quantizes the values the separate op writes, so the GEMM with the norm or
+    activation fused equals the GEMM of that op's output, forward and backward (to float32 rounding:
+    the prologue's backward runs from its input in both)."""
+    rng = np.random.default_rng(11)
+    shape = (96, 2, 256) if isinstance(prologue, ops.Activation) else (96, 256)
+    x = jnp.asarray(rng.standard_normal(shape) * 2.0 + 0.3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 64)) / 16.0, jnp.float32)
+
+    def fused(x, prologue, w):
+        return fp8.fp8_dot_general(x, w, DENSE, recipe=BLOCK, lhs_prologue=prologue)
+
+    def separate(x, prologue, w):
+        return fp8.fp8_dot_general(prologue(x), w, DENSE, recipe=BLOCK)
+
+    got, got_vjp = jax.vjp(fused, x, prologue, w)
+    want, want_vjp = jax.vjp(separate, x, prologue, w)
+    dy = jnp.asarray(rng.standard_normal(got.shape), jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    for g, g_want in zip(jax.tree.leaves(got_vjp(dy)), jax.tree.leaves(want_vjp(dy))):
+        np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(g_want))))
 
 
 class ScannedStack(nn.Module):

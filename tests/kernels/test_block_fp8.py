@@ -1,9 +1,12 @@
 """The block-scaled FP8 kernels (kernels/block_quantize.py, kernels/block_fp8_gemm.py) against their
 jax.numpy references in `mtjax.ops`: bit-exact casts and scales in interpret mode (both share the
-scale math and round once from float32), masked tails at odd shapes, the GEMM with padded tiles and
-both kinds of scales; their Triton lowering for an H200; and on the GPU."""
+scale math and round once from float32), masked tails at odd shapes, the casts fused with a norm or an
+activation, the GEMM with padded tiles and both kinds of scales; their Triton lowering for an H200;
+and on the GPU."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,66 @@ def test_tile_quantize_kernel_matches_reference(interpret, m, k, transpose, dtyp
     kwargs = dict(transpose=transpose, power_of_two=power_of_two)
     _assert_equal(ops.tile_quantize(x, out_dtype, implementation="pallas_triton", **kwargs),
                   ops.tile_quantize(x, out_dtype, implementation="xla", **kwargs))
+
+
+def assert_same_tiles(got, want):
+    """Fused casts against their references: the norm or activation is computed in float32 by both, but
+    not always with the same rounding in the last bit (a different order of operations, or exp), so a
+    scale may differ by an ulp and a value close to a rounding boundary of FP8 by one FP8 step."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, g.shape, w.dtype, w.shape)
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 1e-30))) - 2)  # one E5M2 step (E4M3's is half)
+        assert np.all(np.abs(g - w) <= step), np.max(np.abs(g - w) / step)
+        assert np.mean(g != w) <= 0.01 or g.size < 1000, np.mean(g != w)  # scales: a few ulps apart at most
+
+
+def _norm_inputs(seed, m, k, dtype=jnp.bfloat16):
+    """Rows spanning decades with a non-zero mean, and a gamma and beta away from 1 and 0."""
+    x = _x(seed, (m, k), jnp.float32) + 10.0 ** jax.random.uniform(jax.random.key(seed + 1), (m, 1), minval=-2,
+                                                                    maxval=1)
+    gamma = 1.0 + 0.3 * jax.random.normal(jax.random.key(seed + 2), (k,))
+    beta = 0.1 * jax.random.normal(jax.random.key(seed + 3), (k,))
+    return x.astype(dtype), gamma, beta
+
+
+@pytest.mark.parametrize("m, k, layernorm_type, zero_centered_gamma, transpose, out_dtype", [
+    (200, 300, "layernorm", False, True, jnp.float8_e4m3fn),
+    (5, 130, "rmsnorm", True, False, jnp.float8_e5m2),
+    (128, 256, "layernorm", True, True, jnp.float8_e4m3fn),
+])
+def test_norm_tile_kernel_matches_reference(interpret, m, k, layernorm_type, zero_centered_gamma, transpose,
+                                            out_dtype):
+    x, gamma, beta = _norm_inputs(m + k, m, k)
+    beta = beta if layernorm_type == "layernorm" else None
+    kwargs = dict(layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma, transpose=transpose,
+                  out_dtype=out_dtype)
+    assert_same_tiles(ops.norm_tile_fp8(x, gamma, beta, implementation="pallas_triton", **kwargs),
+                      ops.norm_tile_fp8(x, gamma, beta, implementation="xla", **kwargs))
+
+
+@pytest.mark.parametrize("m, k, activation, has_bias, transpose", [
+    (200, 300, "swiglu", True, True), (70, 130, "gelu", True, False), (128, 128, "clamped_swiglu", False, True),
+    (33, 200, "glu", True, True),
+])
+def test_activation_tile_kernel_matches_reference(interpret, m, k, activation, has_bias, transpose):
+    shape = (m, 2, k) if ops.is_gated(activation) else (m, k)
+    x = _x(m + k, (m, math.prod(shape[1:])), jnp.bfloat16, 1.0).reshape(shape)
+    bias = 0.5 * jax.random.normal(jax.random.key(3), shape[1:]) if has_bias else None
+    assert_same_tiles(ops.activation_tile_fp8(x, activation, bias, transpose=transpose, implementation="pallas_triton"),
+                      ops.activation_tile_fp8(x, activation, bias, transpose=transpose, implementation="xla"))
+
+
+def test_fused_tile_references_are_the_cast_of_the_float32_op():
+    x, gamma, beta = _norm_inputs(0, 64, 256, jnp.float32)
+    _assert_equal(ops.norm_tile_fp8(x, gamma, beta, transpose=True, implementation="xla"),
+                  ops.tile_quantize(ops.layernorm(x, gamma, beta, implementation="xla"), jnp.float8_e4m3fn,
+                                    transpose=True, implementation="xla"))
+    h = _x(1, (64, 512), jnp.float32, 1.0).reshape(64, 2, 256)
+    _assert_equal(ops.activation_tile_fp8(h, "swiglu", implementation="xla"),
+                  ops.tile_quantize(ops.activation(h, "swiglu", implementation="xla"), jnp.float8_e4m3fn,
+                                    implementation="xla"))
 
 
 @pytest.mark.parametrize("k, n, out_dtype, power_of_two, amax_epsilon", [
@@ -104,6 +167,17 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="block_m"):
         gemm_kernel.GemmConfig(block_m=48)
     assert "rank 3" in quantize_kernels.unsupported((2, 3, 4), jnp.bfloat16, jnp.float8_e4m3fn)
+    gamma = jnp.ones((256,))
+    with pytest.raises(ValueError, match="norm_tile_fp8: x has shape"):
+        ops.norm_tile_fp8(jnp.ones((2, 4, 256)), gamma, None)
+    with pytest.raises(TypeError, match=r"norm_tile_fp8\(transpose='yes'\)"):
+        ops.norm_tile_fp8(jnp.ones((4, 256)), gamma, None, transpose="yes")
+    with pytest.raises(TypeError, match=r"norm_tile_fp8\(out_dtype=bfloat16\)"):
+        ops.norm_tile_fp8(jnp.ones((4, 256)), gamma, None, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"activation_tile_fp8: x has shape \(2, 4, 256\); expected \[m, hidden\]"):
+        ops.activation_tile_fp8(jnp.ones((2, 4, 256)), "gelu")
+    with pytest.raises(ValueError, match=r"gated 'swiglu' takes x of shape \[..., 2, hidden\]"):
+        ops.activation_tile_fp8(jnp.ones((4, 256)), "swiglu")
     assert "float8_e4m3fnuz" in gemm_kernel.unsupported((4, 4), jnp.float8_e4m3fnuz, (4, 4), jnp.float8_e4m3fn)
 
 
@@ -127,11 +201,15 @@ def test_gemm_kernel_lowers_for_cuda(m, k, n):
 
 @pytest.mark.parametrize("shape", [(4096, 2048), (4000, 2050)])
 def test_quantize_kernels_lower_for_cuda(shape):
+    gamma, bias = jnp.ones(shape[1:]), jnp.ones((2, shape[1] // 2))
+
     def fn(x):
         return (ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True), ops.tile_quantize(x, jnp.float8_e5m2),
-                ops.block_quantize(x, jnp.float8_e4m3fn, power_of_two=True))
+                ops.block_quantize(x, jnp.float8_e4m3fn, power_of_two=True),
+                ops.norm_tile_fp8(x, gamma, gamma, transpose=True),
+                ops.activation_tile_fp8(x.reshape(shape[0], 2, -1), "swiglu", bias, transpose=True))
 
-    assert _triton_calls(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16)) == 3
+    assert _triton_calls(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16)) == 5
 
 
 def test_block_scaled_dense_lowers_to_kernels_for_cuda():
@@ -161,6 +239,16 @@ def test_quantize_kernels_on_gpu(shape):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
         got = ops.block_quantize(x, out_dtype, power_of_two=True, implementation="pallas_triton")
         _assert_equal(got, ops.block_quantize(x, out_dtype, power_of_two=True, implementation="xla"))
+        gamma = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), shape[1:])
+        assert_same_tiles(ops.norm_tile_fp8(x, gamma, gamma, out_dtype=out_dtype, transpose=True,
+                                            implementation="pallas_triton"),
+                          ops.norm_tile_fp8(x, gamma, gamma, out_dtype=out_dtype, transpose=True, implementation="xla"))
+        if shape[1] % 2 == 0:
+            h = x.reshape(shape[0], 2, -1)
+            assert_same_tiles(ops.activation_tile_fp8(h, "swiglu", out_dtype=out_dtype, transpose=True,
+                                                      implementation="pallas_triton"),
+                              ops.activation_tile_fp8(h, "swiglu", out_dtype=out_dtype, transpose=True,
+                                                      implementation="xla"))
 
 
 @pytest.mark.gpu

@@ -508,6 +508,29 @@ def test_block_quantize_is_bit_identical(interpret):
                       ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla", **options))
 
 
+@pytest.mark.parametrize("prologue", ["layernorm", "rmsnorm", "swiglu", "gelu"])
+def test_fused_tile_casts_match_reference(interpret, prologue):
+    """`norm_tile_fp8` / `activation_tile_fp8`: the tile cast with the norm or activation applied to each
+    loaded tile, at odd shapes (masked tails), with and without the transposed cast."""
+    from tests.kernels.test_block_fp8 import _norm_inputs, _x, assert_same_tiles
+
+    m, k = 130, 200
+    for transpose in (True, False):
+        if prologue in ("layernorm", "rmsnorm"):
+            x, gamma, beta = _norm_inputs(3, m, k)
+            kwargs = dict(layernorm_type=prologue, zero_centered_gamma=prologue == "rmsnorm", transpose=transpose)
+            beta = beta if prologue == "layernorm" else None
+            got = ops.norm_tile_fp8(x, gamma, beta, implementation="triton", **kwargs)
+            want = ops.norm_tile_fp8(x, gamma, beta, implementation="xla", **kwargs)
+        else:
+            shape = (m, 2, k) if ops.is_gated(prologue) else (m, k)
+            x = _x(4, (m, int(np.prod(shape[1:]))), jnp.bfloat16, 1.0).reshape(shape)
+            bias = 0.5 * jax.random.normal(jax.random.key(5), shape[1:])
+            got = ops.activation_tile_fp8(x, prologue, bias, transpose=transpose, implementation="triton")
+            want = ops.activation_tile_fp8(x, prologue, bias, transpose=transpose, implementation="xla")
+        assert_same_tiles(got, want)
+
+
 def test_a_nan_tile_gets_scale_one(interpret):
     """`block_quantize.tile_scales`: a tile whose amax is NaN keeps scale 1 and its NaN (the reference on
     the CPU cannot show this: XLA's CPU max drops NaNs)."""
@@ -541,8 +564,13 @@ def test_block_fp8_compiles_for_hopper():
         b, b_t, b_s = native.block_quantize(x[:2048], jnp.float8_e4m3fn, fp8_max=448.0, power_of_two=True)
         g, g_s = native.tile_quantize(x, jnp.float8_e5m2, fp8_max=57344.0)
         b_rows = jnp.repeat(b_s, 128, axis=0)
+        gamma = jnp.ones((4096,), jnp.bfloat16)
+        norm = native.norm_tile_quantize(x, gamma, gamma, jnp.float8_e4m3fn, rms=False, epsilon=1e-6,
+                                         zero_centered_gamma=True, transpose=True, fp8_max=448.0)
+        act = native.activation_tile_quantize(x.reshape(8192, 2, 2048), gamma.reshape(2, 2048), jnp.float8_e4m3fn,
+                                              activation="clamped_swiglu", transpose=True, fp8_max=448.0)
         return (native.block_fp8_gemm(a, a_s, b, b_rows, jnp.bfloat16),
-                native.block_fp8_gemm(g, g_s, b, b_rows, jnp.bfloat16), a_t, a_t_s, b_t)
+                native.block_fp8_gemm(g, g_s, b, b_rows, jnp.bfloat16), a_t, a_t_s, b_t, norm, act)
 
     shared = _compile_all(f, x)
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
@@ -672,7 +700,7 @@ def test_paged_attention_on_gpu():
 
 @pytest.mark.gpu
 def test_block_fp8_on_gpu():
-    from tests.kernels.test_block_fp8 import _assert_equal, _x
+    from tests.kernels.test_block_fp8 import _assert_equal, _x, assert_same_tiles
 
     x = _x(0, (4096, 2048), jnp.bfloat16)
     w = _x(1, (1024, 2048), jnp.bfloat16, 0.05)
@@ -680,6 +708,12 @@ def test_block_fp8_on_gpu():
                       ops.tile_quantize(x, jnp.float8_e4m3fn, transpose=True, implementation="xla"))
     _assert_equal(ops.block_quantize(w, jnp.float8_e4m3fn, implementation="triton"),
                       ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla"))
+    gamma = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), (2048,))
+    assert_same_tiles(ops.norm_tile_fp8(x, gamma, gamma, transpose=True, implementation="triton"),
+                      ops.norm_tile_fp8(x, gamma, gamma, transpose=True, implementation="xla"))
+    h = x.reshape(4096, 2, 1024)
+    assert_same_tiles(ops.activation_tile_fp8(h, "swiglu", transpose=True, implementation="triton"),
+                      ops.activation_tile_fp8(h, "swiglu", transpose=True, implementation="xla"))
     a, a_s = ops.tile_quantize(x, jnp.float8_e4m3fn, implementation="xla")
     b, _, b_s = ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla")
     got = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="triton")
