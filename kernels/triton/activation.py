@@ -69,8 +69,12 @@ def gate_fn(gate, GATE: tl.constexpr):
     """``(g(gate), g'(gate))``: the identity, or clamped_swiglu's ``clip(gate, -7, 7) + 1``."""
     if GATE == 1:
         inside = (gate >= -7.0) & (gate <= 7.0)
-        return tl.minimum(tl.maximum(gate, -7.0), 7.0) + 1.0, tl.where(inside, 1.0, 0.0)
-    return gate, 1.0
+        g = tl.minimum(tl.maximum(gate, -7.0), 7.0) + 1.0
+        dg = tl.where(inside, 1.0, 0.0)
+    else:  # one return of one type: the compiler (unlike the interpreter) checks both branches
+        g = gate
+        dg = tl.full(gate.shape, 1.0, tl.float32)
+    return g, dg
 
 
 @triton.jit

@@ -338,7 +338,7 @@ def test_row_kernels_compile_for_hopper():
     def f(x, y, bias, logits):
         scale = jnp.float32(2.0)
         fwd = activation.activation_fp8(x, bias, scale, activation="swiglu", out_dtype=jnp.float8_e4m3fn)
-        grads = jax.vjp(lambda x, bias: activation.activation(x, bias, activation="geglu"), x, bias)[1](y)
+        grads = jax.vjp(lambda x, bias: activation.activation(x, bias, activation="clamped_swiglu"), x, bias)[1](y)
         grad_fp8 = activation.activation_grad_fp8(x, bias, y, scale, activation="swiglu", out_dtype=jnp.float8_e5m2)
         probs, vjp = jax.vjp(lambda z: softmax.softmax(z, None, scale=0.1, causal=True), logits)
         return fwd, grads, grad_fp8, vjp(probs), quantize.cast_transpose(y, scale, jnp.float8_e4m3fn)
