@@ -198,8 +198,14 @@ def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: 
     return tuple(pl.pallas_call(
         kernel, out_shape=tuple(out_shape), grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret(), name="mtjax_tile_quantize",
+        interpret=interpret(), name=kernel_name(prologue),
     )(x, *operands))
+
+
+def kernel_name(prologue: Prologue | None, prefix: str = "mtjax") -> str:
+    """The tile cast's kernel name (what profiles show): which prologue it runs, if any."""
+    kind = {NormPrologue: "norm_", ActivationPrologue: "activation_"}.get(type(prologue), "")
+    return f"{prefix}_{kind}tile_quantize"
 
 
 def norm_tile_quantize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, out_dtype, *, rms: bool,

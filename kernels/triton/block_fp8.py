@@ -133,7 +133,7 @@ def _tile_kernel(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, q_ptr, s_ptr, qt_ptr, st_ptr
 _NO_PROLOGUE = dict(PROLOGUE=0, RMS=False, ZERO_CENTERED=False, HAS_SHIFT=False, ACT=0, GATE=0, GATED=False)
 
 
-def _tile_launch(x, operands, k, out_dtype, *, transpose, fp8_max, power_of_two, amax_epsilon, num_warps,
+def _tile_launch(x, operands, k, out_dtype, *, name, transpose, fp8_max, power_of_two, amax_epsilon, num_warps,
                  **prologue):
     """The tile cast of ``x [m, *]`` into ``k`` columns, the four operand slots filled with stand-ins."""
     m = x.shape[0]
@@ -144,7 +144,7 @@ def _tile_launch(x, operands, k, out_dtype, *, transpose, fp8_max, power_of_two,
                   if transpose else [jax.ShapeDtypeStruct((1,), out_dtype), jax.ShapeDtypeStruct((1,), jnp.float32)])
     operands = tuple(stand_in() if a is None else a for a in operands)
     outs = launch(
-        _tile_kernel, x, *operands, out_shape=out_shape, grid=grid, name="mtjax_triton_tile_quantize",
+        _tile_kernel, x, *operands, out_shape=out_shape, grid=grid, name=name,
         num_warps=num_warps, num_stages=1, M=m, K=k, ROWS=rows, TILE=TILE, TRANSPOSE=bool(transpose),
         EXACT=m % rows == 0 and k % TILE == 0, FP8_MAX=float(fp8_max), POWER_OF_TWO=bool(power_of_two),
         AMAX_EPSILON=float(amax_epsilon), **{**_NO_PROLOGUE, **prologue},
@@ -162,8 +162,8 @@ def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: 
                   amax_epsilon: float = 0.0, num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array, ...]:
     """`mtjax.kernels.block_quantize.tile_quantize` (same arguments and results) in native Triton."""
     _check(x, out_dtype, "tile_quantize")
-    return _tile_launch(x, (None,) * 4, x.shape[1], out_dtype, transpose=transpose, fp8_max=fp8_max,
-                        power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps)
+    return _tile_launch(x, (None,) * 4, x.shape[1], out_dtype, name="mtjax_triton_tile_quantize", transpose=transpose,
+                        fp8_max=fp8_max, power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps)
 
 
 def norm_tile_quantize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, out_dtype, *, rms: bool,
@@ -174,8 +174,9 @@ def norm_tile_quantize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, o
     _check(x, out_dtype, "norm_tile_quantize")
     stats = pallas_quantize.row_statistics(x, rms=rms, epsilon=epsilon)
     mean, rstd = (None, *stats) if rms else stats
-    return _tile_launch(x, (mean, rstd, gamma, beta), x.shape[1], out_dtype, transpose=transpose, fp8_max=fp8_max,
-                        power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=1,
+    return _tile_launch(x, (mean, rstd, gamma, beta), x.shape[1], out_dtype, name="mtjax_triton_norm_tile_quantize",
+                        transpose=transpose, fp8_max=fp8_max, power_of_two=power_of_two, amax_epsilon=amax_epsilon,
+                        num_warps=num_warps, PROLOGUE=1,
                         RMS=bool(rms), ZERO_CENTERED=bool(zero_centered_gamma), HAS_SHIFT=beta is not None)
 
 
@@ -188,7 +189,8 @@ def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *,
     _check(x2, out_dtype, "activation_tile_quantize")
     gated = x.ndim == 3
     bias = None if bias is None else bias.reshape(-1)
-    return _tile_launch(x2, (bias, None, None, None), x.shape[-1], out_dtype, transpose=transpose, fp8_max=fp8_max,
+    return _tile_launch(x2, (bias, None, None, None), x.shape[-1], out_dtype,
+                        name="mtjax_triton_activation_tile_quantize", transpose=transpose, fp8_max=fp8_max,
                         power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=2,
                         HAS_SHIFT=bias is not None, ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0),
                         GATED=gated)

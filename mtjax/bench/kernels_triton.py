@@ -114,6 +114,8 @@ def _checks(quick: bool) -> list[tuple[str, Callable[[str], Callable], tuple]]:
             x, r, g, b, dropout_rate=0.1, dropout_rng=jax.random.key(1), implementation=impl)), (x, r, gamma, beta)),
         ("norm_fp8", lambda impl: lambda x, g, b: ops.norm_fp8(x, g, b, jnp.float32(8.0), implementation=impl),
          (x, gamma, beta)),
+        ("norm_tile_fp8", lambda impl: lambda x, g: ops.norm_tile_fp8(
+            x, g, None, layernorm_type="rmsnorm", transpose=True, implementation=impl), (x, gamma)),
     ]
     xg, = _random(9, (rows, 2, hidden))
     bias, = _random(10, (2, hidden))
@@ -126,6 +128,8 @@ def _checks(quick: bool) -> list[tuple[str, Callable[[str], Callable], tuple]]:
             x, "geglu", b, scale=jnp.float32(30.0), implementation=impl), (xg, bias)),
         ("activation_grad_fp8", lambda impl: lambda x, dy, b: ops.activation_grad_fp8(
             x, dy, "swiglu", b, scale=jnp.float32(30.0), implementation=impl), (xg, x, bias)),
+        ("activation_tile_fp8", lambda impl: lambda x, b: ops.activation_tile_fp8(
+            x, "clamped_swiglu", b, transpose=True, implementation=impl), (xg, bias)),
     ]
     logits, = _random(11, (2, 4, seq, seq + 8))
     mask = jax.random.bernoulli(jax.random.key(12), 0.8, (2, 1, 1, seq + 8))

@@ -142,6 +142,37 @@ def _fp8_case(rows, quick: bool) -> None:
     _case(rows, f"layernorm+fp8 cast fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, 3 * tokens * hidden, quick, auto)
 
 
+def _tile_fp8_cases(rows, quick: bool) -> None:
+    """`BlockScaling`'s fused casts: LayerNorm and SwiGLU writing 1x128-tile FP8 with the transposed cast,
+    beside the same result from the separate ops (the norm or activation, then `tile_quantize`)."""
+    tokens, hidden = (64, 260) if quick else MAIN_SHAPE
+    inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=1)
+    fp8 = jnp.float8_e4m3fn
+    fns = {label: jax.jit(lambda x, g, b, impl=impl: ops.norm_tile_fp8(x, g, b, transpose=True, implementation=impl))
+           for label, impl in _implementations()}
+    fns["separate"] = jax.jit(lambda x, g, b: ops.tile_quantize(ops.layernorm(x, g, b), fp8, transpose=True))
+    x, g, b = inputs[0]
+    auto = _auto("norm_tile_fp8", x, g, b, layernorm_type="layernorm", epsilon=1e-6, zero_centered_gamma=False,
+                 out_dtype=jnp.dtype(fp8), transpose=True, power_of_two=False, amax_epsilon=0.0)
+    # reads x; writes q and q^T (one byte each)
+    _case(rows, f"layernorm+tile cast+T fwd {tokens}x{hidden} bf16->e4m3", fns, inputs, 4 * tokens * hidden, quick,
+          auto)
+    keys = jax.random.split(jax.random.key(4), 2)
+    inputs = timing.rotating(lambda i: (
+        timing.random_array(jax.random.fold_in(keys[0], i), (tokens, 2, hidden), jnp.bfloat16),
+        timing.random_array(jax.random.fold_in(keys[1], i), (2, hidden), jnp.bfloat16)))
+    fns = {label: jax.jit(lambda x, b, impl=impl: ops.activation_tile_fp8(x, "swiglu", b, transpose=True,
+                                                                          implementation=impl))
+           for label, impl in _implementations()}
+    fns["separate"] = jax.jit(lambda x, b: ops.tile_quantize(ops.activation(x, "swiglu", b), fp8, transpose=True))
+    x, b = inputs[0]
+    auto = _auto("activation_tile_fp8", x, b, activation_type="swiglu", out_dtype=jnp.dtype(fp8), transpose=True,
+                 power_of_two=False, amax_epsilon=0.0)
+    # reads x [tokens, 2, hidden]; writes q and q^T
+    _case(rows, f"bias+swiglu+tile cast+T fwd {tokens}x{2 * hidden} bf16->e4m3", fns, inputs, 6 * tokens * hidden,
+          quick, auto)
+
+
 def _residual_case(rows, quick: bool) -> None:
     tokens, hidden = (64, 130) if quick else MAIN_SHAPE
     inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=4)
@@ -200,7 +231,7 @@ def _softmax_case(rows, quick: bool) -> None:
           4 * math.prod(shape) * 2, quick, auto)
 
 
-CASES = (_norm_cases, _fp8_case, _residual_case, _activation_cases, _softmax_case)
+CASES = (_norm_cases, _fp8_case, _tile_fp8_cases, _residual_case, _activation_cases, _softmax_case)
 
 
 def main_cases(rows, quick: bool) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mtjax import backend, fp8, ops
+from mtjax import flax as mtflax
 from mtjax.kernels import block_fp8_gemm as gemm_kernel
 from mtjax.kernels import block_quantize as quantize_kernels
 
@@ -226,6 +227,25 @@ def test_block_scaled_dense_lowers_to_kernels_for_cuda():
     x, w, dy = ((4096, 2048), (2048, 4096), (4096, 4096))
     # 3 GEMMs + the casts of x (with x^T) and dy (with dy^T) + w's blocks (8M elements each, above too_small)
     assert _triton_calls(fwd_bwd, *(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (x, w, dy))) == 6
+
+
+def test_block_scaled_mlp_lowers_to_fused_casts_for_cuda():
+    """A block-scaled LayerNormMLP, forward and backward, for an H200: the norm and the activation write
+    their GEMM's FP8 tiles in their own kernels (no separate cast of their outputs)."""
+    mlp = mtflax.LayerNormMLP(intermediate_dim=4096, activations=("gelu", "linear"), dtype=jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((8, 512, 2048), jnp.bfloat16)
+
+    def grads(params, x):
+        return jax.grad(lambda p, x: jnp.sum(mlp.apply(p, x, deterministic=True)[0].astype(jnp.float32)),
+                        argnums=(0, 1))(params, x)
+
+    with fp8.fp8_autocast(recipe=fp8.BlockScaling()), backend.abstract_gpu():
+        params = jax.eval_shape(mlp.init, jax.random.key(0), x)
+        text = jax.jit(grads).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mtjax_norm_tile_quantize" in text and "mtjax_activation_tile_quantize" in text
+    # forward: 2 fused casts, 2 weight casts, 2 GEMMs; backward: 2 gradient casts, 4 GEMMs, the
+    # activation's and the norm's backward kernels
+    assert text.count("__gpu$xla.gpu.triton") == 15
 
 
 @pytest.mark.gpu
