@@ -7,8 +7,10 @@ in bf16), ``mtjax fp8`` (`mtjax.fp8.fp8_dot_general` with delayed scaling, quant
 the meta update included) and ``mtjax fp8 block`` (`mtjax.fp8.BlockScaling`: 1x128 tiles, 128x128
 weight blocks, every tile cast included). ``block fp8 gemm`` rows time the block-scaled GEMM alone
 (`mtjax.ops.block_fp8_gemm` on operands cast beforehand, ``2 * M * K * N`` FLOPs) against the
-machine's per-tensor FP8 GEMM ceiling; ``--sweep`` adds one such row per candidate tile of the
-kernel (`mtjax.kernels.block_fp8_gemm.SWEEP_CONFIGS`).
+machine's per-tensor FP8 GEMM ceiling: the dispatched op, then (first shape) each of its kernels
+that runs here (``[pallas_triton]``, ``[triton]``, ``[mosaic_gpu]``); ``--sweep`` adds one row per
+candidate tile of the Pallas Triton and Mosaic GPU kernels (`mtjax.kernels.block_fp8_gemm.SWEEP_CONFIGS`,
+`mtjax.kernels.mosaic_gpu.block_fp8_gemm.SWEEP_CONFIGS`).
 
 Each row's ``extra`` counts the GEMMs of the compiled program (`gemm_calls`: ``fp8_gemms`` should be
 3 per fwd+bwd on a GPU for per-tensor FP8, forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM;
@@ -35,6 +37,9 @@ from mtjax import backend, fp8, ops
 from mtjax.bench import timing
 from mtjax.kernels import block_fp8_gemm as block_fp8_gemm_kernel
 from mtjax.kernels.block_fp8_gemm import SWEEP_CONFIGS, GemmConfig
+from mtjax.kernels.mosaic_gpu import block_fp8_gemm as mosaic_block_fp8_gemm
+from mtjax.kernels.mosaic_gpu.block_fp8_gemm import SWEEP_CONFIGS as MOSAIC_SWEEP_CONFIGS
+from mtjax.kernels.mosaic_gpu.block_fp8_gemm import MosaicGemmConfig
 
 DENSE = (((1,), (0,)), ((), ()))  # x [M, K] . w [K, N]
 HISTORY = 1024  # DelayedScaling's default amax_history_len
@@ -125,28 +130,56 @@ def _block_operands(inputs: tuple) -> tuple:
     return cast(x, w)
 
 
-def _block_gemm_fn(config: GemmConfig | None):
-    """The GEMM alone: the dispatched op (``None``) or the Pallas kernel with ``config``'s tiles."""
-    if config is None:
-        return jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16))
-    return jax.jit(lambda a, sa, b, sb: block_fp8_gemm_kernel.block_fp8_gemm(
-        a, sa, b, jnp.repeat(sb, 128, axis=0)[:b.shape[0]], jnp.bfloat16, config=config))
+# The block-scaled GEMM's kernels beside the dispatched op (each where its backend runs).
+BLOCK_GEMM_KERNELS = ("pallas_triton", "triton", "mosaic_gpu")
 
 
-def _gemm_only_rows(label: str, m: int, k: int, n: int, inputs: list[tuple], configs: list, quick: bool
+def _block_gemm_fn(variant: str | GemmConfig | MosaicGemmConfig | None):
+    """The GEMM alone: the dispatched op (``None``), one implementation of it (a name), or a kernel
+    with a config's tiles (Pallas Triton's or Mosaic GPU's)."""
+    if variant is None or isinstance(variant, str):
+        return jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16,
+                                                               implementation=variant))
+    kernel = block_fp8_gemm_kernel if isinstance(variant, GemmConfig) else mosaic_block_fp8_gemm
+    return jax.jit(lambda a, sa, b, sb: kernel.block_fp8_gemm(
+        a, sa, b, jnp.repeat(sb, 128, axis=0)[:b.shape[0]], jnp.bfloat16, config=variant))
+
+
+def _block_variant_label(variant) -> str:
+    if variant is None:
+        return "mtjax block kernel"
+    return f"mtjax block kernel [{variant if isinstance(variant, str) else variant.label()}]"
+
+
+def _gemm_only_rows(label: str, m: int, k: int, n: int, inputs: list[tuple], variants: list, quick: bool
                     ) -> list[dict]:
     rows = []
     operand_sets = [_block_operands(xs) for xs in inputs[:2]]
-    for config in configs:
-        fn = _block_gemm_fn(config)
-        compiled, _ = timing.compile_lowered(fn.lower(*operand_sets[0]), fp8.compiler_options())
-        t = timing.measure(compiled, operand_sets, runs=3 if quick else 20)
-        implementation = "mtjax block kernel" if config is None else f"mtjax block kernel [{config.label()}]"
+    for variant in variants:
+        implementation = _block_variant_label(variant)
+        try:
+            fn = _block_gemm_fn(variant)
+            compiled, _ = timing.compile_lowered(fn.lower(*operand_sets[0]), fp8.compiler_options())
+            t = timing.measure(compiled, operand_sets, runs=3 if quick else 20)
+        except Exception as err:  # noqa: BLE001 - a kernel that fails becomes a row; the run goes on
+            rows.append(timing.error_row("gemm", f"block fp8 gemm {label} ({m}x{k}x{n})", implementation, err))
+            continue
         rows.append(timing.row(
             "gemm", f"block fp8 gemm {label} ({m}x{k}x{n})", implementation, t, flops=2 * m * k * n,
             peer=None, ceiling="fp8_gemm_tflops", shape=[m, k, n], dtype=DTYPES["mtjax fp8 block"],
             **gemm_calls(compiled.as_text())))
     return rows
+
+
+def _block_variants(first_shape: bool, sweep: bool) -> list:
+    """The dispatched op, each kernel that runs here (on the first shape), and with ``sweep`` each
+    candidate config of the Pallas Triton and Mosaic GPU kernels (first shape, where they run)."""
+    runnable = [impl for impl in BLOCK_GEMM_KERNELS if _runs("block_fp8_gemm", impl)]
+    variants: list = [None] + (runnable if first_shape else [])
+    if sweep and first_shape:
+        variants += list(SWEEP_CONFIGS) if "pallas_triton" in runnable else []
+        variants += list(MOSAIC_SWEEP_CONFIGS) if "mosaic_gpu" in runnable else []
+    return variants
 
 
 def run(quick: bool, sweep: bool = False) -> list[dict]:
@@ -170,14 +203,13 @@ def run(quick: bool, sweep: bool = False) -> list[dict]:
                     peer="xla bf16" if is_fp8 else None,
                     ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
                     shape=[m, k, n], dtype=DTYPES[implementation], **gemm_calls(compiled.as_text())))
-        # The sweep's kernels need a GPU (Pallas Triton); elsewhere only the dispatched op runs.
-        configs = [None] + (list(SWEEP_CONFIGS) if sweep and index == 0 and _kernel_runs() else [])
-        rows += _gemm_only_rows(label, m, k, n, inputs, configs, quick)
+        rows += _gemm_only_rows(label, m, k, n, inputs, _block_variants(index == 0, sweep), quick)
     return rows
 
 
-def _kernel_runs() -> bool:
-    return backend.PALLAS_TRITON in backend.capabilities()
+def _runs(op: str, implementation: str) -> bool:
+    """Whether ``op``'s ``implementation`` can run on this platform (outside interpret mode)."""
+    return backend.get_implementation(op, implementation).runs_on(backend.platform()) is None
 
 
 def main() -> None:

@@ -67,6 +67,25 @@ def _block_fp8_gemm_triton(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     return native.block_fp8_gemm(a, a_scale_inv, b, _row_scales(b_scale_inv, b.shape[0]), out_dtype)
 
 
+def _mosaic_unsupported(a, sa, b, sb, *, out_dtype, **_) -> str | None:
+    from mtjax.kernels.mosaic_gpu import block_fp8_gemm as mosaic
+
+    reason = mosaic.unsupported(a.shape, a.dtype, b.shape, b.dtype)
+    needed = mosaic.DEFAULT_CONFIG.smem_bytes(jnp.dtype(out_dtype).itemsize)
+    if reason is None and needed > mosaic.SMEM_BYTES:
+        reason = f"{needed} bytes of shared memory (at most {mosaic.SMEM_BYTES})"
+    return reason
+
+
+# Below the Triton kernels in automatic selection until the GPU benchmark has compared them.
+@backend.register("block_fp8_gemm", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=8,
+                  single_device=True, unsupported=_mosaic_unsupported)
+def _block_fp8_gemm_mosaic(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
+    from mtjax.kernels.mosaic_gpu import block_fp8_gemm as mosaic
+
+    return mosaic.block_fp8_gemm(a, a_scale_inv, b, _row_scales(b_scale_inv, b.shape[0]), out_dtype)
+
+
 def block_fp8_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
                    out_dtype: Any, implementation: str | None = None) -> jax.Array:
     """``(a @ b^T)`` with block scales, in ``out_dtype``: the GEMM every block-scaled FP8 dot reduces to.
@@ -79,7 +98,9 @@ def block_fp8_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_i
         ``[ceil(n/128), ceil(k/128)]`` (per 128x128 block).
       out_dtype: dtype of the ``[m, n]`` result.
       implementation: ``"xla"`` (a loop of FP8 dots), ``"pallas_triton"`` (the kernel,
-        `mtjax.kernels.block_fp8_gemm`) or ``"triton"`` (its native Triton port).
+        `mtjax.kernels.block_fp8_gemm`), ``"triton"`` (its native Triton port) or ``"mosaic_gpu"``
+        (a warp-specialised Mosaic GPU kernel for Hopper, `mtjax.kernels.mosaic_gpu.block_fp8_gemm`;
+        one FP8 dtype for both operands).
     """
     for name, x in (("a", a), ("b", b)):
         if not is_fp8(x.dtype):
