@@ -1,0 +1,283 @@
+"""Flash attention as Mosaic GPU kernels (Hopper): TMA, wgmma and warp specialisation.
+
+The launchers plug into `mtjax.kernels.flash_attention` (a `Launchers` pair), which keeps the mask
+description (`MaskSpec`: causal and sliding windows as a band of ``key - query`` offsets, bottom-right
+aligned), the padding, the custom_vjp and the argument checks. Layout BTNH, ``lse`` in base 2 as the
+other kernels write it, so the kernels of one family can stand in for another's in either pass.
+
+Every kernel runs three warpgroups per CTA: two compute warpgroups of 64 rows each and one memory
+warpgroup that streams the blocks the compute warpgroups loop over into a ring of ``stages``
+shared-memory slots with TMA. A slot is refilled once both compute warpgroups have arrived on its
+"free" barrier; they wait on its "ready" barrier (the TMA's) before reading it, for every step of the
+CTA's range, so the phases of every barrier advance in step in all three warpgroups.
+
+- Forward (one CTA per 128 queries and head): ``S = Q Kᵀ`` (wgmma from shared memory), the online
+  softmax in registers (base 2, float32), ``acc += P V`` (wgmma with ``P`` in registers). Key blocks
+  outside the band are never loaded; blocks inside it skip the mask arithmetic.
+- dK/dV (one CTA per 128 keys and kv head, looping over the kv head's query heads and the query
+  blocks of the band): ``Pᵀ = exp2(K Qᵀ · c - lse)``, ``dV += Pᵀ dO``, ``dPᵀ = V dOᵀ``,
+  ``dSᵀ = Pᵀ (dPᵀ - δ)``, ``dK += dSᵀ Q``.
+- dQ (one CTA per 128 queries and head): ``P``, ``dP = dO Vᵀ``, ``dS = P (dP - δ)``, ``dQ += dS K``.
+
+What they take: bfloat16/float16, head_dim 64 or 128 (256 forward only: its backward runs the
+Pallas or native Triton kernels, as `backward` picks), causal masks and sliding windows, GQA; not
+segment ids, dropout or soft-capping (`unsupported` says so and the op runs another kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mtjax.kernels.common import Launchers, interpret
+
+LOG2E = math.log2(math.e)
+WG_ROWS = 64  # rows of one compute warpgroup (wgmma's M)
+COMPUTE_WGS = 2
+BLOCK_ROWS = WG_ROWS * COMPUTE_WGS  # the rows one CTA owns: queries (forward, dQ) or keys (dK/dV)
+HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tiles of the Mosaic GPU kernels.
+
+    Attributes:
+      block_kv: keys per step of the forward and dQ loops (a multiple of 64).
+      block_q: queries per step of the dK/dV loop (a multiple of 64).
+      stages: slots of the TMA ring.
+      p_in_registers: the second GEMM of each step reads its left operand (probabilities, their
+        gradients) from registers, as FlashAttention-3 does; False writes it to shared memory first
+        (what Mosaic GPU's interpret mode, the CPU tests, can run).
+    """
+
+    block_kv: int = 64
+    block_q: int = 64
+    stages: int = 2
+    p_in_registers: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_kv", "block_q"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value % 64 or not 64 <= value <= 256:
+                raise ValueError(f"AttentionConfig({name}={value!r}): expected 64, 128, 192 or 256")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"AttentionConfig(stages={self.stages!r}): expected an int >= 2")
+
+
+DEFAULT_CONFIG = AttentionConfig()
+
+
+def unsupported(q_shape, kv_shape, dtype, *, segments: bool, dropout: bool, soft_cap: bool) -> str | None:
+    """Why the Mosaic GPU kernels cannot take this attention, or ``None``."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype)} (wgmma here: bfloat16 or float16)"
+    if q_shape[-1] not in HEAD_DIMS:
+        return f"head_dim {q_shape[-1]} (supported: {HEAD_DIMS})"
+    for name, present in (("segment ids", segments), ("dropout", dropout), ("soft-cap", soft_cap)):
+        if present:
+            return f"{name} (not in the Mosaic GPU kernels)"
+    return None
+
+
+def _interpret_params():
+    return plgpu.InterpretGPUParams() if interpret() else None
+
+
+def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _tile(rows: int, head_dim: int, dtype) -> dict:
+    """Shared-memory transforms for a ``[rows, head_dim]`` 16-bit tile as wgmma reads it."""
+    swizzle = min(128, head_dim * jnp.dtype(dtype).itemsize)
+    return dict(transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                            plgpu.SwizzleTransform(swizzle)))
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _mask_tile(mask, q0, k0, shape, transposed: bool):
+    """The `MaskSpec` band (and key tail) of a ``[queries, keys]`` tile at ``(q0, k0)``, or of its
+    transpose ``[keys, queries]`` at ``(k0, q0)``."""
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    return mask.keep(q0 + _iota(shape, q_dim), k0 + _iota(shape, k_dim), None, None, edge=True)
+
+
+def _rows_vector(ref):
+    """A float32 vector ``[rows]`` from shared memory, laid out to broadcast along a tile's rows."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def _cols_vector(ref):
+    """A float32 vector ``[cols]`` from shared memory, laid out to broadcast along a tile's columns."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def _mma_from_registers(a, a_smem, b_smem, shape, in_registers: bool):
+    """``a @ b`` (float32 ``shape``) for ``a`` computed in registers (probabilities, their gradients):
+    wgmma reads it from registers, or (``in_registers=False``) from ``a_smem`` once written there."""
+    if not in_registers:
+        a_smem[...] = a
+        plgpu.commit_smem()
+        a = a_smem
+
+    def mma(out_ref):
+        plgpu.wgmma(out_ref, a, b_smem)
+        return out_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
+def _drain(steps, stages: int, *free_barriers):
+    """The memory warpgroup waits for the last ``stages`` steps' slots to be freed: the ring is not
+    released (the CTA does not end) while a compute warpgroup may still read it."""
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(j):
+        for barrier in free_barriers:
+            plgpu.barrier_wait(barrier.at[lax.rem(j, stages)])
+
+
+def _steps(body, ranges, carry):
+    """``body(step, masked, carry)`` over the consecutive ranges ``[(start, end, masked), ...]``."""
+    for start, end, masked in ranges:
+        carry = lax.fori_loop(start, end, lambda i, c, masked=masked: body(i, masked, c), carry)
+    return carry
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+
+def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_smem, p_smem, lse_smem, q_ready,
+                    k_ready, v_ready, k_free, v_free, *, st, config: AttentionConfig, groups: int):
+    mask = st.mask
+    c = st.scale * LOG2E
+    block_kv, stages = config.block_kv, config.stages
+    head_dim = q_gmem.shape[-1]
+    qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q0 = qi * BLOCK_ROWS
+    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
+    masked_everywhere = mask.kv_len % block_kv != 0  # the key tail: every block may be the last
+    ranges = ((lo, full_lo, True), (full_lo, full_hi, masked_everywhere), (full_hi, hi, True))
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        q_rows = q0 + wg * WG_ROWS
+        q_tile = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(q_rows, WG_ROWS), head], q_tile, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        shape = (WG_ROWS, block_kv)
+
+        def step(i, masked, carry):
+            acc, m, l = carry
+            slot = lax.rem(i - lo, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                s = jnp.where(_mask_tile(mask, q_rows, i * block_kv, shape, False), s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            acc = acc + _mma_from_registers(p.astype(q_tile.dtype), p_smem.at[wg], v_smem.at[slot], acc.shape,
+                                            config.p_in_registers)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        row = plgpu.Layout.WGMMA.reduce(1)
+        carry = (plgpu.layout_cast(jnp.zeros((WG_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                 plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row),
+                 plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), row))
+        acc, m, l = _steps(step, ranges, carry)
+        empty = l == 0.0
+        q_tile[...] = (acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])).astype(q_tile.dtype)
+        # +inf for rows that saw no key: the backward then recomputes p = exp2(s - lse) = 0.
+        lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, o_gmem.at[batch, pl.ds(q_rows, WG_ROWS), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[batch, head, pl.ds(q_rows, WG_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        kv_head = lax.div(head, groups)
+
+        @pl.loop(lo, hi)
+        def _(i):
+            slot = lax.rem(i - lo, stages)
+            rows = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+
+            @pl.when(i - lo >= stages)  # the slot's previous block has been read by both
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_gmem.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+            @pl.when(i - lo >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_gmem.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        _drain(hi - lo, stages, k_free, v_free)
+
+
+def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig = DEFAULT_CONFIG):
+    """`mtjax.kernels.flash_attention`'s forward launcher contract: ``(out, lse)`` on padded arrays."""
+    del q_seg, kv_seg, seed  # declined by `unsupported`
+    q_in = q.shape[1]
+    q, k, v = _pad_rows(q, 1, BLOCK_ROWS), _pad_rows(k, 1, config.block_kv), _pad_rows(v, 1, config.block_kv)
+    batch, q_pad, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    dtype = q.dtype
+    kernel = functools.partial(_forward_kernel, st=st, config=config, groups=groups)
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
+        scratch_types=[
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS, head_dim), dtype, **_tile(WG_ROWS, head_dim, dtype)),
+            plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, **_tile(config.block_kv, head_dim, dtype)),
+            plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, **_tile(config.block_kv, head_dim, dtype)),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_kv), dtype, **_tile(WG_ROWS, config.block_kv, dtype)),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=config.stages),
+            plgpu.Barrier(num_barriers=config.stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+        ],
+        grid=(q_pad // BLOCK_ROWS, heads, batch), grid_names=("q", "heads", "batch"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(),
+    )(q, k, v)
+    return out[:, :q_in], lse[:, :, :q_in]
