@@ -131,6 +131,15 @@ def _cols_vector(ref):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
+def _mma(a_smem, b_smem, shape):
+    """``a @ b`` (float32 ``shape``) of two shared-memory operands, into a fresh accumulator."""
+    def mma(out_ref):
+        plgpu.wgmma(out_ref, a_smem, b_smem)
+        return out_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
 def _mma_from_registers(a, a_smem, b_smem, shape, in_registers: bool):
     """``a @ b`` (float32 ``shape``) for ``a`` computed in registers (probabilities, their gradients):
     wgmma reads it from registers, or (``in_registers=False``) from ``a_smem`` once written there."""
@@ -138,12 +147,7 @@ def _mma_from_registers(a, a_smem, b_smem, shape, in_registers: bool):
         a_smem[...] = a
         plgpu.commit_smem()
         a = a_smem
-
-    def mma(out_ref):
-        plgpu.wgmma(out_ref, a, b_smem)
-        return out_ref[...]
-
-    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+    return _mma(a, b_smem, shape)
 
 
 def _drain(steps, stages: int, *free_barriers):
@@ -194,11 +198,7 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_
             slot = lax.rem(i - lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
 
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].T)
-                return s_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            s = _mma(q_tile, k_smem.at[slot].T, shape)
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
                 s = jnp.where(_mask_tile(mask, q_rows, i * block_kv, shape, False), s, -jnp.inf)
@@ -281,3 +281,210 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig = DEFAULT
         interpret=_interpret_params(),
     )(q, k, v)
     return out[:, :q_in], lse[:, :, :q_in]
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dq_gmem, q_smem, do_smem, stats_smem, k_smem, v_smem,
+               ds_smem, tile_ready, k_ready, v_ready, k_free, v_free, *, st, config: AttentionConfig, groups: int):
+    mask = st.mask
+    c = st.scale * LOG2E
+    block_kv, stages = config.block_kv, config.stages
+    qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    q0 = qi * BLOCK_ROWS
+    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
+    masked_everywhere = mask.kv_len % block_kv != 0
+    ranges = ((lo, full_lo, True), (full_lo, full_hi, masked_everywhere), (full_hi, hi, True))
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        q_rows = q0 + wg * WG_ROWS
+        q_tile, do_tile, stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
+        rows = pl.ds(q_rows, WG_ROWS)
+        plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_tile, tile_ready.at[wg])
+        plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head], do_tile, tile_ready.at[wg])
+        plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats, tile_ready.at[wg])
+        plgpu.barrier_wait(tile_ready.at[wg])
+        lse, delta = _rows_vector(stats.at[0]), _rows_vector(stats.at[1])
+        shape = (WG_ROWS, block_kv)
+
+        def step(i, masked, dq):
+            slot = lax.rem(i - lo, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            s = _mma(q_tile, k_smem.at[slot].T, shape)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
+            if masked:
+                p = jnp.where(_mask_tile(mask, q_rows, i * block_kv, shape, False), p, 0.0)
+            plgpu.barrier_wait(v_ready.at[slot])
+            dp = _mma(do_tile, v_smem.at[slot].T, shape)
+            plgpu.barrier_arrive(v_free.at[slot])
+            ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+            dq = dq + _mma_from_registers(ds.astype(q_tile.dtype), ds_smem.at[wg], k_smem.at[slot], dq.shape,
+                                          config.p_in_registers)
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        dq = _steps(step, ranges, plgpu.layout_cast(jnp.zeros(q_tile.shape, jnp.float32), plgpu.Layout.WGMMA))
+        q_tile[...] = (dq * st.scale).astype(q_tile.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_gmem.at[batch, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        kv_head = lax.div(head, groups)
+
+        @pl.loop(lo, hi)
+        def _(i):
+            slot = lax.rem(i - lo, stages)
+            keys = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+            for src, dst, ready, free in ((k_gmem, k_smem, k_ready, k_free), (v_gmem, v_smem, v_ready, v_free)):
+                @pl.when(i - lo >= stages)
+                def _(free=free):
+                    plgpu.barrier_wait(free.at[slot])
+                plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], ready.at[slot])
+
+        _drain(hi - lo, stages, k_free, v_free)
+
+
+def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, k_smem, v_smem, q_smem, do_smem,
+                 stats_smem, p_smem, tile_ready, q_ready, do_ready, q_free, do_free, *, st, config: AttentionConfig,
+                 groups: int):
+    mask = st.mask
+    c = st.scale * LOG2E
+    block_q, stages = config.block_q, config.stages
+    ki, kv_head, batch = lax.axis_index("k"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    k0 = ki * BLOCK_ROWS
+    lo, full_lo, full_hi, hi = mask.q_blocks(k0, BLOCK_ROWS, block_q)
+    n = hi - lo
+    # Padded query rows need no mask (their output gradient is zero); the band's edges and a key
+    # block reaching into the key tail do.
+    ranges = ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True))
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        k_rows = k0 + wg * WG_ROWS
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        keys = (batch, pl.ds(k_rows, WG_ROWS), kv_head)
+        plgpu.copy_gmem_to_smem(k_gmem.at[keys], k_tile, tile_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_gmem.at[keys], v_tile, tile_ready.at[wg])
+        plgpu.barrier_wait(tile_ready.at[wg])
+        shape = (WG_ROWS, block_q)
+
+        def head_steps(g, carry):
+            def step(j, masked, carry):
+                dk, dv = carry
+                slot = lax.rem(g * n + j - lo, stages)
+                plgpu.barrier_wait(q_ready.at[slot])
+                s_t = _mma(k_tile, q_smem.at[slot].T, shape)
+                lse, delta = _cols_vector(stats_smem.at[slot, 0]), _cols_vector(stats_smem.at[slot, 1])
+                p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
+                if masked:
+                    p_t = jnp.where(_mask_tile(mask, j * block_q, k_rows, shape, True), p_t, 0.0)
+                plgpu.barrier_wait(do_ready.at[slot])
+                dv = dv + _mma_from_registers(p_t.astype(k_tile.dtype), p_smem.at[wg], do_smem.at[slot], dv.shape,
+                                              config.p_in_registers)
+                dp_t = _mma(v_tile, do_smem.at[slot].T, shape)
+                plgpu.barrier_arrive(do_free.at[slot])
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                dk = dk + _mma_from_registers(ds_t.astype(k_tile.dtype), p_smem.at[wg], q_smem.at[slot], dk.shape,
+                                              config.p_in_registers)
+                plgpu.barrier_arrive(q_free.at[slot])
+                return dk, dv
+
+            return _steps(step, ranges, carry)
+
+        zeros = plgpu.layout_cast(jnp.zeros(k_tile.shape, jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, groups, head_steps, (zeros, zeros))
+        k_tile[...] = (dk * st.scale).astype(k_tile.dtype)
+        v_tile[...] = dv.astype(v_tile.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_gmem.at[keys])
+        plgpu.copy_smem_to_gmem(v_tile, dv_gmem.at[keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        @pl.loop(0, groups * n)
+        def _(t):
+            slot = lax.rem(t, stages)
+            head = kv_head * groups + lax.div(t, n)
+            rows = pl.ds((lo + lax.rem(t, n)) * block_q, block_q)
+
+            @pl.when(t >= stages)
+            def _():
+                plgpu.barrier_wait(q_free.at[slot])
+            plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats_smem.at[slot], q_ready.at[slot])
+
+            @pl.when(t >= stages)
+            def _():
+                plgpu.barrier_wait(do_free.at[slot])
+            plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
+
+        _drain(groups * n, stages, q_free, do_free)
+
+
+def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionConfig = DEFAULT_CONFIG):
+    """`mtjax.kernels.flash_attention`'s backward launcher contract: ``(dq, dk, dv)`` on padded arrays."""
+    del q_seg, kv_seg, seed  # declined by `unsupported`
+    q_in, kv_in = q.shape[1], k.shape[1]
+    # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
+    rows = max(BLOCK_ROWS, config.block_q)
+    q, do = _pad_rows(q, 1, rows), _pad_rows(do.astype(q.dtype), 1, rows)
+    stats = _pad_rows(jnp.stack([lse, delta], axis=2), 3, rows)  # [batch, heads, 2, q]: one TMA per block
+    k, v = _pad_rows(k, 1, max(BLOCK_ROWS, config.block_kv)), _pad_rows(v, 1, max(BLOCK_ROWS, config.block_kv))
+    batch, q_pad, heads, head_dim = q.shape
+    kv_pad, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    dtype = q.dtype
+    common = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                  interpret=_interpret_params())
+    wg_tiles = plgpu.SMEM((COMPUTE_WGS, WG_ROWS, head_dim), dtype, **_tile(WG_ROWS, head_dim, dtype))
+
+    def ring(rows):
+        return plgpu.SMEM((config.stages, rows, head_dim), dtype, **_tile(rows, head_dim, dtype))
+
+    def staging(cols):
+        return plgpu.SMEM((COMPUTE_WGS, WG_ROWS, cols), dtype, **_tile(WG_ROWS, cols, dtype))
+
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, st=st, config=config, groups=groups),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=[wg_tiles, wg_tiles, plgpu.SMEM((COMPUTE_WGS, 2, WG_ROWS), jnp.float32),
+                       ring(config.block_kv), ring(config.block_kv), staging(config.block_kv),
+                       # every TMA copy arrives once on its barrier: q, dO and the stats
+                       plgpu.Barrier(num_arrivals=3, num_barriers=COMPUTE_WGS),
+                       plgpu.Barrier(num_barriers=config.stages),
+                       plgpu.Barrier(num_barriers=config.stages),
+                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
+        grid=(q_pad // BLOCK_ROWS, heads, batch), grid_names=("q", "heads", "batch"), **common,
+    )(q, k, v, do, stats)
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, st=st, config=config, groups=groups),
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        scratch_types=[wg_tiles, wg_tiles, ring(config.block_q), ring(config.block_q),
+                       plgpu.SMEM((config.stages, 2, config.block_q), jnp.float32), staging(config.block_q),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),  # k and v
+                       plgpu.Barrier(num_arrivals=2, num_barriers=config.stages),  # q and the stats
+                       plgpu.Barrier(num_barriers=config.stages),
+                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
+        grid=(kv_pad // BLOCK_ROWS, kv_heads, batch), grid_names=("k", "heads", "batch"), **common,
+    )(q, k, v, do, stats)
+    return dq[:, :q_in], dk[:, :kv_in], dv[:, :kv_in]
+
+
+MOSAIC = Launchers(forward=_forward, backward=_backward)
