@@ -19,9 +19,9 @@ CTA's range, so the phases of every barrier advance in step in all three warpgro
   ``dSᵀ = Pᵀ (dPᵀ - δ)``, ``dK += dSᵀ Q``.
 - dQ (one CTA per 128 queries and head): ``P``, ``dP = dO Vᵀ``, ``dS = P (dP - δ)``, ``dQ += dS K``.
 
-What they take: bfloat16/float16, head_dim 64 or 128 (256 forward only: its backward runs the
-Pallas or native Triton kernels, as `backward` picks), causal masks and sliding windows, GQA; not
-segment ids, dropout or soft-capping (`unsupported` says so and the op runs another kernel).
+What they take: bfloat16/float16, head_dim 64 or 128, causal masks and sliding windows, GQA; not
+head_dim 256 (two float32 accumulators of 64 x 256 per warpgroup exceed the registers of the dK/dV
+loop), segment ids, dropout or soft-capping (`unsupported` says so and the op runs another kernel).
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ LOG2E = math.log2(math.e)
 WG_ROWS = 64  # rows of one compute warpgroup (wgmma's M)
 COMPUTE_WGS = 2
 BLOCK_ROWS = WG_ROWS * COMPUTE_WGS  # the rows one CTA owns: queries (forward, dQ) or keys (dK/dV)
-HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 
@@ -76,6 +75,12 @@ class AttentionConfig:
 
 
 DEFAULT_CONFIG = AttentionConfig()
+
+
+def default_config() -> AttentionConfig:
+    """`DEFAULT_CONFIG`, with the probabilities through shared memory in interpret mode (which runs
+    wgmma on shared-memory operands only)."""
+    return dataclasses.replace(DEFAULT_CONFIG, p_in_registers=False) if interpret() else DEFAULT_CONFIG
 
 
 def unsupported(q_shape, kv_shape, dtype, *, segments: bool, dropout: bool, soft_cap: bool) -> str | None:
@@ -252,9 +257,10 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_
         _drain(hi - lo, stages, k_free, v_free)
 
 
-def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig = DEFAULT_CONFIG):
+def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s forward launcher contract: ``(out, lse)`` on padded arrays."""
     del q_seg, kv_seg, seed  # declined by `unsupported`
+    config = config or default_config()
     q_in = q.shape[1]
     q, k, v = _pad_rows(q, 1, BLOCK_ROWS), _pad_rows(k, 1, config.block_kv), _pad_rows(v, 1, config.block_kv)
     batch, q_pad, heads, head_dim = q.shape
@@ -435,9 +441,10 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, 
         _drain(groups * n, stages, q_free, do_free)
 
 
-def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionConfig = DEFAULT_CONFIG):
+def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s backward launcher contract: ``(dq, dk, dv)`` on padded arrays."""
     del q_seg, kv_seg, seed  # declined by `unsupported`
+    config = config or default_config()
     q_in, kv_in = q.shape[1], k.shape[1]
     # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
@@ -487,4 +494,11 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
     return dq[:, :q_in], dk[:, :kv_in], dv[:, :kv_in]
 
 
+# The Mosaic GPU kernels as `mtjax.kernels.flash_attention.flash_attention(..., launchers=MOSAIC)` takes them.
 MOSAIC = Launchers(forward=_forward, backward=_backward)
+
+
+def launchers(config: AttentionConfig) -> Launchers:
+    """The Mosaic GPU kernels with ``config``'s tiles (the benchmark's sweep)."""
+    return Launchers(forward=functools.partial(_forward, config=config),
+                     backward=functools.partial(_backward, config=config))

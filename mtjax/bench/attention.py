@@ -97,7 +97,7 @@ def _runnable(implementation: str) -> bool:
     return backend.get_implementation("attention", implementation).runs_on(backend.platform()) is None
 
 
-IMPLEMENTATIONS = ("pallas_triton", "triton", "cudnn", "xla")
+IMPLEMENTATIONS = ("pallas_triton", "triton", "mosaic_gpu", "cudnn", "xla")
 
 
 def case_rows(case: Case, *, runs: int = 10) -> list[dict]:

@@ -247,6 +247,32 @@ def _attention_triton(query, key, value, bias, mask, q_segment_ids, kv_segment_i
     )
 
 
+def _mosaic_gpu_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
+                            mask_type, scale, dropout_rate, window_size, logits_soft_cap) -> str | None:
+    from mtjax.kernels.mosaic_gpu import flash_attention as mosaic
+
+    return _pallas_triton_unsupported(
+        query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, mask_type=mask_type, scale=scale,
+        dropout_rate=dropout_rate, window_size=window_size, logits_soft_cap=logits_soft_cap,
+    ) or mosaic.unsupported(jnp.shape(query), jnp.shape(key), jnp.result_type(query),
+                            segments=q_segment_ids is not None, dropout=dropout_rate > 0.0,
+                            soft_cap=logits_soft_cap is not None)
+
+
+# Warp-specialised Mosaic GPU kernels for Hopper: below the Triton kernels until the attention
+# benchmark has compared them on the GPU.
+@backend.register("attention", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,),
+                  unsupported=_mosaic_gpu_unsupported, priority=8, single_device=True)
+def _attention_mosaic_gpu(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
+                          mask_type, scale, dropout_rate, window_size, logits_soft_cap):
+    from mtjax.kernels.mosaic_gpu import flash_attention as mosaic
+
+    return flash_attention.flash_attention(
+        query, key, value, scale=scale, causal=_is_causal(mask_type), window_size=window_size,
+        ptx_exp2=False, launchers=mosaic.MOSAIC,
+    )
+
+
 def _cudnn_max_head_dim() -> int:
     """cuDNN's flash attention takes head_dim up to 256 from Hopper on, 128 before."""
     return 256 if backend.cuda_compute_capability() >= (9, 0) else 128

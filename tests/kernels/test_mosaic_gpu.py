@@ -1,7 +1,7 @@
-"""The Mosaic GPU kernels (`mtjax.kernels.mosaic_gpu`, implementation ``"mosaic_gpu"``) against the
-references: on the CPU in Mosaic GPU's interpret mode (shared memory, TMA, barriers and the warp
-specialised pipeline simulated), lowered for an H200 (Pallas' Mosaic GPU lowering, layouts included),
-and on the GPU (``gpu`` marker)."""
+"""The Mosaic GPU kernels (`mtjax.kernels.mosaic_gpu`, implementation ``"mosaic_gpu"``: the
+block-scaled FP8 GEMM and flash attention) against the references: on the CPU in Mosaic GPU's
+interpret mode (shared memory, TMA, barriers and the warp specialised pipelines simulated), lowered
+for an H200 (Pallas' Mosaic GPU lowering, layouts included), and on the GPU (``gpu`` marker)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from mtjax import backend, ops
+from mtjax.kernels import flash_attention as portable_attention
 from mtjax.kernels.mosaic_gpu import block_fp8_gemm as mosaic
+from mtjax.kernels.mosaic_gpu import flash_attention as mosaic_attention
 from tests.kernels.test_block_fp8 import _operands
 
 
@@ -82,3 +84,98 @@ def test_block_gemm_on_gpu(m, k, n, config):
     got = mosaic.block_fp8_gemm(a, a_s, b, _expanded(b_s, n, True), jnp.bfloat16, config=config)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
                                rtol=1e-2, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+# -------------------------------------------------------------------------------------------------- attention
+
+
+def _attention_inputs(seed, batch, q_len, kv_len, heads, kv_heads, head_dim):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, head_dim), jnp.float32)
+    do = jax.random.normal(keys[3], (batch, q_len, heads, head_dim), jnp.float32)
+    return tuple(x.astype(jnp.bfloat16) for x in (q, k, v, do))
+
+
+def _out_and_grads(implementation, q, k, v, do, **options):
+    def f(q, k, v):
+        return ops.attention(q, k, v, implementation=implementation, **options)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(do))
+
+
+# (batch, q_len, kv_len, heads, kv_heads, head_dim, options): full and causal, GQA, a window with a
+# right side, q_len != kv_len (bottom-right alignment) and lengths off the 64/128-row tiles.
+ATTENTION_CASES = {
+    "full": (1, 128, 128, 1, 1, 64, {}),
+    "causal-gqa-tails": (1, 200, 300, 2, 1, 64, {"mask_type": "causal"}),
+    "causal-window-d128": (1, 256, 256, 4, 2, 128, {"mask_type": "causal", "window_size": (100, 0)}),
+    "window-both-sides": (2, 130, 250, 2, 2, 64, {"window_size": (50, 20)}),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_matches_reference(interpret, case):
+    """Forward and backward against the float32 reference on the same bf16 inputs: bf16 rounding of
+    the probabilities and of the outputs, well under 2 % of each array's largest value."""
+    *shape, options = ATTENTION_CASES[case]
+    q, k, v, do = _attention_inputs(len(case), *shape)
+    got = _out_and_grads("mosaic_gpu", q, k, v, do, **options)
+    want = _out_and_grads("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)), **options)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == jnp.bfloat16
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=2e-2 * np.abs(w).max(), err_msg=name)
+
+
+def test_attention_declines_what_it_lacks():
+    impl = backend.get_implementation("attention", "mosaic_gpu")
+    q = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+    base = dict(mask_type="causal", scale=0.1, dropout_rate=0.0, window_size=None, logits_soft_cap=None)
+    assert impl.unsupported(q, q, q, None, None, None, None, None, **base) is None
+    for args, changes, reason in [
+        ((ids, ids), {}, "segment ids"), ((None, None), {"dropout_rate": 0.1}, "dropout"),
+        ((None, None), {"logits_soft_cap": 30.0}, "soft-cap"),
+    ]:
+        assert reason in impl.unsupported(q, q, q, None, None, *args, None, **{**base, **changes})
+    for shape, dtype, reason in [((1, 128, 2, 256), jnp.bfloat16, "head_dim 256"),
+                                 ((1, 128, 2, 128), jnp.float32, "float32")]:
+        x = jax.ShapeDtypeStruct(shape, dtype)
+        assert reason in impl.unsupported(x, x, x, None, None, None, None, None, **base)
+    with pytest.raises(ValueError, match="block_kv"):
+        mosaic_attention.AttentionConfig(block_kv=32)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("p_in_registers", [True, False])
+def test_attention_lowers_for_cuda(head_dim, p_in_registers):
+    """Forward and both backward kernels for an H200, the probabilities in registers (the GPU's
+    default) and through shared memory (what the interpret-mode tests run)."""
+    launchers = mosaic_attention.launchers(mosaic_attention.AttentionConfig(p_in_registers=p_in_registers))
+    q = jax.ShapeDtypeStruct((2, 4096, 32, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 4096, 8, head_dim), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: portable_attention.flash_attention(
+            q, k, v, scale=0.1, causal=True, window_size=(1024, 0), ptx_exp2=False, launchers=launchers), q, k, v)
+        return vjp(out)
+
+    with backend.abstract_gpu():
+        text = jax.jit(fwd_bwd).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ATTENTION_CASES) + ["causal-4k"])
+def test_attention_on_gpu(case):
+    """On the GPU against cuDNN where it applies (else the float32 reference), forward and backward."""
+    *shape, options = ATTENTION_CASES.get(case, (2, 4096, 4096, 16, 4, 128, {"mask_type": "causal"}))
+    q, k, v, do = _attention_inputs(len(case), *shape)
+    got = _out_and_grads("mosaic_gpu", q, k, v, do, **options)
+    want = _out_and_grads("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)), **options)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=2e-2 * np.abs(w).max(), err_msg=name)
