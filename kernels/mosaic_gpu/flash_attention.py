@@ -77,6 +77,11 @@ class AttentionConfig:
 DEFAULT_CONFIG = AttentionConfig()
 
 
+# What `python -m mtjax.bench.attention --sweep` tries for these kernels.
+SWEEP_CONFIGS = (AttentionConfig(block_kv=128), AttentionConfig(stages=3), AttentionConfig(block_kv=128, stages=3),
+                 AttentionConfig(block_q=128), AttentionConfig(p_in_registers=False))
+
+
 def default_config() -> AttentionConfig:
     """`DEFAULT_CONFIG`, with the probabilities through shared memory in interpret mode (which runs
     wgmma on shared-memory operands only)."""

@@ -1,5 +1,6 @@
-"""`mtjax bench attention`: `mtjax.ops.attention` (its default choice, the Pallas Triton kernel and its
-native Triton port) side by side with cuDNN and XLA, forward and forward+backward, bf16.
+"""`mtjax bench attention`: `mtjax.ops.attention` (its default choice, the Pallas Triton kernel, its
+native Triton port and the Mosaic GPU kernels) side by side with cuDNN and XLA, forward and
+forward+backward, bf16.
 
 FLOPs as in docs/performance.md: ``4·B·H·Tq·Tk·D`` forward (halved when causal), 3.5x that for
 forward+backward. The ``mtjax`` row is the implementation the default selection picks for the case
@@ -8,7 +9,8 @@ An implementation that fails (a kernel that does not compile, out of memory) giv
 error instead of numbers, and the run goes on.
 
 ``python -m mtjax.bench.attention --sweep`` times block-size candidates of the kernel on the headline
-case (how `kernels.flash_attention.BlockSizes.default` was tuned).
+case (how `kernels.flash_attention.BlockSizes.default` was tuned), and the Mosaic GPU kernels' configs
+(`mtjax.kernels.mosaic_gpu.flash_attention.SWEEP_CONFIGS`) where they run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 from mtjax import backend, ops
 from mtjax.bench.timing import error_row, measure, random_array, rotating, row
 from mtjax.kernels import flash_attention as fa
+from mtjax.kernels.mosaic_gpu import flash_attention as mosaic_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +75,14 @@ SAMPLE_S = 20e-3
 XLA_CASES = (HEADLINE, Case(16, 1024, 32, 32, 128, True), Case(16, 1024, 32, 32, 128, False)) + QUICK_CASES
 
 
-def _function(case: Case, implementation: str | None, backward: bool, block_sizes: fa.BlockSizes | None = None):
+def _function(case: Case, implementation: str | None, backward: bool, block_sizes: fa.BlockSizes | None = None,
+              mosaic_config: mosaic_attention.AttentionConfig | None = None):
     mask_type = "causal" if case.causal else "no_mask"
-    if block_sizes is None:
+    if mosaic_config is not None:  # a tuning candidate of the Mosaic GPU kernels
+        def attend(q, k, v):
+            return fa.flash_attention(q, k, v, scale=case.head_dim ** -0.5, causal=case.causal, ptx_exp2=False,
+                                      launchers=mosaic_attention.launchers(mosaic_config))
+    elif block_sizes is None:
         def attend(q, k, v):
             return ops.attention(q, k, v, mask_type=mask_type, implementation=implementation)
     else:  # a tuning candidate: the kernel itself with explicit tiles
@@ -149,17 +157,21 @@ def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:
                    for bq, bk, w, s in ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2),
                                         (128, 32, 4, 4))])
     inputs = rotating(case.inputs)
+    candidates = [(backward_pass, dict(block_sizes=dataclasses.replace(base, **changes)),
+                   ("fwd+bwd " if backward_pass else "fwd ") + " ".join(f"{k}={v}" for k, v in changes.items()))
+                  for backward_pass, options in ((False, forward), (True, backward)) for changes in options]
+    if _runnable("mosaic_gpu"):  # the Mosaic GPU kernels' configs, forward and forward+backward
+        candidates += [(backward_pass, dict(mosaic_config=config), f"{'fwd+bwd' if backward_pass else 'fwd'} {config}")
+                       for config in (mosaic_attention.DEFAULT_CONFIG, *mosaic_attention.SWEEP_CONFIGS)
+                       for backward_pass in (False, True)]
     results = []
-    for backward_pass, candidates in ((False, forward), (True, backward)):
-        for changes in candidates:
-            blocks = dataclasses.replace(base, **changes)
-            label = ("fwd+bwd " if backward_pass else "fwd ") + " ".join(f"{k}={v}" for k, v in changes.items())
-            try:
-                t = measure(_function(case, None, backward_pass, blocks), inputs, runs=5, min_sample_s=SAMPLE_S).median
-                results.append((label, t * 1e3, case.flops(backward_pass) / t / 1e12))
-            except Exception as err:
-                results.append((label + f"  FAILED {type(err).__name__}: {str(err)[:120]}", float("nan"), float("nan")))
-            print(f"{results[-1][0]:<90} {results[-1][1]:9.3f} ms {results[-1][2]:7.1f} TFLOP/s", flush=True)
+    for backward_pass, options, label in candidates:
+        try:
+            t = measure(_function(case, None, backward_pass, **options), inputs, runs=5, min_sample_s=SAMPLE_S).median
+            results.append((label, t * 1e3, case.flops(backward_pass) / t / 1e12))
+        except Exception as err:
+            results.append((label + f"  FAILED {type(err).__name__}: {str(err)[:120]}", float("nan"), float("nan")))
+        print(f"{results[-1][0]:<90} {results[-1][1]:9.3f} ms {results[-1][2]:7.1f} TFLOP/s", flush=True)
     return results
 
 
