@@ -181,14 +181,49 @@ def _grouped_gemm_wgrad_triton(lhs, grad, group_sizes, group_scale, *, out_dtype
     return native.tgmm(lhs, grad, group_sizes, group_scale, out_dtype=out_dtype, tiles=tiles)
 
 
+def _mosaic_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles) -> str | None:
+    from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
+
+    return mosaic.unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs),
+                              transpose_rhs, out_dtype)
+
+
+# Warp-specialised Mosaic GPU kernel for Hopper (one dtype for both operands; FP8 with K-major rhs):
+# below the Triton kernels until the MoE benchmark has compared them on the GPU.
+@backend.register("grouped_gemm", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=8,
+                  single_device=True, unsupported=_mosaic_unsupported_gmm)
+def _grouped_gemm_mosaic(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
+    from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
+
+    del tiles  # the Triton kernels' tiles; the Mosaic GPU kernel has its own (`GroupedConfig`)
+    return mosaic.gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+
+
+# Implementations that run some of an op's GEMMs only: where one declines a GEMM (the weight gradient,
+# FP8 operands of two dtypes), that GEMM takes the automatic choice.
+PARTIAL_IMPLEMENTATIONS = ("mosaic_gpu",)
+
+
+def _choice(op: str, implementation: str | None, *args, **static) -> str | None:
+    if implementation not in PARTIAL_IMPLEMENTATIONS:
+        return implementation
+    if implementation not in backend.implementations(op):
+        return None
+    return None if backend.get_implementation(op, implementation).unsupported(*args, **static) else implementation
+
+
 def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, implementation, group_scale=None):
-    return backend.dispatch("grouped_gemm", lhs, rhs, group_sizes, group_scale, implementation=implementation,
-                            transpose_rhs=transpose_rhs, out_dtype=jnp.dtype(out_dtype), tiles=tiles)
+    static = dict(transpose_rhs=transpose_rhs, out_dtype=jnp.dtype(out_dtype), tiles=tiles)
+    args = (lhs, rhs, group_sizes, group_scale)
+    return backend.dispatch("grouped_gemm", *args, implementation=_choice("grouped_gemm", implementation, *args,
+                                                                          **static), **static)
 
 
 def _tgmm(lhs, grad, group_sizes, out_dtype, tiles, implementation, group_scale=None):
-    return backend.dispatch("grouped_gemm_wgrad", lhs, grad, group_sizes, group_scale, implementation=implementation,
-                            out_dtype=jnp.dtype(out_dtype), tiles=tiles)
+    static = dict(out_dtype=jnp.dtype(out_dtype), tiles=tiles)
+    args = (lhs, grad, group_sizes, group_scale)
+    return backend.dispatch("grouped_gemm_wgrad", *args,
+                            implementation=_choice("grouped_gemm_wgrad", implementation, *args, **static), **static)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -232,7 +267,10 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tran
       preferred_element_type: output dtype (default ``lhs.dtype``); accumulation is float32 always.
       block_sizes: tiles of the three kernels (forward, ``d lhs``, weight gradient); default
         `BlockSizes.default` for the shapes. The ``"xla"`` implementation ignores them.
-      implementation: ``"xla"``, ``"pallas_triton"`` or ``"triton"`` for all three GEMMs; default per platform.
+      implementation: ``"xla"``, ``"pallas_triton"`` or ``"triton"`` for all three GEMMs; default per
+        platform. ``"mosaic_gpu"`` (Hopper) runs the forward and ``d lhs`` GEMMs on the Mosaic GPU
+        kernel (`mtjax.kernels.mosaic_gpu.grouped_gemm`) where it takes them; the weight gradient, and
+        a GEMM it declines, take the default.
     Returns:
       ``[M, N]``; rows past ``sum(group_sizes)`` are zeros.
     """

@@ -1,5 +1,5 @@
 """The Mosaic GPU kernels (`mtjax.kernels.mosaic_gpu`, implementation ``"mosaic_gpu"``: the
-block-scaled FP8 GEMM and flash attention) against the references: on the CPU in Mosaic GPU's
+block-scaled FP8 GEMM, the grouped GEMM and flash attention) against the references: on the CPU in Mosaic GPU's
 interpret mode (shared memory, TMA, barriers and the warp specialised pipelines simulated), lowered
 for an H200 (Pallas' Mosaic GPU lowering, layouts included), and on the GPU (``gpu`` marker)."""
 
@@ -14,6 +14,7 @@ from mtjax import backend, ops
 from mtjax.kernels import flash_attention as portable_attention
 from mtjax.kernels.mosaic_gpu import block_fp8_gemm as mosaic
 from mtjax.kernels.mosaic_gpu import flash_attention as mosaic_attention
+from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic_grouped
 from tests.kernels.test_block_fp8 import _operands
 
 
@@ -84,6 +85,99 @@ def test_block_gemm_on_gpu(m, k, n, config):
     got = mosaic.block_fp8_gemm(a, a_s, b, _expanded(b_s, n, True), jnp.bfloat16, config=config)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
                                rtol=1e-2, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+# -------------------------------------------------------------------------------------------------- grouped GEMM
+
+
+def _grouped_reference(lhs, rhs, sizes, scale, transpose_rhs):
+    """float32 `lax.ragged_dot` of the same operands, group scales applied, zeros past the groups."""
+    r = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    out = jax.lax.ragged_dot(lhs.astype(jnp.float32), r.astype(jnp.float32), sizes)
+    if scale is not None:
+        out = out * scale[jnp.repeat(jnp.arange(len(sizes)), sizes, total_repeat_length=lhs.shape[0])][:, None]
+    return jnp.where(jnp.arange(lhs.shape[0])[:, None] < jnp.sum(sizes), out, 0.0)
+
+
+def _grouped_operands(seed, m, k, n, sizes, dtype, transpose_rhs):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    lhs = jax.random.normal(keys[0], (m, k)).astype(dtype)
+    g = len(sizes)
+    rhs = (jax.random.normal(keys[1], (g, n, k) if transpose_rhs else (g, k, n)) * 0.1).astype(dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+# Empty groups, a group inside one tile, tiles shared by two groups, rows past the groups, K and N
+# tails; bf16 in both rhs layouts, FP8 (K-major) with per-group scales.
+@pytest.mark.parametrize("m, k, n, sizes, dtype, transpose_rhs, scaled, config", [
+    (300, 256, 128, [100, 0, 150, 30], jnp.bfloat16, True, False, mosaic_grouped.GroupedConfig(128, 2)),
+    (260, 192, 200, [70, 130, 50], jnp.bfloat16, False, True, mosaic_grouped.GroupedConfig(64, 3)),
+    (300, 384, 128, [5, 200, 60], jnp.float8_e4m3fn, True, True, mosaic_grouped.GroupedConfig(128, 2)),
+], ids=["bf16-kmajor", "bf16-nmajor-scaled", "fp8-scaled"])
+def test_grouped_gemm_matches_reference(interpret, m, k, n, sizes, dtype, transpose_rhs, scaled, config):
+    lhs, rhs, sizes = _grouped_operands(m, m, k, n, sizes, dtype, transpose_rhs)
+    scale = jax.random.uniform(jax.random.key(1), (len(sizes),)) + 0.5 if scaled else None
+    got = mosaic_grouped.gmm(lhs, rhs, sizes, scale, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
+                             config=config)
+    want = _grouped_reference(lhs, rhs, sizes, scale, transpose_rhs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_grouped_gemm_ops_take_it_where_it_applies(interpret, monkeypatch):
+    """``implementation="mosaic_gpu"`` for the differentiable ops: forward and ``d lhs`` on the
+    Mosaic GPU kernel, the weight gradient (and FP8's E5M2 x E4M3 ``d lhs``) on the default, the
+    results those of the Triton kernels."""
+    lhs, rhs, sizes = _grouped_operands(5, 200, 128, 128, [60, 0, 100], jnp.bfloat16, False)
+    dy = jax.random.normal(jax.random.key(6), (200, 128)).astype(jnp.bfloat16)
+    calls = []
+    original = mosaic_grouped.gmm
+    monkeypatch.setattr(mosaic_grouped, "gmm", lambda lhs, *a, **kw: calls.append(lhs.dtype) or original(lhs, *a, **kw))
+    for op, mosaic_calls in ((ops.grouped_gemm, [jnp.bfloat16] * 2), (ops.grouped_gemm_fp8, [jnp.float8_e4m3fn])):
+        calls.clear()
+        outs = {}
+        for implementation in ("mosaic_gpu", "pallas_triton"):
+            out, vjp = jax.vjp(lambda x, w, op=op, impl=implementation: op(x, w, sizes, implementation=impl), lhs, rhs)
+            outs[implementation] = (out, *vjp(dy))
+        assert calls == mosaic_calls, calls
+        for got, want in zip(outs["mosaic_gpu"], outs["pallas_triton"]):
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2,
+                                       atol=1e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+
+
+def test_grouped_gemm_declines():
+    e4m3, e5m2, bf16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+    assert "one dtype" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), e5m2, e4m3, True)
+    assert "K-major" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), e4m3, e4m3, False)
+    assert "float32" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), jnp.float32, jnp.float32, True)
+    assert "output rows" in mosaic_grouped.unsupported((128, 128), (2, 700, 128), bf16, bf16, True, bf16)
+    assert mosaic_grouped.unsupported((128, 128), (2, 128, 128), bf16, bf16, False) is None
+    with pytest.raises(ValueError, match="block_n"):
+        mosaic_grouped.GroupedConfig(block_n=100)
+
+
+@pytest.mark.parametrize("m, k, n, g, dtype, transpose_rhs", [
+    (32768, 2048, 8192, 8, jnp.bfloat16, True), (98304, 2048, 1408, 64, jnp.bfloat16, False),
+    (65536, 4096, 2048, 128, jnp.float8_e4m3fn, True)])
+def test_grouped_gemm_lowers_for_cuda(m, k, n, g, dtype, transpose_rhs):
+    shapes = [jax.ShapeDtypeStruct((m, k), dtype),
+              jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), dtype),
+              jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((g,), jnp.float32)]
+    with backend.abstract_gpu():
+        text = jax.jit(lambda a, b, s, sc: mosaic_grouped.gmm(a, b, s, sc, transpose_rhs=transpose_rhs,
+                                                              out_dtype=jnp.bfloat16)).trace(
+            *shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_grouped_gemm_on_gpu(dtype):
+    sizes = [3000, 0, 5000, 100, 8000]
+    lhs, rhs, sizes = _grouped_operands(0, 16384, 2048, 1408, sizes, dtype, True)
+    scale = jnp.linspace(0.5, 2.0, 5)
+    got = mosaic_grouped.gmm(lhs, rhs, sizes, scale, transpose_rhs=True, out_dtype=jnp.float32)
+    want = _grouped_reference(lhs, rhs, sizes, scale, True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
 # -------------------------------------------------------------------------------------------------- attention

@@ -1,0 +1,180 @@
+"""The grouped GEMM ``gmm`` as a Mosaic GPU kernel (Hopper): TMA, wgmma and warp specialisation.
+
+``out[m] = lhs[m] @ rhs[g(m)]`` for ``lhs [M, K]`` sorted by group and ``rhs [G, N, K]`` (K-major,
+``transpose_rhs``; the layout FP8 wgmma needs) or, for 16-bit operands, ``[G, K, N]``; an optional
+float32 scale per group multiplies the accumulator (per-tensor FP8 dequantization). The tile schedule
+is the Pallas kernel's (`mtjax.kernels.grouped_gemm.visits`): one CTA per (visit, N-tile), a visit
+being one group's rows inside one 128-row M-tile.
+
+Each CTA runs three warpgroups: a memory warpgroup streams the visit's ``[128, block_k]`` tiles of
+``lhs`` and ``[block_n, block_k]`` tiles of ``rhs[g]`` into a ring of shared-memory slots with TMA
+(`plgpu.emit_pipeline_warp_specialized`), two compute warpgroups of 64 rows each accumulate with
+wgmma. A visit stores only its own group's rows: the TMA store is split into power-of-two row
+counts (64, 32, ..., 1), each a box that starts at the first row still to be written, so a tile
+shared by two groups is written by two visits without either touching the other's rows. Rows past
+``sum(group_sizes)`` form the scheduler's pseudo-group, whose visits store zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mtjax.kernels import grouped_gemm as portable
+from mtjax.kernels.common import MAX_ELEMENTS, interpret
+
+BLOCK_M = 128  # two compute warpgroups of 64 rows
+WG_ROWS = 64
+COMPUTE_WGS = BLOCK_M // WG_ROWS
+MEMORY_REGISTERS = 40
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+WIDE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """Tiles of the Mosaic GPU grouped GEMM (the M tile is fixed at 128 rows).
+
+    Attributes:
+      block_n: output columns per CTA (a multiple of 64, at most 256).
+      stages: K steps in flight in shared memory.
+    The K step is 128 bytes of a row: 128 FP8 or 64 16-bit values.
+    """
+
+    block_n: int = 128
+    stages: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_n, int) or self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"GroupedConfig(block_n={self.block_n!r}): expected 64, 128, 192 or 256")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"GroupedConfig(stages={self.stages!r}): expected an int >= 2")
+
+
+DEFAULT_CONFIG = GroupedConfig()
+
+
+def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, transpose_rhs: bool, out_dtype=None) -> str | None:
+    """Why the kernel cannot take these operands (and output dtype, default ``lhs_dtype``), or ``None``."""
+    dtype = jnp.dtype(lhs_dtype)
+    if dtype != jnp.dtype(rhs_dtype):
+        return f"lhs {dtype.name} with rhs {jnp.dtype(rhs_dtype).name} (one dtype for both)"
+    if dtype not in FP8_DTYPES + WIDE_DTYPES:
+        return f"dtype {dtype.name} (bfloat16, float16, float8_e4m3fn or float8_e5m2)"
+    if dtype in FP8_DTYPES and not transpose_rhs:
+        return "FP8 rhs [G, K, N] (FP8 wgmma takes rhs K-major: [G, N, K], transpose_rhs=True)"
+    k = lhs_shape[1]
+    if (k * dtype.itemsize) % 16:
+        return f"K={k}: rows of {k * dtype.itemsize} bytes (TMA needs multiples of 16)"
+    n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
+    if not transpose_rhs and (n * dtype.itemsize) % 16:
+        return f"N={n}: rhs rows of {n * dtype.itemsize} bytes (TMA needs multiples of 16)"
+    out_bytes = n * jnp.dtype(out_dtype or dtype).itemsize
+    if out_bytes % 16:
+        return f"N={n}: output rows of {out_bytes} bytes (TMA needs multiples of 16)"
+    if max(lhs_shape[0] * k, rhs_shape[0] * rhs_shape[1] * rhs_shape[2]) > MAX_ELEMENTS:
+        return f"arrays of more than {MAX_ELEMENTS} elements"
+    return None
+
+
+def _swizzled(rows_bytes: int, itemsize: int) -> dict:
+    return dict(transforms=(plgpu.TilingTransform((8, rows_bytes // itemsize)), plgpu.SwizzleTransform(rows_bytes)))
+
+
+def _store_rows(o_smem, out_gmem, first, count, row0, cols):
+    """TMA-store rows ``first .. first + count`` of ``o_smem [64, block_n]`` to ``out_gmem`` at
+    ``row0 + first``: one box per set bit of ``count``, largest first."""
+    size = WG_ROWS
+    while size:
+        offset = first + (count & ~(2 * size - 1))  # the rows of the larger boxes come first
+
+        @pl.when((count & size) != 0)
+        def _(size=size, offset=offset):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, size)], out_gmem.at[pl.ds(row0 + offset, size), cols])
+        size //= 2
+
+
+def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_gmem, out_gmem, o_smem, *,
+            num_groups: int, k_steps: int, block_k: int, transpose_rhs: bool, config: GroupedConfig):
+    visit, n_block, wg = lax.axis_index("visit"), lax.axis_index("n"), lax.axis_index("wg")
+    group, tile = group_gmem[visit], tile_gmem[visit]
+    lo, hi = lo_gmem[visit], hi_gmem[visit]
+    rhs_group = jnp.minimum(group, num_groups - 1)  # the pseudo-group computes with any rhs, stores zeros
+    block_n = config.block_n
+    shape = (WG_ROWS, block_n)
+    rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+    lhs_bytes = block_k * jnp.dtype(lhs_gmem.dtype).itemsize
+
+    def accumulate(_, lhs_smem, rhs_smem, acc):
+        def mma(out_ref):
+            plgpu.wgmma(out_ref, lhs_smem.at[rows], rhs_smem.T if transpose_rhs else rhs_smem)
+            return out_ref[...]
+
+        return acc + pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+    def compute(pipeline):
+        acc = pipeline(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
+        factor = jnp.where(group < num_groups, 1.0 if scale_gmem is None else scale_gmem[rhs_group], 0.0)
+        out = o_smem.at[wg]
+        out[...] = (acc * factor).astype(out.dtype)
+        plgpu.commit_smem()
+        # This warpgroup's rows of the visit, relative to its 64 rows of the tile.
+        first = jnp.clip(lo - tile * BLOCK_M - wg * WG_ROWS, 0, WG_ROWS)
+        last = jnp.clip(hi - tile * BLOCK_M - wg * WG_ROWS, 0, WG_ROWS)
+        _store_rows(out, out_gmem, first, jnp.maximum(last - first, 0), tile * BLOCK_M + wg * WG_ROWS,
+                    pl.ds(n_block * block_n, block_n))
+        plgpu.wait_smem_to_gmem(0)
+
+    if transpose_rhs:
+        rhs_spec = plgpu.BlockSpec((None, block_n, block_k), lambda k: (rhs_group, n_block, k),
+                                   **_swizzled(lhs_bytes, jnp.dtype(rhs_gmem.dtype).itemsize))
+    else:
+        itemsize = jnp.dtype(rhs_gmem.dtype).itemsize
+        rhs_spec = plgpu.BlockSpec((None, block_k, block_n), lambda k: (rhs_group, k, n_block),
+                                   **_swizzled(min(128, block_n * itemsize), itemsize))
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        accumulate, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
+        in_specs=[plgpu.BlockSpec((BLOCK_M, block_k), lambda k: (tile, k),
+                                  **_swizzled(lhs_bytes, jnp.dtype(lhs_gmem.dtype).itemsize)), rhs_spec],
+        max_concurrent_steps=min(config.stages, k_steps), wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+        compute_context=compute,
+    )
+
+    @pl.when(lo < hi)
+    def _():
+        pipeline(lhs_gmem, rhs_gmem)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
+        transpose_rhs: bool = False, out_dtype=None, config: GroupedConfig = DEFAULT_CONFIG) -> jax.Array:
+    """`mtjax.kernels.grouped_gemm.gmm` (same arguments and result, but ``tiles``) on the Mosaic GPU kernel."""
+    why = unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, transpose_rhs, out_dtype)
+    if why is not None:
+        raise ValueError(f"gmm: unsupported input: {why}")
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != k or group_sizes.shape != (g,):
+        raise ValueError(f"gmm: lhs {lhs.shape}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) and group_sizes "
+                         f"{group_sizes.shape} do not fit together")
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    block_k = 128 // jnp.dtype(lhs.dtype).itemsize
+    schedule = portable.visits(group_sizes, m, BLOCK_M)
+    scale = None if group_scale is None else group_scale.astype(jnp.float32)
+    kernel = functools.partial(_kernel, num_groups=g, k_steps=pl.cdiv(k, block_k), block_k=block_k,
+                               transpose_rhs=transpose_rhs, config=config)
+    if scale is None:
+        kernel = functools.partial(lambda f, group, tile, lo, hi, *rest: f(group, tile, lo, hi, None, *rest), kernel)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        scratch_types=[plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_n), out_dtype)],
+        grid=(portable.num_visits(m, g, BLOCK_M), pl.cdiv(n, config.block_n)), grid_names=("visit", "n"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        interpret=plgpu.InterpretGPUParams() if interpret() else None,
+    )(*schedule, *(() if scale is None else (scale,)), lhs, rhs)
