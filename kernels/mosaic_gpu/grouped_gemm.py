@@ -13,6 +13,11 @@ wgmma. A visit stores only its own group's rows: the TMA store is split into pow
 counts (64, 32, ..., 1), each a box that starts at the first row still to be written, so a tile
 shared by two groups is written by two visits without either touching the other's rows. Rows past
 ``sum(group_sizes)`` form the scheduler's pseudo-group, whose visits store zeros.
+
+Block-scaled FP8 (``block_scales``, `mtjax.fp8.BlockScaling`'s grouped GEMMs): ``lhs`` carries one
+float32 scale per row and 128-wide K block, ``rhs[g]`` one per output column and K block; each K
+step's wgmma goes into a fresh accumulator that is added to the sum with the two scale vectors
+applied (the promotion of `mtjax.kernels.mosaic_gpu.block_fp8_gemm`).
 """
 
 from __future__ import annotations
@@ -100,8 +105,9 @@ def _store_rows(o_smem, out_gmem, first, count, row0, cols):
         size //= 2
 
 
-def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_gmem, out_gmem, o_smem, *,
-            num_groups: int, k_steps: int, block_k: int, transpose_rhs: bool, config: GroupedConfig):
+def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_gmem, lhs_scale_gmem, rhs_scale_gmem,
+            out_gmem, o_smem, *, num_groups: int, k_steps: int, block_k: int, transpose_rhs: bool,
+            config: GroupedConfig):
     visit, n_block, wg = lax.axis_index("visit"), lax.axis_index("n"), lax.axis_index("wg")
     group, tile = group_gmem[visit], tile_gmem[visit]
     lo, hi = lo_gmem[visit], hi_gmem[visit]
@@ -111,12 +117,20 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
     lhs_bytes = block_k * jnp.dtype(lhs_gmem.dtype).itemsize
 
-    def accumulate(_, lhs_smem, rhs_smem, acc):
+    def accumulate(_, lhs_smem, rhs_smem, *scales_and_acc):
+        *scales, acc = scales_and_acc
+
         def mma(out_ref):
             plgpu.wgmma(out_ref, lhs_smem.at[rows], rhs_smem.T if transpose_rhs else rhs_smem)
             return out_ref[...]
 
-        return acc + pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+        partial = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+        if scales:  # block-scaled: this K block's row and column scales
+            lhs_scale = plgpu.load(scales[0].at[rows], layout=plgpu.Layout.WGMMA.reduce(1))
+            rhs_scale = plgpu.load(scales[1], layout=plgpu.Layout.WGMMA.reduce(0))
+            partial = partial * (lax.broadcast_in_dim(lhs_scale, shape, [0]) *
+                                 lax.broadcast_in_dim(rhs_scale, shape, [1]))
+        return acc + partial
 
     def compute(pipeline):
         acc = pipeline(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
@@ -138,23 +152,36 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
         itemsize = jnp.dtype(rhs_gmem.dtype).itemsize
         rhs_spec = plgpu.BlockSpec((None, block_k, block_n), lambda k: (rhs_group, k, n_block),
                                    **_swizzled(min(128, block_n * itemsize), itemsize))
+    scale_specs = [] if lhs_scale_gmem is None else [
+        plgpu.BlockSpec((None, BLOCK_M), lambda k: (k, tile)),
+        plgpu.BlockSpec((None, None, block_n), lambda k: (rhs_group, k, n_block))]
     pipeline = plgpu.emit_pipeline_warp_specialized(
         accumulate, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
         in_specs=[plgpu.BlockSpec((BLOCK_M, block_k), lambda k: (tile, k),
-                                  **_swizzled(lhs_bytes, jnp.dtype(lhs_gmem.dtype).itemsize)), rhs_spec],
+                                  **_swizzled(lhs_bytes, jnp.dtype(lhs_gmem.dtype).itemsize)), rhs_spec,
+                  *scale_specs],
         max_concurrent_steps=min(config.stages, k_steps), wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
         compute_context=compute,
     )
 
     @pl.when(lo < hi)
     def _():
-        pipeline(lhs_gmem, rhs_gmem)
+        pipeline(lhs_gmem, rhs_gmem, *(() if lhs_scale_gmem is None else (lhs_scale_gmem, rhs_scale_gmem)))
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,
-        transpose_rhs: bool = False, out_dtype=None, config: GroupedConfig = DEFAULT_CONFIG) -> jax.Array:
-    """`mtjax.kernels.grouped_gemm.gmm` (same arguments and result, but ``tiles``) on the Mosaic GPU kernel."""
+        transpose_rhs: bool = False, out_dtype=None, block_scales: tuple[jax.Array, jax.Array] | None = None,
+        config: GroupedConfig = DEFAULT_CONFIG) -> jax.Array:
+    """`mtjax.kernels.grouped_gemm.gmm` (same arguments and result, but ``tiles``) on the Mosaic GPU kernel.
+
+    ``block_scales``: ``(lhs_scale_inv [M, ceil(K/128)], rhs_scale_inv [G, ceil(K/128), N])`` for
+    block-scaled FP8 operands (``rhs`` K-major, no ``group_scale``): ``out[m] = sum_kb (lhs[m, kb] @
+    rhs[g, :, kb]^T) * lhs_scale_inv[m, kb] * rhs_scale_inv[g, kb, :]``.
+    """
     why = unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, transpose_rhs, out_dtype)
+    if why is None and block_scales is not None and (not transpose_rhs or group_scale is not None or
+                                                     jnp.dtype(lhs.dtype) not in FP8_DTYPES):
+        why = "block scales need FP8 operands, rhs K-major and no group_scale"
     if why is not None:
         raise ValueError(f"gmm: unsupported input: {why}")
     m, k = lhs.shape
@@ -165,16 +192,36 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
                          f"{group_sizes.shape} do not fit together")
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     block_k = 128 // jnp.dtype(lhs.dtype).itemsize
-    schedule = portable.visits(group_sizes, m, BLOCK_M)
+    k_steps = pl.cdiv(k, block_k)
     scale = None if group_scale is None else group_scale.astype(jnp.float32)
-    kernel = functools.partial(_kernel, num_groups=g, k_steps=pl.cdiv(k, block_k), block_k=block_k,
-                               transpose_rhs=transpose_rhs, config=config)
-    if scale is None:
-        kernel = functools.partial(lambda f, group, tile, lo, hi, *rest: f(group, tile, lo, hi, None, *rest), kernel)
+    scales = (None, None)
+    if block_scales is not None:
+        lhs_scale, rhs_scale = block_scales
+        if lhs_scale.shape != (m, k_steps) or rhs_scale.shape != (g, k_steps, n):
+            raise ValueError(f"gmm: block scales {lhs_scale.shape} and {rhs_scale.shape}; expected ({m}, {k_steps}) "
+                             f"and ({g}, {k_steps}, {n})")
+        # Rows of 16-byte multiples for TMA: the scale arrays padded with ones (their rows are not stored).
+        scales = (_pad_last(lhs_scale.T.astype(jnp.float32), 4), _pad_last(rhs_scale.astype(jnp.float32), 4))
+    kernel = functools.partial(_kernel, num_groups=g, k_steps=k_steps, block_k=block_k, transpose_rhs=transpose_rhs,
+                               config=config)
+
+    def body(group, tile, lo, hi, *refs):
+        refs = list(refs)  # [scale], lhs, rhs, [lhs scales, rhs scales], out, staging
+        scale_ref = refs.pop(0) if scale is not None else None
+        lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+        lhs_scale_ref, rhs_scale_ref = (refs.pop(0), refs.pop(0)) if block_scales is not None else (None, None)
+        return kernel(group, tile, lo, hi, scale_ref, lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, *refs)
+
+    inputs = (*(() if scale is None else (scale,)), lhs, rhs, *(() if block_scales is None else scales))
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_n), out_dtype)],
         grid=(portable.num_visits(m, g, BLOCK_M), pl.cdiv(n, config.block_n)), grid_names=("visit", "n"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret() else None,
-    )(*schedule, *(() if scale is None else (scale,)), lhs, rhs)
+    )(*portable.visits(group_sizes, m, BLOCK_M), *inputs)
+
+
+def _pad_last(x: jax.Array, multiple: int) -> jax.Array:
+    pad = -x.shape[-1] % multiple
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=1.0) if pad else x

@@ -103,6 +103,8 @@ def _gemm_variants(tiles: GemmTiles | None, m: int, k: int, n: int, g: int) -> d
     if backend.get_implementation("grouped_gemm", "mosaic_gpu").runs_on(backend.platform()) is None:
         out["mtjax [mosaic_gpu]"] = lambda x, w, s: ops.grouped_gemm(x, w, s, implementation="mosaic_gpu")
         out["mtjax fp8 [mosaic_gpu]"] = lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, implementation="mosaic_gpu")
+        out["mtjax fp8 block [mosaic_gpu]"] = lambda x, w, s: ops.grouped_gemm_block_fp8(
+            x, w, s, implementation="mosaic_gpu")
     tokamax_ragged_dot = _tokamax_ragged_dot()
     if tokamax_ragged_dot is not None:
         out["tokamax"] = lambda x, w, s: tokamax_ragged_dot(x, w, s, preferred_element_type=x.dtype)

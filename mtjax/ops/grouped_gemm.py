@@ -421,6 +421,28 @@ def _group_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Arr
     return jax.vmap(lambda q, s: block_dequantize(q, s, dtype))(q, scale_inv)
 
 
+def _block_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
+    """``a @ rhs[g]^T`` per group for block-scaled FP8 ``a [M, C]`` (1x128 tiles along C) and
+    ``rhs_q [G, D, C]`` (its 128x128 block scales ``rhs_scale_inv [G, ceil(C/128), ceil(D/128)]``,
+    contraction blocks first): ``[M, D]`` in ``dtype``. With ``implementation="mosaic_gpu"``, FP8
+    tensor cores through the Mosaic GPU kernel where it takes the operands; otherwise the grouped
+    GEMM on the dequantized operands."""
+    if implementation == "mosaic_gpu":
+        from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
+
+        if mosaic.unsupported(a_q.shape, rhs_q.shape, a_q.dtype, rhs_q.dtype, True, dtype) is None:
+            reason = backend.get_implementation("grouped_gemm", implementation).runs_on(backend.platform())
+            if reason is not None:
+                raise ValueError(f"grouped_gemm_block_fp8(implementation={implementation!r}) cannot run here: {reason}")
+            # one scale per output column and contraction block: the blocks' scales repeated over their columns
+            columns = jnp.repeat(rhs_scale_inv, TILE, axis=2)[:, :, :rhs_q.shape[1]]
+            return mosaic.gmm(a_q, rhs_q, group_sizes, transpose_rhs=True, out_dtype=dtype,
+                              block_scales=(a_scale_inv, columns))
+    rhs = _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, dtype)  # [G, C, D]: the scales' layout
+    return _gmm(tile_dequantize(a_q, a_scale_inv, dtype), rhs, group_sizes, False, dtype, tiles,
+                None if implementation == "mosaic_gpu" else implementation)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two, amax_epsilon, blocks,
                             implementation):
@@ -435,8 +457,9 @@ def _block_forward(lhs, rhs, group_sizes, forward_dtype, power_of_two, amax_epsi
     lhs_casts = tile_quantize(lhs, forward_dtype, transpose=transpose, power_of_two=power_of_two,
                               amax_epsilon=amax_epsilon)
     rhs_q, rhs_scale_inv = _group_blocks(rhs, forward_dtype, power_of_two, amax_epsilon)
-    out = _gmm(tile_dequantize(*lhs_casts[:2], lhs.dtype), _group_dequantize(rhs_q, rhs_scale_inv, lhs.dtype),
-               group_sizes, False, lhs.dtype, blocks.forward, implementation)
+    # rhs[g]^T [N, K] K-major, its block scales [K blocks, N blocks]
+    out = _block_gmm(*lhs_casts[:2], jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, group_sizes, lhs.dtype,
+                     blocks.forward, implementation)
     return out, lhs_casts, (rhs_q, rhs_scale_inv)
 
 
@@ -454,12 +477,12 @@ def _grouped_gemm_block_fp8_bwd(forward_dtype, gradient_dtype, power_of_two, ama
     # The output gradient in 1x128 tiles along N (d lhs contracts N) and along M (d rhs contracts M).
     grad_q, grad_scale_inv, grad_q_t, grad_scale_inv_t = tile_quantize(
         grad, gradient_dtype, transpose=True, power_of_two=power_of_two, amax_epsilon=amax_epsilon)
-    # d lhs = grad @ rhs[g]^T: rhs [G, K, N] read as [G, N', K'] with the contraction (N) last.
-    d_lhs = _gmm(tile_dequantize(grad_q, grad_scale_inv, dtype), _group_dequantize(rhs_q, rhs_scale_inv, dtype),
-                 group_sizes, True, dtype, blocks.dlhs, implementation)
+    # d lhs = grad @ rhs[g]^T: rhs [G, K, N] is K-major for this GEMM (its contraction, N, last).
+    d_lhs = _block_gmm(grad_q, grad_scale_inv, rhs_q, jnp.swapaxes(rhs_scale_inv, 1, 2), group_sizes, dtype,
+                       blocks.dlhs, implementation)
     d_rhs = _tgmm(tile_dequantize(lhs_q_t, lhs_scale_inv_t, dtype).T, tile_dequantize(grad_q_t, grad_scale_inv_t,
                                                                                        dtype).T,
-                  group_sizes, dtype, blocks.wgrad, implementation)
+                  group_sizes, dtype, blocks.wgrad, None if implementation == "mosaic_gpu" else implementation)
     return d_lhs, d_rhs, None
 
 
@@ -479,10 +502,13 @@ def grouped_gemm_block_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
     covers rows of both). Every scale comes from its tile's amax in this step (`mtjax.ops.tile_quantize`,
     `mtjax.ops.block_quantize`); only FP8 values and scales are kept for the backward pass.
 
-    The three GEMMs take the dequantized operands in ``lhs.dtype`` through `grouped_gemm` (its
-    kernels, float32 accumulation): the rounding is block-scaled FP8's (a float32 ``lhs`` gives it
+    By default the three GEMMs take the dequantized operands in ``lhs.dtype`` through `grouped_gemm`
+    (its kernels, float32 accumulation): the rounding is block-scaled FP8's (a float32 ``lhs`` gives it
     exactly; bfloat16 adds at most 2^-9 relative to each dequantized value), the speed is the bf16
-    grouped GEMM's plus the casts, not an FP8 tensor-core GEMM's.
+    grouped GEMM's plus the casts. ``implementation="mosaic_gpu"`` (Hopper) runs the forward and
+    ``d lhs`` GEMMs on FP8 tensor cores with the scales applied per 128-wide K block
+    (`mtjax.kernels.mosaic_gpu.grouped_gemm`, one FP8 dtype for both operands); the weight gradient
+    stays dequantized.
 
     Args:
       lhs: ``[M, K]`` float, rows sorted by group; rhs: ``[G, K, N]`` of the same dtype.
