@@ -19,9 +19,10 @@ CTA's range, so the phases of every barrier advance in step in all three warpgro
   ``dSᵀ = Pᵀ (dPᵀ - δ)``, ``dK += dSᵀ Q``.
 - dQ (one CTA per 128 queries and head): ``P``, ``dP = dO Vᵀ``, ``dS = P (dP - δ)``, ``dQ += dS K``.
 
-What they take: bfloat16/float16, head_dim 64 or 128, causal masks and sliding windows, GQA; not
-head_dim 256 (two float32 accumulators of 64 x 256 per warpgroup exceed the registers of the dK/dV
-loop), segment ids, dropout or soft-capping (`unsupported` says so and the op runs another kernel).
+What they take: bfloat16/float16, head_dim 64 or 128, causal masks and sliding windows, segment ids
+(their blocks ride in the same TMA ring as the keys or queries they label), GQA; not head_dim 256
+(two float32 accumulators of 64 x 256 per warpgroup exceed the registers of the dK/dV loop), dropout
+or soft-capping (`unsupported` says so and the op runs another kernel).
 """
 
 from __future__ import annotations
@@ -88,13 +89,13 @@ def default_config() -> AttentionConfig:
     return dataclasses.replace(DEFAULT_CONFIG, p_in_registers=False) if interpret() else DEFAULT_CONFIG
 
 
-def unsupported(q_shape, kv_shape, dtype, *, segments: bool, dropout: bool, soft_cap: bool) -> str | None:
+def unsupported(q_shape, kv_shape, dtype, *, dropout: bool, soft_cap: bool) -> str | None:
     """Why the Mosaic GPU kernels cannot take this attention, or ``None``."""
     if jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} (wgmma here: bfloat16 or float16)"
     if q_shape[-1] not in HEAD_DIMS:
         return f"head_dim {q_shape[-1]} (supported: {HEAD_DIMS})"
-    for name, present in (("segment ids", segments), ("dropout", dropout), ("soft-cap", soft_cap)):
+    for name, present in (("dropout", dropout), ("soft-cap", soft_cap)):
         if present:
             return f"{name} (not in the Mosaic GPU kernels)"
     return None
@@ -124,11 +125,18 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _mask_tile(mask, q0, k0, shape, transposed: bool):
-    """The `MaskSpec` band (and key tail) of a ``[queries, keys]`` tile at ``(q0, k0)``, or of its
-    transpose ``[keys, queries]`` at ``(k0, q0)``."""
+def _mask_tile(mask, q0, k0, shape, transposed: bool, q_seg=None, kv_seg=None, *, edge: bool = True):
+    """The `MaskSpec` of a ``[queries, keys]`` tile at ``(q0, k0)``, or of its transpose ``[keys,
+    queries]`` at ``(k0, q0)``: the band and key tail where ``edge``, the segment ids' test where
+    ``q_seg``/``kv_seg`` (vectors along the tile's query and key axes) are given; None if neither."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    return mask.keep(q0 + _iota(shape, q_dim), k0 + _iota(shape, k_dim), None, None, edge=True)
+    segments = (None, None) if q_seg is None else (lax.broadcast_in_dim(q_seg, shape, [q_dim]),
+                                                   lax.broadcast_in_dim(kv_seg, shape, [k_dim]))
+    return mask.keep(q0 + _iota(shape, q_dim), k0 + _iota(shape, k_dim), *segments, edge=edge)
+
+
+def _masked(x, keep, fill):
+    return x if keep is None else jnp.where(keep, x, fill)
 
 
 def _rows_vector(ref):
@@ -181,8 +189,9 @@ def _steps(body, ranges, carry):
 # --------------------------------------------------------------------------------------------------
 
 
-def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_smem, p_smem, lse_smem, q_ready,
-                    k_ready, v_ready, k_free, v_free, *, st, config: AttentionConfig, groups: int):
+def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_smem,
+                    p_smem, lse_smem, q_seg_smem, kv_seg_smem, q_ready, k_ready, v_ready, k_free, v_free, *, st,
+                    config: AttentionConfig, groups: int):
     mask = st.mask
     c = st.scale * LOG2E
     block_kv, stages = config.block_kv, config.stages
@@ -200,18 +209,22 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_
         q_rows = q0 + wg * WG_ROWS
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(q_rows, WG_ROWS), head], q_tile, q_ready.at[wg])
+        if mask.segments:
+            plgpu.copy_gmem_to_smem(q_seg_gmem.at[batch, pl.ds(q_rows, WG_ROWS)], q_seg_smem.at[wg], q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
+        q_seg = _rows_vector(q_seg_smem.at[wg]) if mask.segments else None
         shape = (WG_ROWS, block_kv)
 
         def step(i, masked, carry):
             acc, m, l = carry
             slot = lax.rem(i - lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
-
+            kv_seg = _cols_vector(kv_seg_smem.at[slot]) if mask.segments else None  # read before the slot is freed
             s = _mma(q_tile, k_smem.at[slot].T, shape)
             plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                s = jnp.where(_mask_tile(mask, q_rows, i * block_kv, shape, False), s, -jnp.inf)
+            if masked or mask.segments:
+                s = _masked(s, _mask_tile(mask, q_rows, i * block_kv, shape, False, q_seg, kv_seg, edge=masked),
+                            -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1) * c)
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
             alpha = jnp.exp2(m - m_safe)
@@ -253,6 +266,9 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
             plgpu.copy_gmem_to_smem(k_gmem.at[rows], k_smem.at[slot], k_ready.at[slot])
+            if mask.segments:
+                plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(i * block_kv, block_kv)], kv_seg_smem.at[slot],
+                                        k_ready.at[slot])
 
             @pl.when(i - lo >= stages)
             def _():
@@ -262,11 +278,21 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_
         _drain(hi - lo, stages, k_free, v_free)
 
 
+def _segment_inputs(q_seg, kv_seg, batch):
+    """The segment ids as the kernels take them (one-element stand-ins without segments)."""
+    if q_seg is None:
+        return jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32)
+    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
 def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s forward launcher contract: ``(out, lse)`` on padded arrays."""
-    del q_seg, kv_seg, seed  # declined by `unsupported`
+    del seed  # dropout is declined by `unsupported`
     config = config or default_config()
     q_in = q.shape[1]
+    q_seg, kv_seg = _segment_inputs(q_seg, kv_seg, q.shape[0])
+    if st.mask.segments:  # padded rows and keys get id 0: padding, never attended
+        q_seg, kv_seg = _pad_rows(q_seg, 1, BLOCK_ROWS), _pad_rows(kv_seg, 1, config.block_kv)
     q, k, v = _pad_rows(q, 1, BLOCK_ROWS), _pad_rows(k, 1, config.block_kv), _pad_rows(v, 1, config.block_kv)
     batch, q_pad, heads, head_dim = q.shape
     groups = heads // k.shape[2]
@@ -281,8 +307,11 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
             plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, **_tile(config.block_kv, head_dim, dtype)),
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_kv), dtype, **_tile(WG_ROWS, config.block_kv, dtype)),
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),
-            plgpu.Barrier(num_barriers=config.stages),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32),
+            plgpu.SMEM((config.stages, config.block_kv), jnp.int32),
+            # every TMA copy arrives once on its barrier: with segment ids, the ids' copy as well
+            plgpu.Barrier(num_arrivals=1 + st.mask.segments, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=1 + st.mask.segments, num_barriers=config.stages),
             plgpu.Barrier(num_barriers=config.stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
@@ -290,7 +319,7 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
         grid=(q_pad // BLOCK_ROWS, heads, batch), grid_names=("q", "heads", "batch"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(),
-    )(q, k, v)
+    )(q, k, v, q_seg, kv_seg)
     return out[:, :q_in], lse[:, :, :q_in]
 
 
@@ -299,8 +328,9 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
 # --------------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dq_gmem, q_smem, do_smem, stats_smem, k_smem, v_smem,
-               ds_smem, tile_ready, k_ready, v_ready, k_free, v_free, *, st, config: AttentionConfig, groups: int):
+def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, dq_gmem, q_smem, do_smem,
+               stats_smem, k_smem, v_smem, ds_smem, q_seg_smem, kv_seg_smem, tile_ready, k_ready, v_ready, k_free,
+               v_free, *, st, config: AttentionConfig, groups: int):
     mask = st.mask
     c = st.scale * LOG2E
     block_kv, stages = config.block_kv, config.stages
@@ -320,17 +350,21 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dq_gmem, q_smem, do_
         plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_tile, tile_ready.at[wg])
         plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head], do_tile, tile_ready.at[wg])
         plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats, tile_ready.at[wg])
+        if mask.segments:
+            plgpu.copy_gmem_to_smem(q_seg_gmem.at[batch, rows], q_seg_smem.at[wg], tile_ready.at[wg])
         plgpu.barrier_wait(tile_ready.at[wg])
         lse, delta = _rows_vector(stats.at[0]), _rows_vector(stats.at[1])
+        q_seg = _rows_vector(q_seg_smem.at[wg]) if mask.segments else None
         shape = (WG_ROWS, block_kv)
 
         def step(i, masked, dq):
             slot = lax.rem(i - lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
+            kv_seg = _cols_vector(kv_seg_smem.at[slot]) if mask.segments else None
             s = _mma(q_tile, k_smem.at[slot].T, shape)
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
-            if masked:
-                p = jnp.where(_mask_tile(mask, q_rows, i * block_kv, shape, False), p, 0.0)
+            if masked or mask.segments:
+                p = _masked(p, _mask_tile(mask, q_rows, i * block_kv, shape, False, q_seg, kv_seg, edge=masked), 0.0)
             plgpu.barrier_wait(v_ready.at[slot])
             dp = _mma(do_tile, v_smem.at[slot].T, shape)
             plgpu.barrier_arrive(v_free.at[slot])
@@ -360,13 +394,16 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dq_gmem, q_smem, do_
                 def _(free=free):
                     plgpu.barrier_wait(free.at[slot])
                 plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], ready.at[slot])
+            if mask.segments:
+                plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(i * block_kv, block_kv)], kv_seg_smem.at[slot],
+                                        k_ready.at[slot])
 
         _drain(hi - lo, stages, k_free, v_free)
 
 
-def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, k_smem, v_smem, q_smem, do_smem,
-                 stats_smem, p_smem, tile_ready, q_ready, do_ready, q_free, do_free, *, st, config: AttentionConfig,
-                 groups: int):
+def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, dk_gmem, dv_gmem, k_smem,
+                 v_smem, q_smem, do_smem, stats_smem, p_smem, kv_seg_smem, q_seg_smem, tile_ready, q_ready, do_ready,
+                 q_free, do_free, *, st, config: AttentionConfig, groups: int):
     mask = st.mask
     c = st.scale * LOG2E
     block_q, stages = config.block_q, config.stages
@@ -387,7 +424,11 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, 
         keys = (batch, pl.ds(k_rows, WG_ROWS), kv_head)
         plgpu.copy_gmem_to_smem(k_gmem.at[keys], k_tile, tile_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_gmem.at[keys], v_tile, tile_ready.at[wg])
+        if mask.segments:
+            plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(k_rows, WG_ROWS)], kv_seg_smem.at[wg],
+                                    tile_ready.at[wg])
         plgpu.barrier_wait(tile_ready.at[wg])
+        kv_seg = _rows_vector(kv_seg_smem.at[wg]) if mask.segments else None
         shape = (WG_ROWS, block_q)
 
         def head_steps(g, carry):
@@ -397,9 +438,11 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, 
                 plgpu.barrier_wait(q_ready.at[slot])
                 s_t = _mma(k_tile, q_smem.at[slot].T, shape)
                 lse, delta = _cols_vector(stats_smem.at[slot, 0]), _cols_vector(stats_smem.at[slot, 1])
+                q_seg = _cols_vector(q_seg_smem.at[slot]) if mask.segments else None
                 p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
-                if masked:
-                    p_t = jnp.where(_mask_tile(mask, j * block_q, k_rows, shape, True), p_t, 0.0)
+                if masked or mask.segments:
+                    p_t = _masked(p_t, _mask_tile(mask, j * block_q, k_rows, shape, True, q_seg, kv_seg, edge=masked),
+                                  0.0)
                 plgpu.barrier_wait(do_ready.at[slot])
                 dv = dv + _mma_from_registers(p_t.astype(k_tile.dtype), p_smem.at[wg], do_smem.at[slot], dv.shape,
                                               config.p_in_registers)
@@ -437,6 +480,8 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, 
                 plgpu.barrier_wait(q_free.at[slot])
             plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats_smem.at[slot], q_ready.at[slot])
+            if mask.segments:
+                plgpu.copy_gmem_to_smem(q_seg_gmem.at[batch, rows], q_seg_smem.at[slot], q_ready.at[slot])
 
             @pl.when(t >= stages)
             def _():
@@ -448,15 +493,19 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, dk_gmem, dv_gmem, 
 
 def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s backward launcher contract: ``(dq, dk, dv)`` on padded arrays."""
-    del q_seg, kv_seg, seed  # declined by `unsupported`
+    del seed  # dropout is declined by `unsupported`
     config = config or default_config()
     q_in, kv_in = q.shape[1], k.shape[1]
+    q_seg, kv_seg = _segment_inputs(q_seg, kv_seg, q.shape[0])
     # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
     rows = max(BLOCK_ROWS, config.block_q)
     q, do = _pad_rows(q, 1, rows), _pad_rows(do.astype(q.dtype), 1, rows)
     stats = _pad_rows(jnp.stack([lse, delta], axis=2), 3, rows)  # [batch, heads, 2, q]: one TMA per block
     k, v = _pad_rows(k, 1, max(BLOCK_ROWS, config.block_kv)), _pad_rows(v, 1, max(BLOCK_ROWS, config.block_kv))
+    if st.mask.segments:  # padded rows and keys get id 0: padding, never attended
+        q_seg, kv_seg = _pad_rows(q_seg, 1, rows), _pad_rows(kv_seg, 1, max(BLOCK_ROWS, config.block_kv))
+    segments = int(st.mask.segments)
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -476,26 +525,30 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=[wg_tiles, wg_tiles, plgpu.SMEM((COMPUTE_WGS, 2, WG_ROWS), jnp.float32),
                        ring(config.block_kv), ring(config.block_kv), staging(config.block_kv),
-                       # every TMA copy arrives once on its barrier: q, dO and the stats
-                       plgpu.Barrier(num_arrivals=3, num_barriers=COMPUTE_WGS),
-                       plgpu.Barrier(num_barriers=config.stages),
+                       plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32), plgpu.SMEM((config.stages, config.block_kv),
+                                                                                 jnp.int32),
+                       # every TMA copy arrives once on its barrier: q, dO, the stats (and the ids)
+                       plgpu.Barrier(num_arrivals=3 + segments, num_barriers=COMPUTE_WGS),
+                       plgpu.Barrier(num_arrivals=1 + segments, num_barriers=config.stages),
                        plgpu.Barrier(num_barriers=config.stages),
                        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
                        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
         grid=(q_pad // BLOCK_ROWS, heads, batch), grid_names=("q", "heads", "batch"), **common,
-    )(q, k, v, do, stats)
+    )(q, k, v, do, stats, q_seg, kv_seg)
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, st=st, config=config, groups=groups),
         out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         scratch_types=[wg_tiles, wg_tiles, ring(config.block_q), ring(config.block_q),
                        plgpu.SMEM((config.stages, 2, config.block_q), jnp.float32), staging(config.block_q),
-                       plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),  # k and v
-                       plgpu.Barrier(num_arrivals=2, num_barriers=config.stages),  # q and the stats
+                       plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32), plgpu.SMEM((config.stages, config.block_q),
+                                                                                 jnp.int32),
+                       plgpu.Barrier(num_arrivals=2 + segments, num_barriers=COMPUTE_WGS),  # k, v (and the ids)
+                       plgpu.Barrier(num_arrivals=2 + segments, num_barriers=config.stages),  # q, the stats (ids)
                        plgpu.Barrier(num_barriers=config.stages),
                        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
                        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
         grid=(kv_pad // BLOCK_ROWS, kv_heads, batch), grid_names=("k", "heads", "batch"), **common,
-    )(q, k, v, do, stats)
+    )(q, k, v, do, stats, q_seg, kv_seg)
     return dq[:, :q_in], dk[:, :kv_in], dv[:, :kv_in]
 
 

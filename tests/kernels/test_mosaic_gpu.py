@@ -228,7 +228,19 @@ ATTENTION_CASES = {
     "causal-gqa-tails": (1, 200, 300, 2, 1, 64, {"mask_type": "causal"}),
     "causal-window-d128": (1, 256, 256, 4, 2, 128, {"mask_type": "causal", "window_size": (100, 0)}),
     "window-both-sides": (2, 130, 250, 2, 2, 64, {"window_size": (50, 20)}),
+    "segments-causal": (2, 200, 200, 2, 1, 64, {"mask_type": "causal", "segments": True}),
 }
+
+
+def _options(options, batch, q_len, kv_len):
+    """The case's options, ``segments`` replaced by packed segment ids: three or four sorted segments
+    per row, the last few positions padding (id 0)."""
+    options = dict(options)
+    if options.pop("segments", False):
+        for name, length, seed in (("q_segment_ids", q_len, 1), ("kv_segment_ids", kv_len, 2)):
+            ids = jnp.sort(jax.random.randint(jax.random.key(seed), (batch, length), 1, 5), axis=1)
+            options[name] = jnp.where(jnp.arange(length) < length - 7, ids, 0).astype(jnp.int32)
+    return options
 
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
@@ -236,6 +248,7 @@ def test_attention_matches_reference(interpret, case):
     """Forward and backward against the float32 reference on the same bf16 inputs: bf16 rounding of
     the probabilities and of the outputs, well under 2 % of each array's largest value."""
     *shape, options = ATTENTION_CASES[case]
+    options = _options(options, *shape[:3])
     q, k, v, do = _attention_inputs(len(case), *shape)
     got = _out_and_grads("mosaic_gpu", q, k, v, do, **options)
     want = _out_and_grads("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)), **options)
@@ -251,11 +264,9 @@ def test_attention_declines_what_it_lacks():
     ids = jax.ShapeDtypeStruct((1, 128), jnp.int32)
     base = dict(mask_type="causal", scale=0.1, dropout_rate=0.0, window_size=None, logits_soft_cap=None)
     assert impl.unsupported(q, q, q, None, None, None, None, None, **base) is None
-    for args, changes, reason in [
-        ((ids, ids), {}, "segment ids"), ((None, None), {"dropout_rate": 0.1}, "dropout"),
-        ((None, None), {"logits_soft_cap": 30.0}, "soft-cap"),
-    ]:
-        assert reason in impl.unsupported(q, q, q, None, None, *args, None, **{**base, **changes})
+    assert impl.unsupported(q, q, q, None, None, ids, ids, None, **base) is None  # segment ids: taken
+    for changes, reason in [({"dropout_rate": 0.1}, "dropout"), ({"logits_soft_cap": 30.0}, "soft-cap")]:
+        assert reason in impl.unsupported(q, q, q, None, None, None, None, None, **{**base, **changes})
     for shape, dtype, reason in [((1, 128, 2, 256), jnp.bfloat16, "head_dim 256"),
                                  ((1, 128, 2, 128), jnp.float32, "float32")]:
         x = jax.ShapeDtypeStruct(shape, dtype)
@@ -264,22 +275,24 @@ def test_attention_declines_what_it_lacks():
         mosaic_attention.AttentionConfig(block_kv=32)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("p_in_registers", [True, False])
-def test_attention_lowers_for_cuda(head_dim, p_in_registers):
+@pytest.mark.parametrize("head_dim, p_in_registers, segments", [
+    (64, True, False), (128, True, False), (128, True, True), (64, False, False), (128, False, True)])
+def test_attention_lowers_for_cuda(head_dim, p_in_registers, segments):
     """Forward and both backward kernels for an H200, the probabilities in registers (the GPU's
-    default) and through shared memory (what the interpret-mode tests run)."""
+    default) and through shared memory (what the interpret-mode tests run), with segment ids."""
     launchers = mosaic_attention.launchers(mosaic_attention.AttentionConfig(p_in_registers=p_in_registers))
     q = jax.ShapeDtypeStruct((2, 4096, 32, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 4096, 8, head_dim), jnp.bfloat16)
+    ids = (jax.ShapeDtypeStruct((2, 4096), jnp.int32),) * 2 if segments else ()
 
-    def fwd_bwd(q, k, v):
+    def fwd_bwd(q, k, v, *ids):
         out, vjp = jax.vjp(lambda q, k, v: portable_attention.flash_attention(
-            q, k, v, scale=0.1, causal=True, window_size=(1024, 0), ptx_exp2=False, launchers=launchers), q, k, v)
+            q, k, v, *ids, scale=0.1, causal=True, window_size=(1024, 0), ptx_exp2=False, launchers=launchers),
+            q, k, v)
         return vjp(out)
 
     with backend.abstract_gpu():
-        text = jax.jit(fwd_bwd).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fwd_bwd).trace(q, k, k, *ids).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 3
 
 
@@ -288,6 +301,7 @@ def test_attention_lowers_for_cuda(head_dim, p_in_registers):
 def test_attention_on_gpu(case):
     """On the GPU against cuDNN where it applies (else the float32 reference), forward and backward."""
     *shape, options = ATTENTION_CASES.get(case, (2, 4096, 4096, 16, 4, 128, {"mask_type": "causal"}))
+    options = _options(options, *shape[:3])
     q, k, v, do = _attention_inputs(len(case), *shape)
     got = _out_and_grads("mosaic_gpu", q, k, v, do, **options)
     want = _out_and_grads("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)), **options)
