@@ -177,6 +177,28 @@ def _drain(steps, stages: int, *free_barriers):
             plgpu.barrier_wait(barrier.at[lax.rem(j, stages)])
 
 
+def _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready, v_ready, k_free, v_free, batch,
+               kv_head, lo, hi, block_kv: int, stages: int, segments: bool):
+    """The memory warpgroup of the forward and dQ kernels: K and V blocks ``lo .. hi`` of one kv head
+    (and their keys' segment ids, with K's barrier) into the ring, each slot refilled once both
+    compute warpgroups have freed it."""
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    @pl.loop(lo, hi)
+    def _(i):
+        slot = lax.rem(i - lo, stages)
+        keys = pl.ds(i * block_kv, block_kv)
+        for src, dst, ready, free in ((k_gmem, k_smem, k_ready, k_free), (v_gmem, v_smem, v_ready, v_free)):
+            @pl.when(i - lo >= stages)  # the slot's previous block has been read by both
+            def _(free=free):
+                plgpu.barrier_wait(free.at[slot])
+            plgpu.copy_gmem_to_smem(src.at[batch, keys, kv_head], dst.at[slot], ready.at[slot])
+            if segments and src is k_gmem:
+                plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, keys], kv_seg_smem.at[slot], ready.at[slot])
+
+    _drain(hi - lo, stages, k_free, v_free)
+
+
 def _steps(body, ranges, carry):
     """``body(step, masked, carry)`` over the consecutive ranges ``[(start, end, masked), ...]``."""
     for start, end, masked in ranges:
@@ -254,28 +276,8 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        kv_head = lax.div(head, groups)
-
-        @pl.loop(lo, hi)
-        def _(i):
-            slot = lax.rem(i - lo, stages)
-            rows = (batch, pl.ds(i * block_kv, block_kv), kv_head)
-
-            @pl.when(i - lo >= stages)  # the slot's previous block has been read by both
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_gmem.at[rows], k_smem.at[slot], k_ready.at[slot])
-            if mask.segments:
-                plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(i * block_kv, block_kv)], kv_seg_smem.at[slot],
-                                        k_ready.at[slot])
-
-            @pl.when(i - lo >= stages)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_gmem.at[rows], v_smem.at[slot], v_ready.at[slot])
-
-        _drain(hi - lo, stages, k_free, v_free)
+        _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready, v_ready, k_free, v_free,
+                   batch, lax.div(head, groups), lo, hi, block_kv, stages, mask.segments)
 
 
 def _segment_inputs(q_seg, kv_seg, batch):
@@ -382,23 +384,8 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_g
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        kv_head = lax.div(head, groups)
-
-        @pl.loop(lo, hi)
-        def _(i):
-            slot = lax.rem(i - lo, stages)
-            keys = (batch, pl.ds(i * block_kv, block_kv), kv_head)
-            for src, dst, ready, free in ((k_gmem, k_smem, k_ready, k_free), (v_gmem, v_smem, v_ready, v_free)):
-                @pl.when(i - lo >= stages)
-                def _(free=free):
-                    plgpu.barrier_wait(free.at[slot])
-                plgpu.copy_gmem_to_smem(src.at[keys], dst.at[slot], ready.at[slot])
-            if mask.segments:
-                plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(i * block_kv, block_kv)], kv_seg_smem.at[slot],
-                                        k_ready.at[slot])
-
-        _drain(hi - lo, stages, k_free, v_free)
+        _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready, v_ready, k_free, v_free,
+                   batch, lax.div(head, groups), lo, hi, block_kv, stages, mask.segments)
 
 
 def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, dk_gmem, dv_gmem, k_smem,
