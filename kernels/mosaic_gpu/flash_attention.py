@@ -199,6 +199,15 @@ def _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready
     _drain(hi - lo, stages, k_free, v_free)
 
 
+def _key_ranges(mask, q0, block_kv: int):
+    """``(lo, hi, ranges)``: the key blocks the CTA's 128 queries from ``q0`` may see, as the
+    `_steps` ranges of the band's masked edges and its unmasked middle (masked too when the keys end
+    inside a block: any block may be the last)."""
+    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
+    tail = mask.kv_len % block_kv != 0
+    return lo, hi, ((lo, full_lo, True), (full_lo, full_hi, tail), (full_hi, hi, True))
+
+
 def _steps(body, ranges, carry):
     """``body(step, masked, carry)`` over the consecutive ranges ``[(start, end, masked), ...]``."""
     for start, end, masked in ranges:
@@ -221,9 +230,7 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse
     qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q0 = qi * BLOCK_ROWS
-    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
-    masked_everywhere = mask.kv_len % block_kv != 0  # the key tail: every block may be the last
-    ranges = ((lo, full_lo, True), (full_lo, full_hi, masked_everywhere), (full_hi, hi, True))
+    lo, hi, ranges = _key_ranges(mask, q0, block_kv)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -339,9 +346,7 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_g
     qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q0 = qi * BLOCK_ROWS
-    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
-    masked_everywhere = mask.kv_len % block_kv != 0
-    ranges = ((lo, full_lo, True), (full_lo, full_hi, masked_everywhere), (full_hi, hi, True))
+    lo, hi, ranges = _key_ranges(mask, q0, block_kv)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
