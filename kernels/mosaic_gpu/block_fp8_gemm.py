@@ -60,17 +60,24 @@ class MosaicGemmConfig:
         return BLOCK_M
 
     def smem_bytes(self, out_itemsize: int) -> int:
-        """Shared memory of one CTA: the ring of operand tiles and scales, and the output staging."""
-        ring = self.stages * (BLOCK_M * BLOCK_K + self.block_n * BLOCK_K + 4 * (BLOCK_M + self.block_n))
-        return ring + BLOCK_M * self.block_n * out_itemsize
+        """Shared memory of one CTA, as Mosaic GPU lays it out: the ring of operand tiles and scales and
+        the output staging, each buffer aligned to 1 KiB, and a KiB for the barriers."""
+        def aligned(nbytes):
+            return -(-nbytes // 1024) * 1024
+
+        ring = [self.stages * BLOCK_M * BLOCK_K, self.stages * self.block_n * BLOCK_K, self.stages * 4 * BLOCK_M,
+                self.stages * 4 * self.block_n]
+        return sum(map(aligned, ring)) + aligned(BLOCK_M * self.block_n * out_itemsize) + 1024
 
     def label(self) -> str:
         return f"mosaic {BLOCK_M}x{self.block_n}x{BLOCK_K} s{self.stages}"
 
 
 DEFAULT_CONFIG = MosaicGemmConfig()
-SWEEP_CONFIGS = (MosaicGemmConfig(128, 3), MosaicGemmConfig(128, 5), MosaicGemmConfig(256, 3),
-                 MosaicGemmConfig(192, 3))
+# block_n 256 is left out: its two float32 accumulators (the sum and a K block's) would take 256
+# registers a thread, over what a compute warpgroup gets.
+SWEEP_CONFIGS = (MosaicGemmConfig(128, 3), MosaicGemmConfig(128, 5), MosaicGemmConfig(192, 3),
+                 MosaicGemmConfig(64, 4))
 
 
 def unsupported(a_shape, a_dtype, b_shape, b_dtype) -> str | None:

@@ -53,8 +53,8 @@ class AttentionConfig:
     """Tiles of the Mosaic GPU kernels.
 
     Attributes:
-      block_kv: keys per step of the forward and dQ loops (a multiple of 64).
-      block_q: queries per step of the dK/dV loop (a multiple of 64).
+      block_kv: keys per step of the forward and dQ loops (64 or 128).
+      block_q: queries per step of the dK/dV loop (64 or 128).
       stages: slots of the TMA ring.
       p_in_registers: the second GEMM of each step reads its left operand (probabilities, their
         gradients) from registers, as FlashAttention-3 does; False writes it to shared memory first
@@ -69,8 +69,8 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         for name in ("block_kv", "block_q"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value % 64 or not 64 <= value <= 256:
-                raise ValueError(f"AttentionConfig({name}={value!r}): expected 64, 128, 192 or 256")
+            if value not in (64, 128):  # the kernels pad to multiples of 128 rows
+                raise ValueError(f"AttentionConfig({name}={value!r}): expected 64 or 128")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"AttentionConfig(stages={self.stages!r}): expected an int >= 2")
 
@@ -79,8 +79,11 @@ DEFAULT_CONFIG = AttentionConfig()
 
 
 # What `python -m mtjax.bench.attention --sweep` tries for these kernels.
-SWEEP_CONFIGS = (AttentionConfig(block_kv=128), AttentionConfig(stages=3), AttentionConfig(block_kv=128, stages=3),
-                 AttentionConfig(block_q=128), AttentionConfig(p_in_registers=False))
+# Each fits an SM's shared memory at head_dim 128 with segment ids (three stages with 128-row blocks
+# would not); the tests lower every one.
+SWEEP_CONFIGS = (AttentionConfig(block_kv=128), AttentionConfig(block_q=128),
+                 AttentionConfig(block_kv=128, block_q=128), AttentionConfig(stages=3),
+                 AttentionConfig(p_in_registers=False))
 
 
 def default_config() -> AttentionConfig:
@@ -105,6 +108,18 @@ def _interpret_params():
     return plgpu.InterpretGPUParams() if interpret() else None
 
 
+def _launch(kernel, inputs, out_type, scratch: list, grid: tuple[int, ...], grid_names: tuple[str, ...]):
+    """``kernel(*inputs, *outputs, *scratch)`` on three warpgroups; ``scratch`` entries that are None
+    (buffers a configuration does not use) reach the kernel as None and take no shared memory."""
+    def body(*refs):
+        pl.run_scoped(lambda scratch_refs: kernel(*refs, *scratch_refs), scratch, collective_axes="wg")
+
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret_params(),
+    )(*inputs)
+
+
 def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     pad = -x.shape[axis] % multiple
     if not pad:
@@ -114,11 +129,27 @@ def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _tile(rows: int, head_dim: int, dtype) -> dict:
-    """Shared-memory transforms for a ``[rows, head_dim]`` 16-bit tile as wgmma reads it."""
-    swizzle = min(128, head_dim * jnp.dtype(dtype).itemsize)
-    return dict(transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                            plgpu.SwizzleTransform(swizzle)))
+def _smem(shape, dtype):
+    """A shared-memory buffer of 16-bit ``[..., rows, cols]`` tiles as wgmma reads them (swizzled)."""
+    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _wg_tiles(head_dim: int, dtype):
+    """One ``[64, head_dim]`` tile per compute warpgroup."""
+    return _smem((COMPUTE_WGS, WG_ROWS, head_dim), dtype)
+
+
+def _ring(config, rows: int, head_dim: int, dtype):
+    """The TMA ring: ``stages`` slots of ``[rows, head_dim]``."""
+    return _smem((config.stages, rows, head_dim), dtype)
+
+
+def _staging(config, cols: int, dtype):
+    """Per compute warpgroup, a ``[64, cols]`` tile for a GEMM operand computed in registers (None
+    when wgmma reads those from registers)."""
+    return None if config.p_in_registers else _smem((COMPUTE_WGS, WG_ROWS, cols), dtype)
 
 
 def _iota(shape, dim):
@@ -158,13 +189,14 @@ def _mma(a_smem, b_smem, shape):
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
-def _mma_from_registers(a, a_smem, b_smem, shape, in_registers: bool):
+def _mma_from_registers(a, staging, wg, b_smem, shape):
     """``a @ b`` (float32 ``shape``) for ``a`` computed in registers (probabilities, their gradients):
-    wgmma reads it from registers, or (``in_registers=False``) from ``a_smem`` once written there."""
-    if not in_registers:
-        a_smem[...] = a
+    wgmma reads it from registers, or, given a ``staging`` buffer (`_staging`), from this warpgroup's
+    tile of it once written there."""
+    if staging is not None:
+        staging.at[wg][...] = a
         plgpu.commit_smem()
-        a = a_smem
+        a = staging.at[wg]
     return _mma(a, b_smem, shape)
 
 
@@ -201,11 +233,10 @@ def _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready
 
 def _key_ranges(mask, q0, block_kv: int):
     """``(lo, hi, ranges)``: the key blocks the CTA's 128 queries from ``q0`` may see, as the
-    `_steps` ranges of the band's masked edges and its unmasked middle (masked too when the keys end
-    inside a block: any block may be the last)."""
+    `_steps` ranges of the band's masked edges and its unmasked middle (which ends before a block
+    holding the end of the keys)."""
     lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
-    tail = mask.kv_len % block_kv != 0
-    return lo, hi, ((lo, full_lo, True), (full_lo, full_hi, tail), (full_hi, hi, True))
+    return lo, hi, ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True))
 
 
 def _steps(body, ranges, carry):
@@ -262,8 +293,7 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_ready.at[slot])
 
-            acc = acc + _mma_from_registers(p.astype(q_tile.dtype), p_smem.at[wg], v_smem.at[slot], acc.shape,
-                                            config.p_in_registers)
+            acc = acc + _mma_from_registers(p.astype(q_tile.dtype), p_smem, wg, v_smem.at[slot], acc.shape)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -306,29 +336,24 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
     batch, q_pad, heads, head_dim = q.shape
     groups = heads // k.shape[2]
     dtype = q.dtype
-    kernel = functools.partial(_forward_kernel, st=st, config=config, groups=groups)
-    out, lse = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
-        scratch_types=[
-            plgpu.SMEM((COMPUTE_WGS, WG_ROWS, head_dim), dtype, **_tile(WG_ROWS, head_dim, dtype)),
-            plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, **_tile(config.block_kv, head_dim, dtype)),
-            plgpu.SMEM((config.stages, config.block_kv, head_dim), dtype, **_tile(config.block_kv, head_dim, dtype)),
-            plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_kv), dtype, **_tile(WG_ROWS, config.block_kv, dtype)),
-            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32),
-            plgpu.SMEM((config.stages, config.block_kv), jnp.int32),
-            # every TMA copy arrives once on its barrier: with segment ids, the ids' copy as well
-            plgpu.Barrier(num_arrivals=1 + st.mask.segments, num_barriers=COMPUTE_WGS),
-            plgpu.Barrier(num_arrivals=1 + st.mask.segments, num_barriers=config.stages),
-            plgpu.Barrier(num_barriers=config.stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
-        ],
-        grid=(q_pad // BLOCK_ROWS, heads, batch), grid_names=("q", "heads", "batch"),
-        num_threads=COMPUTE_WGS + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params(),
-    )(q, k, v, q_seg, kv_seg)
+    segments = st.mask.segments
+    scratch = [
+        _wg_tiles(head_dim, dtype), _ring(config, config.block_kv, head_dim, dtype),
+        _ring(config, config.block_kv, head_dim, dtype), _staging(config, config.block_kv, dtype),
+        plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+        plgpu.SMEM((config.stages, config.block_kv), jnp.int32) if segments else None,
+        # every TMA copy arrives once on its barrier: with segment ids, the ids' copy as well
+        plgpu.Barrier(num_arrivals=1 + segments, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=1 + segments, num_barriers=config.stages),
+        plgpu.Barrier(num_barriers=config.stages),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+    ]
+    out, lse = _launch(
+        functools.partial(_forward_kernel, st=st, config=config, groups=groups), (q, k, v, q_seg, kv_seg),
+        (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)), scratch,
+        (q_pad // BLOCK_ROWS, heads, batch), ("q", "heads", "batch"))
     return out[:, :q_in], lse[:, :, :q_in]
 
 
@@ -376,8 +401,7 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_g
             dp = _mma(do_tile, v_smem.at[slot].T, shape)
             plgpu.barrier_arrive(v_free.at[slot])
             ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-            dq = dq + _mma_from_registers(ds.astype(q_tile.dtype), ds_smem.at[wg], k_smem.at[slot], dq.shape,
-                                          config.p_in_registers)
+            dq = dq + _mma_from_registers(ds.astype(q_tile.dtype), ds_smem, wg, k_smem.at[slot], dq.shape)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
@@ -436,13 +460,11 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
                     p_t = _masked(p_t, _mask_tile(mask, j * block_q, k_rows, shape, True, q_seg, kv_seg, edge=masked),
                                   0.0)
                 plgpu.barrier_wait(do_ready.at[slot])
-                dv = dv + _mma_from_registers(p_t.astype(k_tile.dtype), p_smem.at[wg], do_smem.at[slot], dv.shape,
-                                              config.p_in_registers)
+                dv = dv + _mma_from_registers(p_t.astype(k_tile.dtype), p_smem, wg, do_smem.at[slot], dv.shape)
                 dp_t = _mma(v_tile, do_smem.at[slot].T, shape)
                 plgpu.barrier_arrive(do_free.at[slot])
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-                dk = dk + _mma_from_registers(ds_t.astype(k_tile.dtype), p_smem.at[wg], q_smem.at[slot], dk.shape,
-                                              config.p_in_registers)
+                dk = dk + _mma_from_registers(ds_t.astype(k_tile.dtype), p_smem, wg, q_smem.at[slot], dk.shape)
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
@@ -502,45 +524,35 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     dtype = q.dtype
-    common = dict(num_threads=COMPUTE_WGS + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
-                  interpret=_interpret_params())
-    wg_tiles = plgpu.SMEM((COMPUTE_WGS, WG_ROWS, head_dim), dtype, **_tile(WG_ROWS, head_dim, dtype))
-
-    def ring(rows):
-        return plgpu.SMEM((config.stages, rows, head_dim), dtype, **_tile(rows, head_dim, dtype))
-
-    def staging(cols):
-        return plgpu.SMEM((COMPUTE_WGS, WG_ROWS, cols), dtype, **_tile(WG_ROWS, cols, dtype))
-
-    dq = plgpu.kernel(
-        functools.partial(_dq_kernel, st=st, config=config, groups=groups),
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=[wg_tiles, wg_tiles, plgpu.SMEM((COMPUTE_WGS, 2, WG_ROWS), jnp.float32),
-                       ring(config.block_kv), ring(config.block_kv), staging(config.block_kv),
-                       plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32), plgpu.SMEM((config.stages, config.block_kv),
-                                                                                 jnp.int32),
-                       # every TMA copy arrives once on its barrier: q, dO, the stats (and the ids)
-                       plgpu.Barrier(num_arrivals=3 + segments, num_barriers=COMPUTE_WGS),
-                       plgpu.Barrier(num_arrivals=1 + segments, num_barriers=config.stages),
-                       plgpu.Barrier(num_barriers=config.stages),
-                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
-                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
-        grid=(q_pad // BLOCK_ROWS, heads, batch), grid_names=("q", "heads", "batch"), **common,
-    )(q, k, v, do, stats, q_seg, kv_seg)
-    dk, dv = plgpu.kernel(
-        functools.partial(_dkdv_kernel, st=st, config=config, groups=groups),
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-        scratch_types=[wg_tiles, wg_tiles, ring(config.block_q), ring(config.block_q),
-                       plgpu.SMEM((config.stages, 2, config.block_q), jnp.float32), staging(config.block_q),
-                       plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32), plgpu.SMEM((config.stages, config.block_q),
-                                                                                 jnp.int32),
-                       plgpu.Barrier(num_arrivals=2 + segments, num_barriers=COMPUTE_WGS),  # k, v (and the ids)
-                       plgpu.Barrier(num_arrivals=2 + segments, num_barriers=config.stages),  # q, the stats (ids)
-                       plgpu.Barrier(num_barriers=config.stages),
-                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
-                       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
-        grid=(kv_pad // BLOCK_ROWS, kv_heads, batch), grid_names=("k", "heads", "batch"), **common,
-    )(q, k, v, do, stats, q_seg, kv_seg)
+    dq = _launch(
+        functools.partial(_dq_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg),
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        [_wg_tiles(head_dim, dtype), _wg_tiles(head_dim, dtype), plgpu.SMEM((COMPUTE_WGS, 2, WG_ROWS), jnp.float32),
+         _ring(config, config.block_kv, head_dim, dtype), _ring(config, config.block_kv, head_dim, dtype),
+         _staging(config, config.block_kv, dtype),
+         plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+         plgpu.SMEM((config.stages, config.block_kv), jnp.int32) if segments else None,
+         # every TMA copy arrives once on its barrier: q, dO, the stats (and the ids)
+         plgpu.Barrier(num_arrivals=3 + segments, num_barriers=COMPUTE_WGS),
+         plgpu.Barrier(num_arrivals=1 + segments, num_barriers=config.stages),
+         plgpu.Barrier(num_barriers=config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
+        (q_pad // BLOCK_ROWS, heads, batch), ("q", "heads", "batch"))
+    dk, dv = _launch(
+        functools.partial(_dkdv_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg),
+        (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        [_wg_tiles(head_dim, dtype), _wg_tiles(head_dim, dtype), _ring(config, config.block_q, head_dim, dtype),
+         _ring(config, config.block_q, head_dim, dtype), plgpu.SMEM((config.stages, 2, config.block_q), jnp.float32),
+         _staging(config, config.block_q, dtype),
+         plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+         plgpu.SMEM((config.stages, config.block_q), jnp.int32) if segments else None,
+         plgpu.Barrier(num_arrivals=2 + segments, num_barriers=COMPUTE_WGS),  # k, v (and the ids)
+         plgpu.Barrier(num_arrivals=2 + segments, num_barriers=config.stages),  # q, the stats (and the ids)
+         plgpu.Barrier(num_barriers=config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
+        (kv_pad // BLOCK_ROWS, kv_heads, batch), ("k", "heads", "batch"))
     return dq[:, :q_in], dk[:, :kv_in], dv[:, :kv_in]
 
 

@@ -12,7 +12,8 @@ Each CTA runs three warpgroups: a memory warpgroup streams the visit's ``[128, b
 wgmma. A visit stores only its own group's rows: the TMA store is split into power-of-two row
 counts (64, 32, ..., 1), each a box that starts at the first row still to be written, so a tile
 shared by two groups is written by two visits without either touching the other's rows. Rows past
-``sum(group_sizes)`` form the scheduler's pseudo-group, whose visits store zeros.
+``sum(group_sizes)`` form the scheduler's pseudo-group, whose visits store zeros without loading
+anything. The TMA tiles need M a multiple of 8, K of 128 bytes and N of 64 (`unsupported`).
 
 Block-scaled FP8 (``block_scales``, `mtjax.fp8.BlockScaling`'s grouped GEMMs): ``lhs`` carries one
 float32 scale per row and 128-wide K block, ``rhs[g]`` one per output column and K block; each K
@@ -74,12 +75,13 @@ def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, transpose_rhs: bool,
         return f"dtype {dtype.name} (bfloat16, float16, float8_e4m3fn or float8_e5m2)"
     if dtype in FP8_DTYPES and not transpose_rhs:
         return "FP8 rhs [G, K, N] (FP8 wgmma takes rhs K-major: [G, N, K], transpose_rhs=True)"
-    k = lhs_shape[1]
-    if (k * dtype.itemsize) % 16:
-        return f"K={k}: rows of {k * dtype.itemsize} bytes (TMA needs multiples of 16)"
+    # The tiled TMA copies take arrays whose tiled dimensions are whole tiles.
+    m, k = lhs_shape
     n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
-    if not transpose_rhs and (n * dtype.itemsize) % 16:
-        return f"N={n}: rhs rows of {n * dtype.itemsize} bytes (TMA needs multiples of 16)"
+    block_k = 128 // dtype.itemsize
+    for name, size, multiple in (("M", m, 8), ("K", k, block_k), ("N", n, 64)):
+        if size % multiple:
+            return f"{name}={size} (the Mosaic GPU kernel's TMA tiles need a multiple of {multiple})"
     out_bytes = n * jnp.dtype(out_dtype or dtype).itemsize
     if out_bytes % 16:
         return f"N={n}: output rows of {out_bytes} bytes (TMA needs multiples of 16)"
@@ -111,7 +113,7 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
     visit, n_block, wg = lax.axis_index("visit"), lax.axis_index("n"), lax.axis_index("wg")
     group, tile = group_gmem[visit], tile_gmem[visit]
     lo, hi = lo_gmem[visit], hi_gmem[visit]
-    rhs_group = jnp.minimum(group, num_groups - 1)  # the pseudo-group computes with any rhs, stores zeros
+    rhs_group = jnp.minimum(group, num_groups - 1)  # in range for the index maps; the pseudo-group loads none
     block_n = config.block_n
     shape = (WG_ROWS, block_n)
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
@@ -132,11 +134,10 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
                                  lax.broadcast_in_dim(rhs_scale, shape, [1]))
         return acc + partial
 
-    def compute(pipeline):
-        acc = pipeline(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
-        factor = jnp.where(group < num_groups, 1.0 if scale_gmem is None else scale_gmem[rhs_group], 0.0)
+    def store(acc):
+        """This warpgroup's rows of the visit, from the float32 ``acc``."""
         out = o_smem.at[wg]
-        out[...] = (acc * factor).astype(out.dtype)
+        out[...] = acc.astype(out.dtype)
         plgpu.commit_smem()
         # This warpgroup's rows of the visit, relative to its 64 rows of the tile.
         first = jnp.clip(lo - tile * BLOCK_M - wg * WG_ROWS, 0, WG_ROWS)
@@ -144,6 +145,10 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
         _store_rows(out, out_gmem, first, jnp.maximum(last - first, 0), tile * BLOCK_M + wg * WG_ROWS,
                     pl.ds(n_block * block_n, block_n))
         plgpu.wait_smem_to_gmem(0)
+
+    def compute(pipeline):
+        acc = pipeline(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
+        store(acc if scale_gmem is None else acc * scale_gmem[rhs_group])
 
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((None, block_n, block_k), lambda k: (rhs_group, n_block, k),
@@ -164,9 +169,14 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
         compute_context=compute,
     )
 
-    @pl.when(lo < hi)
+    @pl.when((lo < hi) & (group < num_groups))
     def _():
         pipeline(lhs_gmem, rhs_gmem, *(() if lhs_scale_gmem is None else (lhs_scale_gmem, rhs_scale_gmem)))
+
+    # The pseudo-group past the last group: zeros, whatever its rows of lhs hold (no GEMM).
+    @pl.when((lo < hi) & (group >= num_groups) & (wg < COMPUTE_WGS))
+    def _():
+        store(plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA))
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None = None, *,

@@ -431,16 +431,12 @@ def _block_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles
         from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
 
         if mosaic.unsupported(a_q.shape, rhs_q.shape, a_q.dtype, rhs_q.dtype, True, dtype) is None:
-            reason = backend.get_implementation("grouped_gemm", implementation).runs_on(backend.platform())
-            if reason is not None:
-                raise ValueError(f"grouped_gemm_block_fp8(implementation={implementation!r}) cannot run here: {reason}")
             # one scale per output column and contraction block: the blocks' scales repeated over their columns
             columns = jnp.repeat(rhs_scale_inv, TILE, axis=2)[:, :, :rhs_q.shape[1]]
             return mosaic.gmm(a_q, rhs_q, group_sizes, transpose_rhs=True, out_dtype=dtype,
                               block_scales=(a_scale_inv, columns))
     rhs = _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, dtype)  # [G, C, D]: the scales' layout
-    return _gmm(tile_dequantize(a_q, a_scale_inv, dtype), rhs, group_sizes, False, dtype, tiles,
-                None if implementation == "mosaic_gpu" else implementation)
+    return _gmm(tile_dequantize(a_q, a_scale_inv, dtype), rhs, group_sizes, False, dtype, tiles, implementation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
@@ -482,7 +478,7 @@ def _grouped_gemm_block_fp8_bwd(forward_dtype, gradient_dtype, power_of_two, ama
                        blocks.dlhs, implementation)
     d_rhs = _tgmm(tile_dequantize(lhs_q_t, lhs_scale_inv_t, dtype).T, tile_dequantize(grad_q_t, grad_scale_inv_t,
                                                                                        dtype).T,
-                  group_sizes, dtype, blocks.wgrad, None if implementation == "mosaic_gpu" else implementation)
+                  group_sizes, dtype, blocks.wgrad, implementation)
     return d_lhs, d_rhs, None
 
 

@@ -22,12 +22,15 @@ def _expanded(b_s, n, b_blocks):
     return jnp.repeat(b_s, 128, axis=0)[:n] if b_blocks else b_s
 
 
-# Padded tails in every axis, both kinds of b scales, two tiles and ring depths.
-@pytest.mark.parametrize("m, k, n, b_blocks, config", [
-    (64, 256, 128, True, mosaic.MosaicGemmConfig(128, 2)),
-    (200, 384, 70, False, mosaic.MosaicGemmConfig(64, 3)),
-    (130, 130, 300, True, mosaic.MosaicGemmConfig(256, 2)),
-], ids=["blocks", "rows-odd", "wide-n"])
+# Padded tails in every axis, both kinds of b scales, three tiles and ring depths.
+GEMM_CASES = {
+    "blocks": (64, 256, 128, True, mosaic.MosaicGemmConfig(128, 2)),
+    "rows-odd": (200, 384, 70, False, mosaic.MosaicGemmConfig(64, 3)),
+    "wide-n": (130, 130, 300, True, mosaic.MosaicGemmConfig(192, 2)),
+}
+
+
+@pytest.mark.parametrize("m, k, n, b_blocks, config", GEMM_CASES.values(), ids=list(GEMM_CASES))
 def test_block_gemm_matches_reference(interpret, m, k, n, b_blocks, config):
     a, a_s, b, b_s = _operands(m + n, m, k, n, b_blocks)
     want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
@@ -60,7 +63,7 @@ def test_what_it_declines():
     with pytest.raises(ValueError, match="shared memory"):
         x = jnp.zeros((128, 128), e4m3)
         mosaic.block_fp8_gemm(x, jnp.ones((128, 1)), x, jnp.ones((128, 1)), jnp.float32,
-                              config=mosaic.MosaicGemmConfig(256, 3))
+                              config=mosaic.MosaicGemmConfig(256, 2))
 
 
 @pytest.mark.parametrize("m, k, n", [(8192, 8192, 8192), (1000, 2050, 700)])
@@ -68,10 +71,14 @@ def test_block_gemm_lowers_for_cuda(m, k, n):
     kb = -(-k // 128)
     shapes = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
               jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((-(-n // 128), kb), jnp.float32)]
-    for config in (mosaic.DEFAULT_CONFIG, *mosaic.SWEEP_CONFIGS):  # every config the benchmark sweeps lowers
+    # the default and every config the benchmark sweeps (bf16 out), the interpret tests' (float32 out):
+    # Mosaic GPU's lowering checks that the shared memory `MosaicGemmConfig.smem_bytes` counts fits
+    configs = [(config, jnp.bfloat16) for config in (mosaic.DEFAULT_CONFIG, *mosaic.SWEEP_CONFIGS)]
+    configs += [(case[-1], jnp.float32) for case in GEMM_CASES.values()]
+    for config, out_dtype in configs:
         with backend.abstract_gpu():
             text = jax.jit(lambda a, sa, b, sb: mosaic.block_fp8_gemm(  # noqa: B023 (used at once)
-                a, sa, b, jnp.repeat(sb, 128, axis=0)[:n], jnp.bfloat16, config=config)).trace(
+                a, sa, b, jnp.repeat(sb, 128, axis=0)[:n], out_dtype, config=config)).trace(
                 *shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
@@ -107,20 +114,39 @@ def _grouped_operands(seed, m, k, n, sizes, dtype, transpose_rhs):
     return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
-# Empty groups, a group inside one tile, tiles shared by two groups, rows past the groups, K and N
-# tails; bf16 in both rhs layouts, FP8 (K-major) with per-group scales.
-@pytest.mark.parametrize("m, k, n, sizes, dtype, transpose_rhs, scaled, config", [
-    (300, 256, 128, [100, 0, 150, 30], jnp.bfloat16, True, False, mosaic_grouped.GroupedConfig(128, 2)),
-    (260, 192, 200, [70, 130, 50], jnp.bfloat16, False, True, mosaic_grouped.GroupedConfig(64, 3)),
-    (300, 384, 128, [5, 200, 60], jnp.float8_e4m3fn, True, True, mosaic_grouped.GroupedConfig(128, 2)),
-], ids=["bf16-kmajor", "bf16-nmajor-scaled", "fp8-scaled"])
-def test_grouped_gemm_matches_reference(interpret, m, k, n, sizes, dtype, transpose_rhs, scaled, config):
+# Empty groups, a group inside one tile, tiles shared by two groups, rows past the groups (NaN there
+# must not leak), a partial last M-tile and N-tile; bf16 in both rhs layouts, FP8 (K-major) with
+# per-group scales. Shapes the TMA tiles take (`unsupported`), lowered for an H200 as well.
+GROUPED_CASES = {
+    "bf16-kmajor": (304, 256, 192, [100, 0, 150, 30], jnp.bfloat16, True, False, mosaic_grouped.GroupedConfig(128, 2)),
+    "bf16-nmajor-scaled": (264, 192, 192, [70, 130, 50], jnp.bfloat16, False, True,
+                           mosaic_grouped.GroupedConfig(64, 3)),
+    "fp8-scaled": (304, 384, 128, [5, 200, 60], jnp.float8_e4m3fn, True, True, mosaic_grouped.GroupedConfig(128, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_grouped_gemm_matches_reference(interpret, case):
+    m, k, n, sizes, dtype, transpose_rhs, scaled, config = GROUPED_CASES[case]
     lhs, rhs, sizes = _grouped_operands(m, m, k, n, sizes, dtype, transpose_rhs)
+    lhs = lhs.at[-2:].set(jnp.nan)  # rows past the groups
     scale = jax.random.uniform(jax.random.key(1), (len(sizes),)) + 0.5 if scaled else None
     got = mosaic_grouped.gmm(lhs, rhs, sizes, scale, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
                              config=config)
-    want = _grouped_reference(lhs, rhs, sizes, scale, transpose_rhs)
+    want = _grouped_reference(lhs.at[-2:].set(0), rhs, sizes, scale, transpose_rhs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_grouped_gemm_cases_lower_for_cuda(case):
+    m, k, n, sizes, dtype, transpose_rhs, scaled, config = GROUPED_CASES[case]
+    shapes = [jax.ShapeDtypeStruct((m, k), dtype),
+              jax.ShapeDtypeStruct((len(sizes), n, k) if transpose_rhs else (len(sizes), k, n), dtype),
+              jax.ShapeDtypeStruct((len(sizes),), jnp.int32), jax.ShapeDtypeStruct((len(sizes),), jnp.float32)]
+    with backend.abstract_gpu():
+        jax.jit(lambda a, b, s, sc: mosaic_grouped.gmm(a, b, s, sc if scaled else None, transpose_rhs=transpose_rhs,
+                                                       out_dtype=jnp.float32, config=config)).trace(
+            *shapes).lower(lowering_platforms=("cuda",))
 
 
 def test_grouped_gemm_ops_take_it_where_it_applies(interpret, monkeypatch):
@@ -148,8 +174,8 @@ def test_block_scaled_grouped_gemm(interpret, monkeypatch):
     """`grouped_gemm_block_fp8(implementation="mosaic_gpu")`: forward and ``d lhs`` on FP8 tensor cores
     with per-K-block promotion, equal to the default (the same FP8 values dequantized, then a bf16
     grouped GEMM) up to bf16 rounding; the weight gradient is the default's own."""
-    lhs, rhs, sizes = _grouped_operands(7, 260, 256, 192, [60, 0, 130, 40], jnp.bfloat16, False)
-    dy = jax.random.normal(jax.random.key(8), (260, 192)).astype(jnp.bfloat16)
+    lhs, rhs, sizes = _grouped_operands(7, 264, 256, 256, [60, 0, 130, 40], jnp.bfloat16, False)
+    dy = jax.random.normal(jax.random.key(8), (264, 256)).astype(jnp.bfloat16)
     calls = []
     original = mosaic_grouped.gmm
     monkeypatch.setattr(mosaic_grouped, "gmm", lambda *a, **kw: calls.append(kw["block_scales"] is not None)
@@ -170,7 +196,9 @@ def test_grouped_gemm_declines():
     assert "one dtype" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), e5m2, e4m3, True)
     assert "K-major" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), e4m3, e4m3, False)
     assert "float32" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), jnp.float32, jnp.float32, True)
-    assert "output rows" in mosaic_grouped.unsupported((128, 128), (2, 700, 128), bf16, bf16, True, bf16)
+    assert "M=300" in mosaic_grouped.unsupported((300, 128), (2, 128, 128), bf16, bf16, True)
+    assert "K=192" in mosaic_grouped.unsupported((128, 192), (2, 128, 192), e4m3, e4m3, True)
+    assert "N=200" in mosaic_grouped.unsupported((128, 128), (2, 200, 128), bf16, bf16, True)
     assert mosaic_grouped.unsupported((128, 128), (2, 128, 128), bf16, bf16, False) is None
     with pytest.raises(ValueError, match="block_n"):
         mosaic_grouped.GroupedConfig(block_n=100)
@@ -229,6 +257,9 @@ ATTENTION_CASES = {
     "causal-window-d128": (1, 256, 256, 4, 2, 128, {"mask_type": "causal", "window_size": (100, 0)}),
     "window-both-sides": (2, 130, 250, 2, 2, 64, {"window_size": (50, 20)}),
     "segments-causal": (2, 200, 200, 2, 1, 64, {"mask_type": "causal", "segments": True}),
+    # the first queries see no key (bottom-right alignment); in dK/dV, key blocks no query sees
+    "causal-more-queries": (1, 300, 130, 2, 1, 64, {"mask_type": "causal"}),
+    "window-unseen-keys": (1, 128, 512, 2, 1, 64, {"mask_type": "causal", "window_size": (16, 0)}),
 }
 
 
@@ -275,12 +306,15 @@ def test_attention_declines_what_it_lacks():
         mosaic_attention.AttentionConfig(block_kv=32)
 
 
-@pytest.mark.parametrize("head_dim, p_in_registers, segments", [
-    (64, True, False), (128, True, False), (128, True, True), (64, False, False), (128, False, True)])
-def test_attention_lowers_for_cuda(head_dim, p_in_registers, segments):
-    """Forward and both backward kernels for an H200, the probabilities in registers (the GPU's
-    default) and through shared memory (what the interpret-mode tests run), with segment ids."""
-    launchers = mosaic_attention.launchers(mosaic_attention.AttentionConfig(p_in_registers=p_in_registers))
+@pytest.mark.parametrize("head_dim, config, segments", [
+    (64, mosaic_attention.DEFAULT_CONFIG, False), (128, mosaic_attention.DEFAULT_CONFIG, False),
+    *((128, config, True) for config in mosaic_attention.SWEEP_CONFIGS)], ids=str)
+def test_attention_lowers_for_cuda(head_dim, config, segments):
+    """Forward and both backward kernels for an H200 (Mosaic GPU's lowering checks the layouts and
+    that the shared memory fits an SM): the default, and every config the benchmark sweeps (the
+    probabilities through shared memory among them, as the interpret-mode tests run) at the largest
+    footprint, head_dim 128 with segment ids."""
+    launchers = mosaic_attention.launchers(config)
     q = jax.ShapeDtypeStruct((2, 4096, 32, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 4096, 8, head_dim), jnp.bfloat16)
     ids = (jax.ShapeDtypeStruct((2, 4096), jnp.int32),) * 2 if segments else ()
