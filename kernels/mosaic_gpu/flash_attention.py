@@ -20,9 +20,10 @@ CTA's range, so the phases of every barrier advance in step in all three warpgro
 - dQ (one CTA per 128 queries and head): ``P``, ``dP = dO Vᵀ``, ``dS = P (dP - δ)``, ``dQ += dS K``.
 
 What they take: bfloat16/float16, head_dim 64 or 128, causal masks and sliding windows, segment ids
-(their blocks ride in the same TMA ring as the keys or queries they label), GQA; not head_dim 256
-(two float32 accumulators of 64 x 256 per warpgroup exceed the registers of the dK/dV loop), dropout
-or soft-capping (`unsupported` says so and the op runs another kernel).
+(their blocks ride in the same TMA ring as the keys or queries they label), GQA, logit soft-capping
+and dropout (the same counter-based mask as every mtjax attention, redrawn in each kernel); not
+head_dim 256 (two float32 accumulators of 64 x 256 per warpgroup exceed the registers of the dK/dV
+loop) or float32 inputs (`unsupported` says so and the op runs another kernel).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtjax.kernels.common import Launchers, interpret
+from mtjax.kernels.common import Launchers, dropout_keep, interpret
 
 LOG2E = math.log2(math.e)
 WG_ROWS = 64  # rows of one compute warpgroup (wgmma's M)
@@ -92,15 +93,13 @@ def default_config() -> AttentionConfig:
     return dataclasses.replace(DEFAULT_CONFIG, p_in_registers=False) if interpret() else DEFAULT_CONFIG
 
 
-def unsupported(q_shape, kv_shape, dtype, *, dropout: bool, soft_cap: bool) -> str | None:
+def unsupported(q_shape, kv_shape, dtype) -> str | None:
     """Why the Mosaic GPU kernels cannot take this attention, or ``None``."""
+    del kv_shape  # any length: the kernels pad to whole blocks
     if jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} (wgmma here: bfloat16 or float16)"
     if q_shape[-1] not in HEAD_DIMS:
         return f"head_dim {q_shape[-1]} (supported: {HEAD_DIMS})"
-    for name, present in (("dropout", dropout), ("soft-cap", soft_cap)):
-        if present:
-            return f"{name} (not in the Mosaic GPU kernels)"
     return None
 
 
@@ -168,6 +167,44 @@ def _mask_tile(mask, q0, k0, shape, transposed: bool, q_seg=None, kv_seg=None, *
 
 def _masked(x, keep, fill):
     return x if keep is None else jnp.where(keep, x, fill)
+
+
+def _logits(s, st):
+    """``(s2, c)`` with ``s2 * c`` the logits of the raw ``q kᵀ`` tile ``s`` in the base-2 domain:
+    without a soft-cap ``s`` itself and the scale (folded into the exponent), with one
+    ``cap · log2(e) · tanh(s · scale / cap)`` and 1 (`mtjax.kernels.flash_attention`'s convention)."""
+    if st.soft_cap is None:
+        return s, st.scale * LOG2E
+    return (st.soft_cap * LOG2E) * jnp.tanh(s * (st.scale / st.soft_cap)), 1.0
+
+
+def _exp2(s2, c, shift):
+    """``exp2(s2 · c - shift)``."""
+    return jnp.exp2((s2 if c == 1.0 else s2 * c) - shift)
+
+
+def _soft_cap_grad(ds, s2, st):
+    """``ds`` (w.r.t. the capped logits) through ``cap · tanh(x / cap)``."""
+    if st.soft_cap is None:
+        return ds
+    t = s2 * (1.0 / (st.soft_cap * LOG2E))
+    return ds * (1.0 - t * t)
+
+
+def _dropout_keep(st, seed, batch, head, num_heads: int, q0, k0, shape, transposed: bool):
+    """The dropout mask of a tile as every mtjax attention draws it (`mtjax.kernels.common.dropout_keep`
+    of the row counter ``(b · heads + h) · q_len + i`` and the key ``j``); None without dropout."""
+    if st.dropout_rate == 0.0:
+        return None
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    base = (batch * num_heads + head).astype(jnp.uint32) * jnp.uint32(st.mask.q_len)
+    rows = base + (q0 + _iota(shape, q_dim)).astype(jnp.uint32)
+    return dropout_keep(seed, rows, k0 + _iota(shape, k_dim), st.dropout_rate)
+
+
+def _dropped(x, keep, st):
+    """``x`` with the dropout mask applied (kept entries scaled by ``1 / (1 - rate)``)."""
+    return x if keep is None else jnp.where(keep, x * (1.0 / (1.0 - st.dropout_rate)), 0.0)
 
 
 def _rows_vector(ref):
@@ -251,17 +288,17 @@ def _steps(body, ranges, carry):
 # --------------------------------------------------------------------------------------------------
 
 
-def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse_gmem, q_smem, k_smem, v_smem,
-                    p_smem, lse_smem, q_seg_smem, kv_seg_smem, q_ready, k_ready, v_ready, k_free, v_free, *, st,
-                    config: AttentionConfig, groups: int):
+def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, seed_gmem, o_gmem, lse_gmem, q_smem, k_smem,
+                    v_smem, p_smem, lse_smem, q_seg_smem, kv_seg_smem, q_ready, k_ready, v_ready, k_free, v_free, *,
+                    st, config: AttentionConfig, groups: int):
     mask = st.mask
-    c = st.scale * LOG2E
     block_kv, stages = config.block_kv, config.stages
-    head_dim = q_gmem.shape[-1]
+    head_dim, heads = q_gmem.shape[-1], q_gmem.shape[2]
     qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q0 = qi * BLOCK_ROWS
     lo, hi, ranges = _key_ranges(mask, q0, block_kv)
+    seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -280,16 +317,17 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse
             slot = lax.rem(i - lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             kv_seg = _cols_vector(kv_seg_smem.at[slot]) if mask.segments else None  # read before the slot is freed
-            s = _mma(q_tile, k_smem.at[slot].T, shape)
+            s, c = _logits(_mma(q_tile, k_smem.at[slot].T, shape), st)
             plgpu.barrier_arrive(k_free.at[slot])
             if masked or mask.segments:
                 s = _masked(s, _mask_tile(mask, q_rows, i * block_kv, shape, False, q_seg, kv_seg, edge=masked),
                             -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            m_new = jnp.maximum(m, s.max(axis=1) * c)  # c > 0: the max of the scaled row
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
             alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, shape, [0]))
-            l = l * alpha + p.sum(axis=1)
+            p = _exp2(s, c, lax.broadcast_in_dim(m_safe, shape, [0]))
+            l = l * alpha + p.sum(axis=1)  # the normaliser counts dropped entries too
+            p = _dropped(p, _dropout_keep(st, seed, batch, head, heads, q_rows, i * block_kv, shape, False), st)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_ready.at[slot])
 
@@ -317,19 +355,19 @@ def _forward_kernel(q_gmem, k_gmem, v_gmem, q_seg_gmem, kv_seg_gmem, o_gmem, lse
                    batch, lax.div(head, groups), lo, hi, block_kv, stages, mask.segments)
 
 
-def _segment_inputs(q_seg, kv_seg, batch):
-    """The segment ids as the kernels take them (one-element stand-ins without segments)."""
+def _optional_inputs(q_seg, kv_seg, seed, batch):
+    """The segment ids and the dropout seed as the kernels take them (small stand-ins where absent)."""
+    seed = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.reshape(seed, (1,)).astype(jnp.uint32)
     if q_seg is None:
-        return jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32)
-    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+        return jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32), seed
+    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32), seed
 
 
 def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s forward launcher contract: ``(out, lse)`` on padded arrays."""
-    del seed  # dropout is declined by `unsupported`
     config = config or default_config()
     q_in = q.shape[1]
-    q_seg, kv_seg = _segment_inputs(q_seg, kv_seg, q.shape[0])
+    q_seg, kv_seg, seed = _optional_inputs(q_seg, kv_seg, seed, q.shape[0])
     if st.mask.segments:  # padded rows and keys get id 0: padding, never attended
         q_seg, kv_seg = _pad_rows(q_seg, 1, BLOCK_ROWS), _pad_rows(kv_seg, 1, config.block_kv)
     q, k, v = _pad_rows(q, 1, BLOCK_ROWS), _pad_rows(k, 1, config.block_kv), _pad_rows(v, 1, config.block_kv)
@@ -351,7 +389,7 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
     ]
     out, lse = _launch(
-        functools.partial(_forward_kernel, st=st, config=config, groups=groups), (q, k, v, q_seg, kv_seg),
+        functools.partial(_forward_kernel, st=st, config=config, groups=groups), (q, k, v, q_seg, kv_seg, seed),
         (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)), scratch,
         (q_pad // BLOCK_ROWS, heads, batch), ("q", "heads", "batch"))
     return out[:, :q_in], lse[:, :, :q_in]
@@ -362,12 +400,13 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
 # --------------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, dq_gmem, q_smem, do_smem,
-               stats_smem, k_smem, v_smem, ds_smem, q_seg_smem, kv_seg_smem, tile_ready, k_ready, v_ready, k_free,
-               v_free, *, st, config: AttentionConfig, groups: int):
+def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, seed_gmem, dq_gmem, q_smem,
+               do_smem, stats_smem, k_smem, v_smem, ds_smem, q_seg_smem, kv_seg_smem, tile_ready, k_ready, v_ready,
+               k_free, v_free, *, st, config: AttentionConfig, groups: int):
     mask = st.mask
-    c = st.scale * LOG2E
     block_kv, stages = config.block_kv, config.stages
+    heads = q_gmem.shape[2]
+    seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
     qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     q0 = qi * BLOCK_ROWS
@@ -393,14 +432,15 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_g
             slot = lax.rem(i - lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             kv_seg = _cols_vector(kv_seg_smem.at[slot]) if mask.segments else None
-            s = _mma(q_tile, k_smem.at[slot].T, shape)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, shape, [0]))
+            s, c = _logits(_mma(q_tile, k_smem.at[slot].T, shape), st)
+            p = _exp2(s, c, lax.broadcast_in_dim(lse, shape, [0]))
             if masked or mask.segments:
                 p = _masked(p, _mask_tile(mask, q_rows, i * block_kv, shape, False, q_seg, kv_seg, edge=masked), 0.0)
             plgpu.barrier_wait(v_ready.at[slot])
             dp = _mma(do_tile, v_smem.at[slot].T, shape)
             plgpu.barrier_arrive(v_free.at[slot])
-            ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+            dp = _dropped(dp, _dropout_keep(st, seed, batch, head, heads, q_rows, i * block_kv, shape, False), st)
+            ds = _soft_cap_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), s, st)
             dq = dq + _mma_from_registers(ds.astype(q_tile.dtype), ds_smem, wg, k_smem.at[slot], dq.shape)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
@@ -417,12 +457,13 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_g
                    batch, lax.div(head, groups), lo, hi, block_kv, stages, mask.segments)
 
 
-def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, dk_gmem, dv_gmem, k_smem,
-                 v_smem, q_smem, do_smem, stats_smem, p_smem, kv_seg_smem, q_seg_smem, tile_ready, q_ready, do_ready,
-                 q_free, do_free, *, st, config: AttentionConfig, groups: int):
+def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, seed_gmem, dk_gmem, dv_gmem,
+                 k_smem, v_smem, q_smem, do_smem, stats_smem, p_smem, kv_seg_smem, q_seg_smem, tile_ready, q_ready,
+                 do_ready, q_free, do_free, *, st, config: AttentionConfig, groups: int):
     mask = st.mask
-    c = st.scale * LOG2E
     block_q, stages = config.block_q, config.stages
+    heads = q_gmem.shape[2]
+    seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
     ki, kv_head, batch = lax.axis_index("k"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
     k0 = ki * BLOCK_ROWS
@@ -452,18 +493,20 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
                 dk, dv = carry
                 slot = lax.rem(g * n + j - lo, stages)
                 plgpu.barrier_wait(q_ready.at[slot])
-                s_t = _mma(k_tile, q_smem.at[slot].T, shape)
+                s_t, c = _logits(_mma(k_tile, q_smem.at[slot].T, shape), st)
                 lse, delta = _cols_vector(stats_smem.at[slot, 0]), _cols_vector(stats_smem.at[slot, 1])
                 q_seg = _cols_vector(q_seg_smem.at[slot]) if mask.segments else None
-                p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, shape, [1]))
+                p_t = _exp2(s_t, c, lax.broadcast_in_dim(lse, shape, [1]))
                 if masked or mask.segments:
                     p_t = _masked(p_t, _mask_tile(mask, j * block_q, k_rows, shape, True, q_seg, kv_seg, edge=masked),
                                   0.0)
+                keep = _dropout_keep(st, seed, batch, kv_head * groups + g, heads, j * block_q, k_rows, shape, True)
                 plgpu.barrier_wait(do_ready.at[slot])
-                dv = dv + _mma_from_registers(p_t.astype(k_tile.dtype), p_smem, wg, do_smem.at[slot], dv.shape)
-                dp_t = _mma(v_tile, do_smem.at[slot].T, shape)
+                dv = dv + _mma_from_registers(_dropped(p_t, keep, st).astype(k_tile.dtype), p_smem, wg,
+                                              do_smem.at[slot], dv.shape)
+                dp_t = _dropped(_mma(v_tile, do_smem.at[slot].T, shape), keep, st)
                 plgpu.barrier_arrive(do_free.at[slot])
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                ds_t = _soft_cap_grad(p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1])), s_t, st)
                 dk = dk + _mma_from_registers(ds_t.astype(k_tile.dtype), p_smem, wg, q_smem.at[slot], dk.shape)
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
@@ -507,10 +550,9 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
 
 def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s backward launcher contract: ``(dq, dk, dv)`` on padded arrays."""
-    del seed  # dropout is declined by `unsupported`
     config = config or default_config()
     q_in, kv_in = q.shape[1], k.shape[1]
-    q_seg, kv_seg = _segment_inputs(q_seg, kv_seg, q.shape[0])
+    q_seg, kv_seg, seed = _optional_inputs(q_seg, kv_seg, seed, q.shape[0])
     # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
     rows = max(BLOCK_ROWS, config.block_q)
@@ -525,7 +567,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
     groups = heads // kv_heads
     dtype = q.dtype
     dq = _launch(
-        functools.partial(_dq_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg),
+        functools.partial(_dq_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg, seed),
         jax.ShapeDtypeStruct(q.shape, dtype),
         [_wg_tiles(head_dim, dtype), _wg_tiles(head_dim, dtype), plgpu.SMEM((COMPUTE_WGS, 2, WG_ROWS), jnp.float32),
          _ring(config, config.block_kv, head_dim, dtype), _ring(config, config.block_kv, head_dim, dtype),
@@ -540,7 +582,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
         (q_pad // BLOCK_ROWS, heads, batch), ("q", "heads", "batch"))
     dk, dv = _launch(
-        functools.partial(_dkdv_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg),
+        functools.partial(_dkdv_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg, seed),
         (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         [_wg_tiles(head_dim, dtype), _wg_tiles(head_dim, dtype), _ring(config, config.block_q, head_dim, dtype),
          _ring(config, config.block_q, head_dim, dtype), plgpu.SMEM((config.stages, 2, config.block_q), jnp.float32),

@@ -254,8 +254,7 @@ def _mosaic_gpu_unsupported(query, key, value, bias, mask, q_segment_ids, kv_seg
     return _pallas_triton_unsupported(
         query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, mask_type=mask_type, scale=scale,
         dropout_rate=dropout_rate, window_size=window_size, logits_soft_cap=logits_soft_cap,
-    ) or mosaic.unsupported(jnp.shape(query), jnp.shape(key), jnp.result_type(query), dropout=dropout_rate > 0.0,
-                            soft_cap=logits_soft_cap is not None)
+    ) or mosaic.unsupported(jnp.shape(query), jnp.shape(key), jnp.result_type(query))
 
 
 # Warp-specialised Mosaic GPU kernels for Hopper: below the Triton kernels until the attention
@@ -268,7 +267,8 @@ def _attention_mosaic_gpu(query, key, value, bias, mask, q_segment_ids, kv_segme
 
     return flash_attention.flash_attention(
         query, key, value, q_segment_ids, kv_segment_ids, scale=scale, causal=_is_causal(mask_type),
-        window_size=window_size, ptx_exp2=False, launchers=mosaic.MOSAIC,
+        window_size=window_size, logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed, ptx_exp2=False, launchers=mosaic.MOSAIC,
     )
 
 

@@ -260,13 +260,16 @@ ATTENTION_CASES = {
     # the first queries see no key (bottom-right alignment); in dK/dV, key blocks no query sees
     "causal-more-queries": (1, 300, 130, 1, 1, 64, {"mask_type": "causal"}),
     "window-unseen-keys": (1, 128, 512, 1, 1, 64, {"mask_type": "causal", "window_size": (16, 0)}),
+    "softcap-dropout-gqa": (1, 200, 200, 2, 1, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
 }
 
 
 def _options(options, batch, q_len, kv_len):
-    """The case's options, ``segments`` replaced by packed segment ids: three or four sorted segments
-    per row, the last few positions padding (id 0)."""
+    """The case's options, ``segments`` replaced by packed segment ids (three or four sorted segments
+    per row, the last few positions padding: id 0) and ``dropout`` by a rate and a key."""
     options = dict(options)
+    if "dropout" in options:  # the same mask in every implementation: a seed drawn from this key
+        options.update(dropout_rate=options.pop("dropout"), dropout_rng=jax.random.key(3))
     if options.pop("segments", False):
         for name, length, seed in (("q_segment_ids", q_len, 1), ("kv_segment_ids", kv_len, 2)):
             ids = jnp.sort(jax.random.randint(jax.random.key(seed), (batch, length), 1, 5), axis=1)
@@ -295,9 +298,10 @@ def test_attention_declines_what_it_lacks():
     ids = jax.ShapeDtypeStruct((1, 128), jnp.int32)
     base = dict(mask_type="causal", scale=0.1, dropout_rate=0.0, window_size=None, logits_soft_cap=None)
     assert impl.unsupported(q, q, q, None, None, None, None, None, **base) is None
-    assert impl.unsupported(q, q, q, None, None, ids, ids, None, **base) is None  # segment ids: taken
-    for changes, reason in [({"dropout_rate": 0.1}, "dropout"), ({"logits_soft_cap": 30.0}, "soft-cap")]:
-        assert reason in impl.unsupported(q, q, q, None, None, None, None, None, **{**base, **changes})
+    # segment ids, dropout and soft-capping: taken
+    seed = jax.ShapeDtypeStruct((), jnp.uint32)
+    assert impl.unsupported(q, q, q, None, None, ids, ids, seed, **{**base, "dropout_rate": 0.1,
+                                                                    "logits_soft_cap": 30.0}) is None
     for shape, dtype, reason in [((1, 128, 2, 256), jnp.bfloat16, "head_dim 256"),
                                  ((1, 128, 2, 128), jnp.float32, "float32")]:
         x = jax.ShapeDtypeStruct(shape, dtype)
@@ -313,16 +317,17 @@ def test_attention_lowers_for_cuda(head_dim, config, segments):
     """Forward and both backward kernels for an H200 (Mosaic GPU's lowering checks the layouts and
     that the shared memory fits an SM): the default, and every config the benchmark sweeps (the
     probabilities through shared memory among them, as the interpret-mode tests run) at the largest
-    footprint, head_dim 128 with segment ids."""
+    footprint, head_dim 128 with segment ids (and soft-capping and dropout)."""
     launchers = mosaic_attention.launchers(config)
+    extras = dict(logits_soft_cap=30.0, dropout_rate=0.1, dropout_seed=jnp.uint32(5)) if segments else {}
     q = jax.ShapeDtypeStruct((2, 4096, 32, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 4096, 8, head_dim), jnp.bfloat16)
     ids = (jax.ShapeDtypeStruct((2, 4096), jnp.int32),) * 2 if segments else ()
 
     def fwd_bwd(q, k, v, *ids):
         out, vjp = jax.vjp(lambda q, k, v: portable_attention.flash_attention(
-            q, k, v, *ids, scale=0.1, causal=True, window_size=(1024, 0), ptx_exp2=False, launchers=launchers),
-            q, k, v)
+            q, k, v, *ids, scale=0.1, causal=True, window_size=(1024, 0), ptx_exp2=False, launchers=launchers,
+            **extras), q, k, v)
         return vjp(out)
 
     with backend.abstract_gpu():
