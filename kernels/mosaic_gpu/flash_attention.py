@@ -175,7 +175,10 @@ def _logits(s, st):
     ``cap · log2(e) · tanh(s · scale / cap)`` and 1 (`mtjax.kernels.flash_attention`'s convention)."""
     if st.soft_cap is None:
         return s, st.scale * LOG2E
-    return (st.soft_cap * LOG2E) * jnp.tanh(s * (st.scale / st.soft_cap)), 1.0
+    # tanh(x) = 1 - 2 / (exp(2x) + 1), as the native Triton kernel computes it (approx_math would make
+    # jnp.tanh the hardware approximation, whose logits another kernel's lse would not match)
+    tanh = 1.0 - 2.0 / (jnp.exp2(s * (2.0 * LOG2E * st.scale / st.soft_cap)) + 1.0)
+    return (st.soft_cap * LOG2E) * tanh, 1.0
 
 
 def _exp2(s2, c, shift):
@@ -208,12 +211,12 @@ def _dropped(x, keep, st):
 
 
 def _rows_vector(ref):
-    """A float32 vector ``[rows]`` from shared memory, laid out to broadcast along a tile's rows."""
+    """A vector ``[rows]`` from shared memory, laid out to broadcast along a tile's rows."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 def _cols_vector(ref):
-    """A float32 vector ``[cols]`` from shared memory, laid out to broadcast along a tile's columns."""
+    """A vector ``[cols]`` from shared memory, laid out to broadcast along a tile's columns."""
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 

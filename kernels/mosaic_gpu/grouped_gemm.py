@@ -13,7 +13,8 @@ wgmma. A visit stores only its own group's rows: the TMA store is split into pow
 counts (64, 32, ..., 1), each a box that starts at the first row still to be written, so a tile
 shared by two groups is written by two visits without either touching the other's rows. Rows past
 ``sum(group_sizes)`` form the scheduler's pseudo-group, whose visits store zeros without loading
-anything. The TMA tiles need M a multiple of 8, K of 128 bytes and N of 64 (`unsupported`).
+anything. The kernel takes M a multiple of 8, K of 128 bytes and N of 64 (`unsupported`); a partial
+last M-tile or N-tile is TMA's out-of-bounds fill (loads) and clipping (stores).
 
 Block-scaled FP8 (``block_scales``, `mtjax.fp8.BlockScaling`'s grouped GEMMs): ``lhs`` carries one
 float32 scale per row and 128-wide K block, ``rhs[g]`` one per output column and K block; each K
@@ -66,8 +67,8 @@ class GroupedConfig:
 DEFAULT_CONFIG = GroupedConfig()
 
 
-def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, transpose_rhs: bool, out_dtype=None) -> str | None:
-    """Why the kernel cannot take these operands (and output dtype, default ``lhs_dtype``), or ``None``."""
+def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, transpose_rhs: bool) -> str | None:
+    """Why the kernel cannot take these operands, or ``None``."""
     dtype = jnp.dtype(lhs_dtype)
     if dtype != jnp.dtype(rhs_dtype):
         return f"lhs {dtype.name} with rhs {jnp.dtype(rhs_dtype).name} (one dtype for both)"
@@ -75,16 +76,15 @@ def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, transpose_rhs: bool,
         return f"dtype {dtype.name} (bfloat16, float16, float8_e4m3fn or float8_e5m2)"
     if dtype in FP8_DTYPES and not transpose_rhs:
         return "FP8 rhs [G, K, N] (FP8 wgmma takes rhs K-major: [G, N, K], transpose_rhs=True)"
-    # The tiled TMA copies take arrays whose tiled dimensions are whole tiles.
+    if min(lhs_shape) == 0 or min(rhs_shape) == 0:
+        return "an empty array"
+    # The tiled TMA copies take arrays whose tiled dimensions are whole tiles (the kernel takes those).
     m, k = lhs_shape
     n = rhs_shape[1] if transpose_rhs else rhs_shape[2]
     block_k = 128 // dtype.itemsize
     for name, size, multiple in (("M", m, 8), ("K", k, block_k), ("N", n, 64)):
         if size % multiple:
-            return f"{name}={size} (the Mosaic GPU kernel's TMA tiles need a multiple of {multiple})"
-    out_bytes = n * jnp.dtype(out_dtype or dtype).itemsize
-    if out_bytes % 16:
-        return f"N={n}: output rows of {out_bytes} bytes (TMA needs multiples of 16)"
+            return f"{name}={size} (the Mosaic GPU kernel takes multiples of {multiple})"
     if max(lhs_shape[0] * k, rhs_shape[0] * rhs_shape[1] * rhs_shape[2]) > MAX_ELEMENTS:
         return f"arrays of more than {MAX_ELEMENTS} elements"
     return None
@@ -188,7 +188,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
     block-scaled FP8 operands (``rhs`` K-major, no ``group_scale``): ``out[m] = sum_kb (lhs[m, kb] @
     rhs[g, :, kb]^T) * lhs_scale_inv[m, kb] * rhs_scale_inv[g, kb, :]``.
     """
-    why = unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, transpose_rhs, out_dtype)
+    why = unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, transpose_rhs)
     if why is None and block_scales is not None and (not transpose_rhs or group_scale is not None or
                                                      jnp.dtype(lhs.dtype) not in FP8_DTYPES):
         why = "block scales need FP8 operands, rhs K-major and no group_scale"
@@ -210,8 +210,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
         if lhs_scale.shape != (m, k_steps) or rhs_scale.shape != (g, k_steps, n):
             raise ValueError(f"gmm: block scales {lhs_scale.shape} and {rhs_scale.shape}; expected ({m}, {k_steps}) "
                              f"and ({g}, {k_steps}, {n})")
-        # Rows of 16-byte multiples for TMA: the scale arrays padded with ones (their rows are not stored).
-        scales = (_pad_last(lhs_scale.T.astype(jnp.float32), 4), _pad_last(rhs_scale.astype(jnp.float32), 4))
+        scales = (lhs_scale.T.astype(jnp.float32), rhs_scale.astype(jnp.float32))
     kernel = functools.partial(_kernel, num_groups=g, k_steps=k_steps, block_k=block_k, transpose_rhs=transpose_rhs,
                                config=config)
 
@@ -230,8 +229,3 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret() else None,
     )(*portable.visits(group_sizes, m, BLOCK_M), *inputs)
-
-
-def _pad_last(x: jax.Array, multiple: int) -> jax.Array:
-    pad = -x.shape[-1] % multiple
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=1.0) if pad else x

@@ -184,8 +184,9 @@ def _grouped_gemm_wgrad_triton(lhs, grad, group_sizes, group_scale, *, out_dtype
 def _mosaic_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles) -> str | None:
     from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
 
+    del group_sizes, group_scale, out_dtype, tiles
     return mosaic.unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs),
-                              transpose_rhs, out_dtype)
+                              transpose_rhs)
 
 
 # Warp-specialised Mosaic GPU kernel for Hopper (one dtype for both operands; FP8 with K-major rhs):
@@ -430,7 +431,11 @@ def _block_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles
     if implementation == "mosaic_gpu":
         from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
 
-        if mosaic.unsupported(a_q.shape, rhs_q.shape, a_q.dtype, rhs_q.dtype, True, dtype) is None:
+        if mosaic.unsupported(a_q.shape, rhs_q.shape, a_q.dtype, rhs_q.dtype, True) is None:
+            # A GPU that cannot run it is an error; a CPU host may still lower it for one (an export).
+            reason = backend.get_implementation("grouped_gemm", implementation).runs_on(backend.platform())
+            if reason is not None and backend.platform() != "cpu":
+                raise ValueError(f"grouped_gemm_block_fp8(implementation={implementation!r}) cannot run here: {reason}")
             # one scale per output column and contraction block: the blocks' scales repeated over their columns
             columns = jnp.repeat(rhs_scale_inv, TILE, axis=2)[:, :, :rhs_q.shape[1]]
             return mosaic.gmm(a_q, rhs_q, group_sizes, transpose_rhs=True, out_dtype=dtype,

@@ -197,6 +197,7 @@ def test_grouped_gemm_declines():
     assert "K-major" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), e4m3, e4m3, False)
     assert "float32" in mosaic_grouped.unsupported((128, 128), (2, 128, 128), jnp.float32, jnp.float32, True)
     assert "M=300" in mosaic_grouped.unsupported((300, 128), (2, 128, 128), bf16, bf16, True)
+    assert "empty" in mosaic_grouped.unsupported((0, 128), (2, 128, 128), bf16, bf16, True)
     assert "K=192" in mosaic_grouped.unsupported((128, 192), (2, 128, 192), e4m3, e4m3, True)
     assert "N=200" in mosaic_grouped.unsupported((128, 128), (2, 200, 128), bf16, bf16, True)
     assert mosaic_grouped.unsupported((128, 128), (2, 128, 128), bf16, bf16, False) is None
@@ -260,7 +261,8 @@ ATTENTION_CASES = {
     # the first queries see no key (bottom-right alignment); in dK/dV, key blocks no query sees
     "causal-more-queries": (1, 300, 130, 1, 1, 64, {"mask_type": "causal"}),
     "window-unseen-keys": (1, 128, 512, 1, 1, 64, {"mask_type": "causal", "window_size": (16, 0)}),
-    "softcap-dropout-gqa": (1, 200, 200, 2, 1, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
+    # batch and kv head > 0, so every term of dropout's row counter counts
+    "softcap-dropout-gqa": (2, 200, 200, 4, 2, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
 }
 
 
