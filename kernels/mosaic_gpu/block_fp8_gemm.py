@@ -27,13 +27,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtjax.kernels import block_fp8_gemm as portable
-from mtjax.kernels.common import Launchers, interpret
+from mtjax.kernels.common import Launchers
+from mtjax.kernels.mosaic_gpu.common import (
+    BLOCK_ROWS,
+    COMPUTE_WGS,
+    MEMORY_REGISTERS,
+    WG_ROWS,
+    interpret_params,
+    swizzled,
+)
 
 BLOCK_K = portable.BLOCK_K
-BLOCK_M = 128  # two compute warpgroups of 64 rows (wgmma's M per warpgroup)
-WG_ROWS = 64
-COMPUTE_WGS = BLOCK_M // WG_ROWS
-MEMORY_REGISTERS = 40  # the memory warpgroup only issues TMA copies
+BLOCK_M = BLOCK_ROWS  # two compute warpgroups of 64 rows
 SMEM_BYTES = 227 * 1024  # what one CTA may use on Hopper
 
 
@@ -90,9 +95,8 @@ def unsupported(a_shape, a_dtype, b_shape, b_dtype) -> str | None:
 
 
 def _operand_spec(rows: int, index_map) -> plgpu.BlockSpec:
-    # 128-byte rows of FP8 in (8, 128) tiles with the 128-byte swizzle, as wgmma reads them.
-    return plgpu.BlockSpec((rows, BLOCK_K), index_map,
-                           transforms=(plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128)))
+    # 128-byte rows of FP8, as wgmma reads them
+    return plgpu.BlockSpec((rows, BLOCK_K), index_map, transforms=swizzled(BLOCK_K, jnp.float8_e4m3fn))
 
 
 def _kernel(a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem, o_smem, *, k_blocks: int, config: MosaicGemmConfig):
@@ -132,10 +136,6 @@ def _kernel(a_gmem, sa_gmem, b_gmem, sb_gmem, o_gmem, o_smem, *, k_blocks: int, 
     pipeline(a_gmem, sa_gmem, b_gmem, sb_gmem)
 
 
-def _interpret_params():
-    return plgpu.InterpretGPUParams() if interpret() else None
-
-
 def _launch(a: jax.Array, sa_t: jax.Array, b: jax.Array, sb_t: jax.Array, out_dtype,
             config: MosaicGemmConfig) -> jax.Array:
     """The kernel on operands padded to whole tiles (`mtjax.kernels.block_fp8_gemm._launch`'s contract)."""
@@ -145,7 +145,7 @@ def _launch(a: jax.Array, sa_t: jax.Array, b: jax.Array, sb_t: jax.Array, out_dt
         kernel, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_n), out_dtype)],
         grid=(mp // BLOCK_M, np_ // config.block_n), grid_names=("m", "n"),
-        num_threads=COMPUTE_WGS + 1, thread_name="wg", interpret=_interpret_params(),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg", interpret=interpret_params(),
     )(a, sa_t, b, sb_t)
 
 

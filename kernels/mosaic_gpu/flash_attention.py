@@ -39,14 +39,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtjax.kernels.common import Launchers, dropout_keep, interpret
+from mtjax.kernels.mosaic_gpu.common import (
+    BLOCK_ROWS,
+    COMPUTE_REGISTERS,
+    COMPUTE_WGS,
+    MEMORY_REGISTERS,
+    WG_ROWS,
+    interpret_params,
+    swizzled,
+)
 
 LOG2E = math.log2(math.e)
-WG_ROWS = 64  # rows of one compute warpgroup (wgmma's M)
-COMPUTE_WGS = 2
-BLOCK_ROWS = WG_ROWS * COMPUTE_WGS  # the rows one CTA owns: queries (forward, dQ) or keys (dK/dV)
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +108,6 @@ def unsupported(q_shape, kv_shape, dtype) -> str | None:
     return None
 
 
-def _interpret_params():
-    return plgpu.InterpretGPUParams() if interpret() else None
-
-
 def _launch(kernel, inputs, out_type, scratch: list, grid: tuple[int, ...], grid_names: tuple[str, ...]):
     """``kernel(*inputs, *outputs, *scratch)`` on three warpgroups; ``scratch`` entries that are None
     (buffers a configuration does not use) reach the kernel as None and take no shared memory."""
@@ -115,7 +116,7 @@ def _launch(kernel, inputs, out_type, scratch: list, grid: tuple[int, ...], grid
 
     return plgpu.kernel(
         body, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret_params(),
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=interpret_params(),
     )(*inputs)
 
 
@@ -130,9 +131,7 @@ def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def _smem(shape, dtype):
     """A shared-memory buffer of 16-bit ``[..., rows, cols]`` tiles as wgmma reads them (swizzled)."""
-    swizzle = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(shape[-1], dtype))
 
 
 def _wg_tiles(head_dim: int, dtype):

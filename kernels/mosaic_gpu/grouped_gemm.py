@@ -34,12 +34,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtjax.kernels import grouped_gemm as portable
-from mtjax.kernels.common import MAX_ELEMENTS, interpret
+from mtjax.kernels.common import MAX_ELEMENTS
+from mtjax.kernels.mosaic_gpu.common import (
+    BLOCK_ROWS,
+    COMPUTE_WGS,
+    MEMORY_REGISTERS,
+    WG_ROWS,
+    interpret_params,
+    swizzled,
+)
 
-BLOCK_M = 128  # two compute warpgroups of 64 rows
-WG_ROWS = 64
-COMPUTE_WGS = BLOCK_M // WG_ROWS
-MEMORY_REGISTERS = 40
+BLOCK_M = BLOCK_ROWS  # two compute warpgroups of 64 rows
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 WIDE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -90,10 +95,6 @@ def unsupported(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, transpose_rhs: bool)
     return None
 
 
-def _swizzled(rows_bytes: int, itemsize: int) -> dict:
-    return dict(transforms=(plgpu.TilingTransform((8, rows_bytes // itemsize)), plgpu.SwizzleTransform(rows_bytes)))
-
-
 def _store_rows(o_smem, out_gmem, first, count, row0, cols):
     """TMA-store rows ``first .. first + count`` of ``o_smem [64, block_n]`` to ``out_gmem`` at
     ``row0 + first``: one box per set bit of ``count``, largest first."""
@@ -117,7 +118,6 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
     block_n = config.block_n
     shape = (WG_ROWS, block_n)
     rows = pl.ds(wg * WG_ROWS, WG_ROWS)
-    lhs_bytes = block_k * jnp.dtype(lhs_gmem.dtype).itemsize
 
     def accumulate(_, lhs_smem, rhs_smem, *scales_and_acc):
         *scales, acc = scales_and_acc
@@ -152,18 +152,17 @@ def _kernel(group_gmem, tile_gmem, lo_gmem, hi_gmem, scale_gmem, lhs_gmem, rhs_g
 
     if transpose_rhs:
         rhs_spec = plgpu.BlockSpec((None, block_n, block_k), lambda k: (rhs_group, n_block, k),
-                                   **_swizzled(lhs_bytes, jnp.dtype(rhs_gmem.dtype).itemsize))
+                                   transforms=swizzled(block_k, rhs_gmem.dtype))
     else:
-        itemsize = jnp.dtype(rhs_gmem.dtype).itemsize
         rhs_spec = plgpu.BlockSpec((None, block_k, block_n), lambda k: (rhs_group, k, n_block),
-                                   **_swizzled(min(128, block_n * itemsize), itemsize))
+                                   transforms=swizzled(block_n, rhs_gmem.dtype))
     scale_specs = [] if lhs_scale_gmem is None else [
         plgpu.BlockSpec((None, BLOCK_M), lambda k: (k, tile)),
         plgpu.BlockSpec((None, None, block_n), lambda k: (rhs_group, k, n_block))]
     pipeline = plgpu.emit_pipeline_warp_specialized(
         accumulate, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
         in_specs=[plgpu.BlockSpec((BLOCK_M, block_k), lambda k: (tile, k),
-                                  **_swizzled(lhs_bytes, jnp.dtype(lhs_gmem.dtype).itemsize)), rhs_spec,
+                                  transforms=swizzled(block_k, lhs_gmem.dtype)), rhs_spec,
                   *scale_specs],
         max_concurrent_steps=min(config.stages, k_steps), wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
         compute_context=compute,
@@ -227,5 +226,5 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_n), out_dtype)],
         grid=(portable.num_visits(m, g, BLOCK_M), pl.cdiv(n, config.block_n)), grid_names=("visit", "n"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        interpret=plgpu.InterpretGPUParams() if interpret() else None,
+        interpret=interpret_params(),
     )(*portable.visits(group_sizes, m, BLOCK_M), *inputs)

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from mtjax.kernels import block_fp8_gemm as pallas_gemm
 from mtjax.kernels import block_quantize as pallas_quantize
-from mtjax.kernels.activation import ACTIVATIONS
 from mtjax.kernels.common import Launchers
 from mtjax.kernels.triton.activation import CODES, GATE_CODES, activation_fn, gate_fn
 from mtjax.kernels.triton.language import saturate
@@ -188,7 +187,7 @@ def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *,
     """`mtjax.kernels.block_quantize.activation_tile_quantize` (same arguments and results) in native Triton."""
     x2 = x.reshape(x.shape[0], -1)
     _check(x2, out_dtype, "activation_tile_quantize")
-    gated = ACTIVATIONS[activation][1] is not None
+    gated = pallas_quantize.ActivationPrologue(activation, has_bias=bias is not None).gated
     bias = None if bias is None else bias.reshape(-1)
     return _tile_launch(x2, (bias, None, None, None), x.shape[-1], out_dtype,
                         name="mtjax_triton_activation_tile_quantize", transpose=transpose, fp8_max=fp8_max,
