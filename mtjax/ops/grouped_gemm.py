@@ -42,7 +42,7 @@ from mtjax.kernels.common import interpret as kernel_interpret
 from mtjax.kernels.common import saturate_cast
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
 from mtjax.ops.block_quantization import TILE, block_dequantize, block_quantize, tile_dequantize, tile_quantize
-from mtjax.ops.checks import check_choice, check_float, check_rank
+from mtjax.ops.checks import check_choice, check_float, check_rank, check_tile_options
 
 
 def _check_group_sizes(op: str, group_sizes: Any, num_groups: int) -> None:
@@ -523,12 +523,8 @@ def grouped_gemm_block_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
     op = "grouped_gemm_block_fp8"
     m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, False)
     _check_block_sizes(op, block_sizes, BlockSizes)
-    forward_dtype = check_fp8_dtype(op, forward_dtype, "forward_dtype")
+    forward_dtype = check_tile_options(op, forward_dtype, power_of_two, amax_epsilon, dtype_name="forward_dtype")
     gradient_dtype = check_fp8_dtype(op, gradient_dtype, "gradient_dtype")
-    if not isinstance(power_of_two, bool):
-        raise TypeError(f"{op}(power_of_two={power_of_two!r}): expected True or False")
-    if not (isinstance(amax_epsilon, (int, float)) and 0 <= amax_epsilon < float("inf")):
-        raise ValueError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
     blocks = block_sizes or BlockSizes.default(m, k, n, g, lhs.dtype)
     return _grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two,
                                    float(amax_epsilon), blocks, implementation)
