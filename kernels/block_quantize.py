@@ -12,6 +12,9 @@ row and every ``128 x 128`` block of a weight its own float32 scale, from the ti
   through memory in bf16: `NormPrologue` (LayerNorm/RMSNorm, the row statistics computed beforehand
   by `row_statistics`, one read of ``x``) or `ActivationPrologue` (bias + activation, gated or not).
   Each program applies it to the tile it loads, in float32, and quantizes the result.
+- `activation_grad_tile_quantize` is the activation's backward written as the block-scaled FP8 output
+  gradient of the GEMM in front of it, both layouts and the bias gradient in one pass
+  (TransformerEngine's "dact + cast_transpose").
 - `block_quantize` casts ``w [k, n]`` in ``128 x 128`` blocks (scales ``[ceil(k/128), ceil(n/128)]``)
   and writes its transpose too: a block's scale is the same for ``w`` and ``w.T``.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +232,93 @@ def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *,
     operands = () if bias is None else (bias.reshape(-1),)
     return tile_quantize(x.reshape(x.shape[0], -1), out_dtype, transpose=transpose, fp8_max=fp8_max,
                          power_of_two=power_of_two, amax_epsilon=amax_epsilon, prologue=prologue, operands=operands)
+
+
+def unsupported_activation_grad(shape, activation: str) -> str | None:
+    """``None`` if `activation_grad_tile_quantize` takes a forward input of this shape (``[m, hidden]``,
+    or ``[m, 2, hidden]`` gated), else why not: a gated activation's two halves must each be whole
+    tiles (``hidden`` a multiple of 128), since each program writes the same tile of both."""
+    if ACTIVATIONS[activation][1] is not None and shape[-1] % TILE:
+        return f"gated activation with hidden {shape[-1]} (kernel: a multiple of {TILE})"
+    return None
+
+
+def _activation_grad_kernel(*refs, m, hidden, activation, has_bias, fp8_max, power_of_two, amax_epsilon):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    bias_ref = refs.pop(0) if has_bias else None
+    dy_ref, q_ref, s_ref, qt_ref, st_ref = refs[:5]
+    dbias_ref = refs[5] if has_bias else None
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = i * TILE + jnp.arange(TILE)
+    cols = j * TILE + jnp.arange(TILE)
+    exact = m % TILE == 0 and hidden % TILE == 0
+    fn, gate_fn = ACTIVATIONS[activation]
+    halves = []  # (the biased input of each half, its column offset in x)
+    for offset in ((0, hidden) if gate_fn is not None else (0,)):
+        part, mask = _load(x_ref, rows, offset + cols, m, offset + hidden, exact)
+        if has_bias:
+            part = part + _load_vector(bias_ref, offset + cols, offset + hidden, exact)[None, :]
+        halves.append(part)
+    dy, _ = _load(dy_ref, rows, cols, m, hidden, exact)  # 0 where masked, so every gradient is 0 there
+    y, dact = fn(halves[0])
+    if gate_fn is None:
+        grads = [dy * dact]
+    else:
+        gate, dgate = gate_fn(halves[1])
+        grads = [dy * gate * dact, dy * y * dgate]
+    tiles_per_half = pl.cdiv(hidden, TILE)
+    for half, grad in enumerate(grads):
+        out_cols = half * hidden + cols
+        scale, scale_inv = tile_scales(jnp.max(jnp.abs(grad), axis=1), fp8_max, power_of_two, amax_epsilon)
+        plgpu.store(q_ref.at[rows[:, None], out_cols[None, :]], saturate_cast(grad * scale[:, None], q_ref.dtype),
+                    mask=mask)
+        plgpu.store(s_ref.at[rows, half * tiles_per_half + j], scale_inv, mask=None if exact else rows < m)
+        scale_t, scale_inv_t = tile_scales(jnp.max(jnp.abs(grad), axis=0), fp8_max, power_of_two, amax_epsilon)
+        q_t = saturate_cast(grad * scale_t[None, :], qt_ref.dtype)
+        plgpu.store(qt_ref.at[out_cols[:, None], rows[None, :]], q_t.T, mask=None if mask is None else mask.T)
+        plgpu.store(st_ref.at[out_cols, i], scale_inv_t, mask=None if exact else cols < hidden)
+        if has_bias:  # this row block's column sums of the unquantized gradient
+            plgpu.store(dbias_ref.at[i, out_cols], jnp.sum(grad, axis=0), mask=None if exact else cols < hidden)
+
+
+def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.Array, out_dtype, *,
+                                  activation: str, fp8_max: float, power_of_two: bool = False,
+                                  amax_epsilon: float = 0.0,
+                                  num_warps: int = NUM_WARPS) -> tuple[jax.Array, ...]:
+    """The backward of ``act(x + bias)`` for the cotangent ``dy [m, hidden]``, written as the block-scaled
+    FP8 output gradient of the GEMM that produced ``x`` ("dact + cast_transpose"): ``dx`` never goes
+    through memory in bf16.
+
+    ``x [m, hidden]`` (``[m, 2, hidden]`` gated, ``bias`` then ``[2, hidden]``). Returns ``(q [m, w],
+    scale_inv [m, ceil(w/128)], q_t [w, m], scale_inv_t [w, ceil(m/128)], dbias [w] or None)`` for
+    ``dx`` flattened to ``[m, w]`` (``w = 2 * hidden`` gated): `tile_quantize` with ``transpose=True``
+    of ``dx`` computed in float32, and the float32 column sums of ``dx`` (the bias gradient). Each
+    program reads one ``128 x 128`` tile of ``x`` (both halves, gated) and of ``dy`` once."""
+    why = unsupported((x.shape[0], math.prod(x.shape[1:])), x.dtype, out_dtype) or unsupported_activation_grad(
+        dy.shape, activation)
+    if why is not None:
+        raise ValueError(f"activation_grad_tile_quantize: unsupported input: {why}")
+    m, hidden = dy.shape
+    x2 = x.reshape(m, -1)
+    width = x2.shape[1]
+    grid = (pl.cdiv(m, TILE), pl.cdiv(hidden, TILE))
+    inputs = [x2] + ([] if bias is None else [bias.reshape(-1)]) + [dy]
+    out_shape = [jax.ShapeDtypeStruct((m, width), out_dtype),
+                 jax.ShapeDtypeStruct((m, pl.cdiv(width, TILE)), jnp.float32),
+                 jax.ShapeDtypeStruct((width, m), out_dtype), jax.ShapeDtypeStruct((width, grid[0]), jnp.float32)]
+    if bias is not None:
+        out_shape.append(jax.ShapeDtypeStruct((grid[0], width), jnp.float32))
+    kernel = functools.partial(_activation_grad_kernel, m=m, hidden=hidden, activation=activation,
+                               has_bias=bias is not None, fp8_max=fp8_max, power_of_two=power_of_two,
+                               amax_epsilon=amax_epsilon)
+    outs = pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret(), name="mtjax_activation_grad_tile_quantize",
+    )(*inputs)
+    dbias = None if bias is None else jnp.sum(outs[4], axis=0)
+    return (*outs[:4], dbias)
 
 
 def _block_kernel(w_ref, q_ref, qt_ref, s_ref, *, k, n, fp8_max, power_of_two, amax_epsilon):

@@ -1,7 +1,8 @@
 """Block-scaled FP8 in native Triton: the kernels of `mtjax.kernels.block_quantize` (1x128 row tiles,
 128x128 blocks, each with its own scale, plus transposed copies) and `mtjax.kernels.block_fp8_gemm`
 (one float32 promotion per 128-wide K block, DeepGEMM-style). The tile cast takes the same prologues
-(a norm or an activation applied to each loaded tile) as the Pallas kernel.
+(a norm or an activation applied to each loaded tile) as the Pallas kernel, and the activation's
+backward writes its gradient's tiles as the Pallas `activation_grad_tile_quantize` does.
 
 The scale math is `block_quantize.tile_scales` (``fp8_max / max(amax, amax_epsilon)``, 1 where that is
 not finite or the amax is 0 or NaN, optionally rounded down to a power of two) with IEEE division, so
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from mtjax.kernels import block_fp8_gemm as pallas_gemm
 from mtjax.kernels import block_quantize as pallas_quantize
+from mtjax.kernels.activation import ACTIVATIONS
 from mtjax.kernels.common import Launchers
 from mtjax.kernels.triton.activation import CODES, GATE_CODES, activation_fn, gate_fn
 from mtjax.kernels.triton.language import saturate
@@ -194,6 +196,95 @@ def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *,
                         power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=2,
                         HAS_SHIFT=bias is not None, ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0),
                         GATED=gated)
+
+
+@triton.jit
+def _store_grad_tiles(grad, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, out_cols, scale_col, i, mask,
+                      M: tl.constexpr, WIDTH: tl.constexpr, SCALE_COLS: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                      EXACT: tl.constexpr, FP8_MAX: tl.constexpr, POWER_OF_TWO: tl.constexpr,
+                      AMAX_EPSILON: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One half's gradient tile: its row tiles and scales, the transposed tiles and scales, and this
+    row block's column sums (the bias gradient's partials)."""
+    scale, scale_inv = _tile_scales(_amax(grad, 1), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+    q = saturate(grad * scale[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
+    _store(q_ptr, rows[:, None] * WIDTH + out_cols[None, :], q, mask, EXACT)
+    _store(s_ptr, rows * SCALE_COLS + scale_col, scale_inv, rows < M, EXACT)
+    scale_t, scale_inv_t = _tile_scales(_amax(grad, 0), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
+    q_t = saturate(grad * scale_t[None, :], FP8_MAX).to(qt_ptr.dtype.element_ty)
+    col_mask = tl.max(mask.to(tl.int32), axis=0) > 0
+    _store(qt_ptr, out_cols[:, None] * M + rows[None, :], tl.trans(q_t), tl.trans(mask), EXACT)
+    _store(st_ptr, out_cols * ROW_BLOCKS + i, scale_inv_t, col_mask, EXACT)
+    if HAS_BIAS:
+        _store(dbias_ptr, i * WIDTH + out_cols, tl.sum(grad, axis=0), col_mask, EXACT)
+
+
+@triton.jit
+def _activation_grad_kernel(x_ptr, bias_ptr, dy_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, M: tl.constexpr,
+                            HIDDEN: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr, FP8_MAX: tl.constexpr,
+                            POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    rows = i * TILE + tl.arange(0, TILE)
+    cols = j * TILE + tl.arange(0, TILE)
+    mask = (rows[:, None] < M) & (cols[None, :] < HIDDEN)
+    WIDTH: tl.constexpr = 2 * HIDDEN if GATED else HIDDEN
+    SCALE_COLS: tl.constexpr = (WIDTH + TILE - 1) // TILE
+    ROW_BLOCKS: tl.constexpr = (M + TILE - 1) // TILE
+    offsets = rows[:, None] * WIDTH + cols[None, :]
+    if EXACT:
+        a = tl.load(x_ptr + offsets).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * HIDDEN + cols[None, :]).to(tl.float32)
+    else:  # dy loads as 0 where masked, so every gradient is 0 there
+        a = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        a = a + _load_vector(bias_ptr, cols, HIDDEN, EXACT)[None, :]
+    y, dact = activation_fn(a, ACT)
+    if GATED:
+        if EXACT:
+            gate = tl.load(x_ptr + offsets + HIDDEN).to(tl.float32)
+        else:
+            gate = tl.load(x_ptr + offsets + HIDDEN, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            gate = gate + _load_vector(bias_ptr, HIDDEN + cols, 2 * HIDDEN, EXACT)[None, :]
+        g, dg = gate_fn(gate, GATE)
+        _store_grad_tiles(dy * g * dact, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, cols, j, i, mask, M, WIDTH,
+                          SCALE_COLS, ROW_BLOCKS, EXACT, FP8_MAX, POWER_OF_TWO, AMAX_EPSILON, HAS_BIAS)
+        _store_grad_tiles(dy * y * dg, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, HIDDEN + cols,
+                          HIDDEN // TILE + j, i, mask, M, WIDTH, SCALE_COLS, ROW_BLOCKS, EXACT, FP8_MAX,
+                          POWER_OF_TWO, AMAX_EPSILON, HAS_BIAS)
+    else:
+        _store_grad_tiles(dy * dact, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, cols, j, i, mask, M, WIDTH,
+                          SCALE_COLS, ROW_BLOCKS, EXACT, FP8_MAX, POWER_OF_TWO, AMAX_EPSILON, HAS_BIAS)
+
+
+def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.Array, out_dtype, *,
+                                  activation: str, fp8_max: float, power_of_two: bool = False,
+                                  amax_epsilon: float = 0.0,
+                                  num_warps: int = pallas_quantize.NUM_WARPS) -> tuple[jax.Array | None, ...]:
+    """`mtjax.kernels.block_quantize.activation_grad_tile_quantize` (same arguments and results) in
+    native Triton."""
+    m, hidden = dy.shape
+    x2 = x.reshape(m, -1)
+    width = x2.shape[1]
+    _check(x2, out_dtype, "activation_grad_tile_quantize")
+    why = pallas_quantize.unsupported_activation_grad(dy.shape, activation)
+    if why is not None:
+        raise ValueError(f"activation_grad_tile_quantize: unsupported input: {why}")
+    grid = (triton.cdiv(m, TILE), triton.cdiv(hidden, TILE))
+    out_shape = [jax.ShapeDtypeStruct((m, width), out_dtype),
+                 jax.ShapeDtypeStruct((m, triton.cdiv(width, TILE)), jnp.float32),
+                 jax.ShapeDtypeStruct((width, m), out_dtype), jax.ShapeDtypeStruct((width, grid[0]), jnp.float32),
+                 jax.ShapeDtypeStruct((grid[0], width) if bias is not None else (1,), jnp.float32)]
+    outs = launch(
+        _activation_grad_kernel, x2, stand_in() if bias is None else bias.reshape(-1), dy, out_shape=out_shape,
+        grid=grid, name="mtjax_triton_activation_grad_tile_quantize", num_warps=num_warps, num_stages=1,
+        M=m, HIDDEN=hidden, TILE=TILE, EXACT=m % TILE == 0 and hidden % TILE == 0, FP8_MAX=float(fp8_max),
+        POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon), HAS_BIAS=bias is not None,
+        ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0), GATED=ACTIVATIONS[activation][1] is not None,
+    )
+    return (*outs[:4], None if bias is None else jnp.sum(outs[4], axis=0))
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """`fp8_mlp`: a Transformer MLP's two FP8 GEMMs as one op, so the activation's backward writes fc1's
-output gradient directly in FP8 (TransformerEngine's "dact + cast_transpose")."""
+output gradient directly in FP8 (TransformerEngine's "dact + cast_transpose"): per tensor under
+`DelayedScaling`, in 1x128 tiles under `BlockScaling` (`mtjax.fp8.block_scaling.block_fp8_mlp`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from mtjax.fp8.block_scaling import prologue_backward
+from mtjax.fp8.block_scaling import block_fp8_mlp, prologue_backward
 from mtjax.fp8.context import current_autocast
 from mtjax.fp8.dot_general import (
     _check_meta,
@@ -20,7 +21,7 @@ from mtjax.fp8.dot_general import (
     _quantized_grad_matmul_bwd,
     _quantized_input_matmul_fwd,
 )
-from mtjax.fp8.recipes import DelayedScaling
+from mtjax.fp8.recipes import BlockScaling, DelayedScaling
 from mtjax.fp8.scaling import _bound_axes, _varying_axes
 from mtjax.ops import Activation, Norm, is_gated
 
@@ -60,40 +61,44 @@ _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
 
 def fuses_mlp(*arrays: jax.Array) -> bool:
     """Whether `fp8_mlp` applies to these operands here: inside `fp8_autocast` with
-    `DelayedScaling`, and not per-device arrays of ``shard_map`` (which take `fp8_dot_general`'s
-    path, one GEMM at a time)."""
+    `DelayedScaling` or `BlockScaling`, and not per-device arrays of ``shard_map`` (which take
+    `fp8_dot_general`'s path, one GEMM at a time)."""
     state = current_autocast()
-    return (state is not None and isinstance(state.recipe, DelayedScaling)
+    return (state is not None and isinstance(state.recipe, (DelayedScaling, BlockScaling))
             and not any(_varying_axes(a) for a in arrays))
 
 
-def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.Array],
-            meta2: Mapping[str, jax.Array], *, activation: Activation, norm: Norm | None = None,
-            recipe: DelayedScaling | None = None, mesh_axes: Sequence[str] = (),
+def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.Array] | None,
+            meta2: Mapping[str, jax.Array] | None, *, activation: Activation, norm: Norm | None = None,
+            recipe: DelayedScaling | BlockScaling | None = None, mesh_axes: Sequence[str] = (),
             implementation: str | None = None) -> jax.Array:
     """``activation(norm(x) @ w1) @ w2`` with both GEMMs in FP8 (a Transformer MLP without dropout).
 
     The same numbers as `fp8_dot_general` with ``lhs_prologue=norm`` for fc1 and
     ``lhs_prologue=activation`` for fc2, in one ``custom_vjp`` so that the activation's backward
-    writes fc1's output gradient directly in FP8 with its transpose (`mtjax.ops.activation_grad_fp8`,
-    TransformerEngine's "dact + cast_transpose"): one pass over the MLP's widest tensor fewer.
+    writes fc1's output gradient directly in FP8 with its transpose (TransformerEngine's "dact +
+    cast_transpose"): one pass over the MLP's widest tensor fewer. Under `DelayedScaling` with
+    fc1's delayed output-gradient scale (`mtjax.ops.activation_grad_fp8`); under `BlockScaling` in
+    1x128 tiles with their own scales (`mtjax.ops.activation_grad_tile_fp8`).
 
     Args:
       x: ``[..., hidden]``.
       w1: ``[hidden, mlp]``, or ``[hidden, 2, mlp]`` for a gated activation.
       w2: ``[mlp, out]``.
-      meta1, meta2: the two GEMMs' delayed-scaling states (`init_meta`); differentiating gives the next ones.
+      meta1, meta2: the two GEMMs' delayed-scaling states (`init_meta`); differentiating gives the next
+        ones. ``None`` under `BlockScaling`, which keeps no state.
       activation: a `mtjax.ops.Activation` (its bias and type).
       norm: a `mtjax.ops.Norm` applied to ``x`` first, or ``None``.
-      recipe: a `DelayedScaling` (default: ``DelayedScaling()``).
+      recipe: a `DelayedScaling` (the default, ``DelayedScaling()``) or a `BlockScaling`.
       mesh_axes, implementation: as `fp8_dot_general`.
     Returns:
       ``[..., out]`` in the result type of the operands.
     """
     recipe = DelayedScaling() if recipe is None else recipe
-    if not isinstance(recipe, DelayedScaling):
+    if not isinstance(recipe, (DelayedScaling, BlockScaling)):
         raise TypeError(f"fp8_mlp(recipe={recipe!r}): expected a DelayedScaling (its scales are known before "
-                        "the tensors are seen, which the fused backward needs)")
+                        "the tensors are seen, which the fused backward needs) or a BlockScaling (each tile's "
+                        "scale is its own)")
     if not isinstance(activation, Activation) or not (norm is None or isinstance(norm, Norm)):
         raise TypeError(f"fp8_mlp: activation must be a mtjax.ops.Activation and norm a mtjax.ops.Norm or None; "
                         f"got {type(activation).__name__} and {type(norm).__name__}")
@@ -109,9 +114,12 @@ def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.
         raise ValueError(f"fp8_mlp: w2 of shape {w2.shape}; expected [mlp, out] with mlp = {w1.shape[-1]}")
     if any(_varying_axes(a) for a in (x, w1, w2)):
         raise ValueError("fp8_mlp: operands vary over shard_map axes; use fp8_dot_general per GEMM there")
-    reduce_axes = _bound_axes(mesh_axes) if recipe.reduce_amax else ()
+    reduce_axes = _bound_axes(mesh_axes) if isinstance(recipe, DelayedScaling) and recipe.reduce_amax else ()
     h_dtype = jnp.result_type(x.dtype, w1.dtype)
     specs = [_GemmSpec.build(recipe, reduce_axes, x_dtype, w.dtype, jnp.result_type(x_dtype, w.dtype), implementation)
              for x_dtype, w in ((x.dtype, w1), (h_dtype, w2))]
-    out = _fp8_mlp(x.reshape(-1, hidden), norm, w1, activation, w2, meta1, meta2, *specs)
+    if isinstance(recipe, BlockScaling):
+        out = block_fp8_mlp(x.reshape(-1, hidden), norm, w1, activation, w2, *specs)
+    else:
+        out = _fp8_mlp(x.reshape(-1, hidden), norm, w1, activation, w2, meta1, meta2, *specs)
     return out.reshape(x.shape[:-1] + w2.shape[1:])

@@ -8,6 +8,7 @@ from mtjax.ops.activation import (
                                   activation,
                                   activation_fp8,
                                   activation_grad_fp8,
+                                  activation_grad_tile_fp8,
                                   activation_tile_fp8,
                                   canonical_activation,
                                   is_gated,
@@ -50,7 +51,7 @@ from mtjax.ops.softmax import softmax
 
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "Activation", "activation", "activation_fp8", "activation_grad_fp8",
-    "activation_tile_fp8", "attention",
+    "activation_grad_tile_fp8", "activation_tile_fp8", "attention",
     "block_dequantize", "block_fp8_gemm", "block_quantize", "tile_dequantize", "tile_quantize",
     "canonical_activation", "cast_transpose", "dequantize", "fp8_gemm", "is_gated",
     "COLLECTIVE_MATMUL_KINDS", "all_gather_matmul", "matmul_reduce_scatter", "sequence_parallel_matmul",

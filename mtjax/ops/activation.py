@@ -310,6 +310,60 @@ def activation_grad_fp8(
                             activation_type=name, out_dtype=jnp.dtype(out_dtype))
 
 
+@backend.register("activation_grad_tile_fp8", backend.REFERENCE)
+def activation_grad_tile_fp8_reference(x: jax.Array, bias: jax.Array | None, dy: jax.Array, *, activation_type: str,
+                                       out_dtype: DTypeLike, power_of_two: bool,
+                                       amax_epsilon: float) -> tuple[jax.Array | None, ...]:
+    """The ``"xla"`` implementation of `activation_grad_tile_fp8`: autodiff of `activation_reference`
+    in float32, then `tile_quantize`'s with the transpose."""
+    f32 = jnp.float32
+    bias32 = None if bias is None else bias.astype(f32)
+    _, vjp = jax.vjp(lambda x, b: activation_reference(x, b, activation_type=activation_type), x.astype(f32), bias32)
+    dx, dbias = vjp(dy.astype(f32))
+    tiles = tile_quantize_reference(dx.reshape(dx.shape[0], -1), out_dtype=out_dtype, transpose=True,
+                                    power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+    return (*tiles, dbias)
+
+
+def activation_grad_tile_fp8(
+    x: jax.Array,
+    dy: jax.Array,
+    activation_type: str | Sequence[str] = "gelu",
+    bias: jax.Array | None = None,
+    *,
+    out_dtype: DTypeLike = jnp.float8_e4m3fn,
+    power_of_two: bool = False,
+    amax_epsilon: float = 0.0,
+    implementation: str | None = None,
+) -> tuple[jax.Array | None, ...]:
+    """`activation`'s backward written as a block-scaled FP8 GEMM operand, in one kernel: the output
+    gradient of the GEMM that produced ``x``, in the two layouts its dgrad and wgrad read
+    (TransformerEngine's "dact + cast_transpose", with 1x128 tiles).
+
+    Args:
+      x: ``[m, hidden]``, or ``[m, 2, hidden]`` for a gated activation; activation_type, bias: as
+        `activation`.
+      dy: the cotangent of the activation's output, ``[m, hidden]``.
+      out_dtype, power_of_two, amax_epsilon: as `tile_quantize` (``float8_e4m3fn`` by default, as
+        DeepSeek-V3's block-scaled gradients are).
+    Returns:
+      ``(dx_q, scale_inv, dx_q_t, scale_inv_t, dbias)``: `tile_quantize` with ``transpose=True`` of
+      ``dx`` (computed in float32, flattened to ``[m, w]``, ``w = 2 * hidden`` gated), and ``dbias``
+      (float32, shaped like ``bias``) or ``None``.
+    """
+    op = "activation_grad_tile_fp8"
+    name = _check(op, x, activation_type, bias)
+    gated = ACTIVATIONS[name][1] is not None
+    if jnp.ndim(x) != (3 if gated else 2):
+        raise ValueError(f"{op}: x has shape {jnp.shape(x)}; expected {'[m, 2, hidden]' if gated else '[m, hidden]'}"
+                         f" for {name!r}")
+    check_float(op, "dy", dy)
+    check_shape(op, "dy", dy, (jnp.shape(x)[0], jnp.shape(x)[-1]))
+    out_dtype = check_tile_options(op, out_dtype, power_of_two, amax_epsilon, True)
+    return backend.dispatch(op, x, bias, dy, implementation=implementation, activation_type=name, out_dtype=out_dtype,
+                            power_of_two=power_of_two, amax_epsilon=float(amax_epsilon))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["bias"], meta_fields=["activation_type"])
 @dataclasses.dataclass(frozen=True)
 class Activation:
@@ -347,6 +401,15 @@ class Activation:
                                                         out_dtype=out_dtype)
         d_self = Activation(None if dbias is None else dbias.astype(self.bias.dtype), self.activation_type)
         return dx_q, dx_q_t, amax, d_self
+
+    def tile_fp8_grad(self, x: jax.Array, dy: jax.Array, out_dtype: DTypeLike,
+                      **options: bool | float) -> tuple[jax.Array | Activation, ...]:
+        """The backward of ``self(x)`` for the cotangent ``dy``, written for a block-scaled FP8 GEMM
+        (`activation_grad_tile_fp8`; ``options``: ``power_of_two``, ``amax_epsilon``):
+        ``(dx_q, scale_inv, dx_q_t, scale_inv_t, the cotangent of self)``."""
+        *tiles, dbias = activation_grad_tile_fp8(x, dy, self.activation_type, self.bias, out_dtype=out_dtype,
+                                                 **options)
+        return (*tiles, Activation(None if dbias is None else dbias.astype(self.bias.dtype), self.activation_type))
 
 
 # Pallas Triton kernels (kernels/activation.py); they decline what they cannot compute (gelu_exact,
@@ -393,6 +456,22 @@ def _activation_tile_fp8_pallas(x, bias, *, activation_type: str, out_dtype, tra
         power_of_two=power_of_two, amax_epsilon=amax_epsilon)
 
 
+def _grad_tile_kernel_unsupported(x, bias, dy, *, activation_type: str, out_dtype, **_) -> str | None:
+    return (_tile_kernel_unsupported(x, activation_type=activation_type, out_dtype=out_dtype)
+            or block_kernels.unsupported_activation_grad(jnp.shape(dy), activation_type))
+
+
+# The activation's backward writing the block-scaled FP8 tiles of its gradient, both layouts.
+@backend.register("activation_grad_tile_fp8", "pallas_triton",
+                  **{**_KERNEL, "unsupported": _grad_tile_kernel_unsupported})
+def _activation_grad_tile_fp8_pallas(x, bias, dy, *, activation_type: str, out_dtype, power_of_two: bool,
+                                     amax_epsilon: float):
+    *tiles, dbias = block_kernels.activation_grad_tile_quantize(
+        x, bias, dy, out_dtype, activation=activation_type, fp8_max=fp8_max(out_dtype), power_of_two=power_of_two,
+        amax_epsilon=amax_epsilon)
+    return (*tiles, None if dbias is None else dbias.reshape(bias.shape))
+
+
 # Native Triton ports of the same kernels (kernels/triton/activation.py): the same declines and size
 # rule, below the Pallas ones while both can run.
 _NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 9}
@@ -427,3 +506,14 @@ def _activation_tile_fp8_triton(x, bias, *, activation_type: str, out_dtype, tra
     return native.activation_tile_quantize(
         x, bias, out_dtype, activation=activation_type, transpose=transpose, fp8_max=fp8_max(out_dtype),
         power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+
+
+@backend.register("activation_grad_tile_fp8", "triton", **{**_NATIVE, "unsupported": _grad_tile_kernel_unsupported})
+def _activation_grad_tile_fp8_triton(x, bias, dy, *, activation_type: str, out_dtype, power_of_two: bool,
+                                     amax_epsilon: float):
+    from mtjax.kernels.triton import block_fp8 as native
+
+    *tiles, dbias = native.activation_grad_tile_quantize(
+        x, bias, dy, out_dtype, activation=activation_type, fp8_max=fp8_max(out_dtype), power_of_two=power_of_two,
+        amax_epsilon=amax_epsilon)
+    return (*tiles, None if dbias is None else dbias.reshape(bias.shape))

@@ -1,5 +1,6 @@
 """`fp8.fp8_mlp`: the MLP's two FP8 GEMMs in one custom_vjp, whose activation backward writes fc1's
-FP8 output gradient (`ops.activation_grad_fp8`): the same numbers as the two GEMMs one at a time."""
+FP8 output gradient (`ops.activation_grad_fp8` per tensor, `ops.activation_grad_tile_fp8` in 1x128
+tiles): the same numbers as the two GEMMs one at a time."""
 
 import functools
 import importlib
@@ -16,6 +17,7 @@ from mtjax.flax import LayerNormMLP
 activation_ops = importlib.import_module("mtjax.ops.activation")
 DENSE = (((1,), (0,)), ((), ()))
 DELAYED = fp8.DelayedScaling(amax_history_len=4)
+BLOCK = fp8.BlockScaling()
 
 
 def rel_err(a, b):
@@ -102,6 +104,44 @@ def test_layernorm_mlp_runs_the_fused_op_without_dropout(spy):
     assert float(meta["output_grad_amax_history"][0]) > 0 and float(meta["input_amax_history"][0]) > 0
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+@pytest.mark.parametrize("activation,with_norm", [("swiglu", True), ("gelu", False)])
+def test_block_scaled_fused_mlp_matches_the_gemms_one_at_a_time(activation, with_norm, implementation, interpret):
+    """Under `BlockScaling` both paths cast the same float32 gradient of the activation in the same
+    tiles (one at a time through fc1's `tile_quantize`, fused through the activation's tile-cast
+    backward). With the XLA references the numbers are identical; with the kernels the derivative
+    rounds in another order, so an element on an FP8 rounding boundary may round the other way."""
+    x, w1, w2, dy, act, norm = mlp_inputs(activation, with_norm, m=160, hidden=128, mlp=256, out=136)
+
+    def fused(x, norm, w1, act, w2):
+        return fp8.fp8_mlp(x, w1, w2, None, None, activation=act, norm=norm, recipe=BLOCK)
+
+    def one_at_a_time(x, norm, w1, act, w2):
+        h = fp8.fp8_dot_general(x, w1, DENSE, recipe=BLOCK, lhs_prologue=norm)
+        return fp8.fp8_dot_general(h, w2, DENSE, recipe=BLOCK, lhs_prologue=act)
+
+    kernels = ("activation", "activation_tile_fp8", "activation_grad_tile_fp8", "norm_tile_fp8", "layernorm")
+    results = []
+    with override(implementations={op: implementation for op in kernels}):
+        for mlp in (fused, one_at_a_time):
+            y, vjp = jax.vjp(jax.jit(mlp), x, norm, w1, act, w2)
+            results.append((y, *vjp(dy)))
+    bound = 0.0 if implementation == "xla" else 1e-3
+    for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        assert got.shape == want.shape and rel_err(got, want) <= bound
+
+
+def test_layernorm_mlp_runs_the_block_scaled_fused_op(spy):
+    calls = spy(activation_ops, "activation_grad_tile_fp8", lambda args, kwargs: args[2])
+    x = jax.random.normal(jax.random.key(0), (2, 64, 128))
+    model = LayerNormMLP(intermediate_dim=256, activations=("silu", "linear"), use_bias=True)
+    with fp8.fp8_autocast(recipe=BLOCK):
+        variables = model.init(jax.random.key(1), x, deterministic=True)
+        grads = jax.grad(lambda v: jnp.sum(model.apply(v, x, deterministic=True)[0]))(variables)
+    assert calls == ["swiglu"] and set(grads) == {"params"}
+    assert all(np.all(np.isfinite(g)) and np.any(g != 0) for g in jax.tree.leaves(grads))
+
+
 def test_fp8_mlp_rejects_bad_operands():
     x, w1, w2, _, act, norm = mlp_inputs("gelu", True)
     metas = (fp8.init_meta(4), fp8.init_meta(4))
@@ -113,5 +153,7 @@ def test_fp8_mlp_rejects_bad_operands():
         fp8.fp8_mlp(x, w1, w2, *metas, activation="gelu", norm=norm, recipe=DELAYED)
     with pytest.raises(TypeError, match="DelayedScaling"):
         fp8.fp8_mlp(x, w1, w2, None, None, activation=act, recipe=fp8.CurrentScaling())
+    with pytest.raises(ValueError, match="keeps no state"):
+        fp8.fp8_mlp(x, w1, w2, *metas, activation=act, norm=norm, recipe=BLOCK)
     with pytest.raises(ValueError, match="amax_history"):
         fp8.fp8_mlp(x, w1, w2, fp8.init_meta(8), metas[1], activation=act, recipe=DELAYED)

@@ -102,6 +102,31 @@ def test_activation_tile_kernel_matches_reference(interpret, m, k, activation, h
                       ops.activation_tile_fp8(x, activation, bias, transpose=transpose, implementation="xla"))
 
 
+@pytest.mark.parametrize("m, hidden, activation, has_bias, out_dtype", [
+    (200, 300, "gelu", True, jnp.float8_e4m3fn), (130, 256, "swiglu", True, jnp.float8_e4m3fn),
+    (128, 128, "clamped_swiglu", False, jnp.float8_e5m2),
+])
+def test_activation_grad_tile_kernel_matches_reference(interpret, m, hidden, activation, has_bias, out_dtype):
+    """The activation's backward writing fc1's output gradient in 1x128 tiles, both layouts, and the bias
+    gradient: masked tails in both axes, gated halves each cut in their own tiles."""
+    shape = (m, 2, hidden) if ops.is_gated(activation) else (m, hidden)
+    x = _x(m + hidden, (m, math.prod(shape[1:])), jnp.bfloat16, 1.0).reshape(shape)
+    dy = _x(m, (m, hidden), jnp.bfloat16)
+    bias = 0.5 * jax.random.normal(jax.random.key(3), shape[1:]) if has_bias else None
+    got = ops.activation_grad_tile_fp8(x, dy, activation, bias, out_dtype=out_dtype, implementation="pallas_triton")
+    want = ops.activation_grad_tile_fp8(x, dy, activation, bias, out_dtype=out_dtype, implementation="xla")
+    # the derivative is computed in another order than autodiff's (and GELU's tanh from exp): scales a few
+    # float32 ulps apart
+    assert_same_tiles(got[0:4:2], want[0:4:2])
+    for g, w in zip(got[1:4:2], want[1:4:2]):
+        np.testing.assert_allclose(g, w, rtol=1e-5)
+    if has_bias:
+        assert got[4].shape == bias.shape and got[4].dtype == jnp.float32
+        np.testing.assert_allclose(got[4], want[4], rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want[4]))))
+    else:
+        assert got[4] is None and want[4] is None
+
+
 def test_fused_tile_references_are_the_cast_of_the_float32_op():
     x, gamma, beta = _norm_inputs(0, 64, 256, jnp.float32)
     _assert_equal(ops.norm_tile_fp8(x, gamma, beta, transpose=True, implementation="xla"),
@@ -111,6 +136,14 @@ def test_fused_tile_references_are_the_cast_of_the_float32_op():
     _assert_equal(ops.activation_tile_fp8(h, "swiglu", implementation="xla"),
                   ops.tile_quantize(ops.activation(h, "swiglu", implementation="xla"), jnp.float8_e4m3fn,
                                     implementation="xla"))
+    # the backward: the float32 gradient of the activation (and of its bias), cast with its transpose
+    dy = _x(2, (64, 256), jnp.float32)
+    bias = jnp.linspace(-0.5, 0.5, 512).reshape(2, 256)
+    dh, dbias = jax.vjp(lambda h, b: ops.activation(h, "swiglu", b, implementation="xla"), h, bias)[1](dy)
+    *tiles, got_dbias = ops.activation_grad_tile_fp8(h, dy, "swiglu", bias, implementation="xla")
+    _assert_equal(tiles, ops.tile_quantize(dh.reshape(64, 512), jnp.float8_e4m3fn, transpose=True,
+                                           implementation="xla"))
+    np.testing.assert_allclose(got_dbias, dbias, rtol=1e-6)
 
 
 @pytest.mark.parametrize("k, n, out_dtype, power_of_two, amax_epsilon", [
@@ -233,7 +266,8 @@ def test_block_scaled_dense_lowers_to_kernels_for_cuda():
 
 def test_block_scaled_mlp_lowers_to_fused_casts_for_cuda():
     """A block-scaled LayerNormMLP, forward and backward, for an H200: the norm and the activation write
-    their GEMM's FP8 tiles in their own kernels (no separate cast of their outputs)."""
+    their GEMM's FP8 tiles in their own kernels (no separate cast of their outputs), and so does the
+    activation's backward for fc1's output gradient."""
     mlp = mtflax.LayerNormMLP(intermediate_dim=4096, activations=("gelu", "linear"), dtype=jnp.bfloat16)
     x = jax.ShapeDtypeStruct((8, 512, 2048), jnp.bfloat16)
 
@@ -245,10 +279,12 @@ def test_block_scaled_mlp_lowers_to_fused_casts_for_cuda():
         params = jax.eval_shape(mlp.init, jax.random.key(0), x)
         text = jax.jit(grads).trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
     kernels = collections.Counter(re.findall(r'name = "(mtjax_[a-z0-9_]+)"', text))
-    # one fused cast each for the norm's and the activation's output; tile_quantize only casts the
-    # two output gradients, block_quantize the two weights
-    assert (kernels["mtjax_norm_tile_quantize"], kernels["mtjax_activation_tile_quantize"]) == (1, 1), kernels
-    assert (kernels["mtjax_tile_quantize"], kernels["mtjax_block_quantize"]) == (2, 2), kernels
+    # one fused cast each for the norm's and the activation's output, and for fc1's output gradient
+    # (the activation's backward); tile_quantize only casts fc2's output gradient, block_quantize the
+    # two weights
+    assert (kernels["mtjax_norm_tile_quantize"], kernels["mtjax_activation_tile_quantize"],
+            kernels["mtjax_activation_grad_tile_quantize"]) == (1, 1, 1), kernels
+    assert (kernels["mtjax_tile_quantize"], kernels["mtjax_block_quantize"]) == (1, 2), kernels
 
 
 @pytest.mark.gpu

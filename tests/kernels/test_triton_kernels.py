@@ -531,6 +531,22 @@ def test_fused_tile_casts_match_reference(interpret, prologue):
         assert_same_tiles(got, want)
 
 
+@pytest.mark.parametrize("activation,m,hidden", [("gelu", 130, 200), ("clamped_swiglu", 130, 256)])
+def test_activation_grad_tile_cast_matches_reference(interpret, activation, m, hidden):
+    """`activation_grad_tile_fp8`: the activation's backward writing its gradient's tiles in both layouts
+    and the bias gradient, at odd shapes (masked tails)."""
+    from tests.kernels.test_block_fp8 import _x, assert_same_tiles
+
+    shape = (m, 2, hidden) if ops.is_gated(activation) else (m, hidden)
+    x = _x(4, (m, int(np.prod(shape[1:]))), jnp.bfloat16, 1.0).reshape(shape)
+    dy = _x(6, (m, hidden), jnp.bfloat16)
+    bias = 0.5 * jax.random.normal(jax.random.key(5), shape[1:])
+    got = ops.activation_grad_tile_fp8(x, dy, activation, bias, implementation="triton")
+    want = ops.activation_grad_tile_fp8(x, dy, activation, bias, implementation="xla")
+    assert_same_tiles(got[0:4:2], want[0:4:2])
+    _tree_allclose(got[1:4:2] + got[4:], want[1:4:2] + want[4:], 1e-5, ("scale_inv", "scale_inv_t", "dbias"))
+
+
 def test_a_nan_tile_gets_scale_one(interpret):
     """`block_quantize.tile_scales`: a tile whose amax is NaN keeps scale 1 and its NaN (the reference on
     the CPU cannot show this: XLA's CPU max drops NaNs)."""
@@ -569,8 +585,11 @@ def test_block_fp8_compiles_for_hopper():
                                          zero_centered_gamma=True, transpose=True, fp8_max=448.0)
         act = native.activation_tile_quantize(x.reshape(8192, 2, 2048), gamma.reshape(2, 2048), jnp.float8_e4m3fn,
                                               activation="clamped_swiglu", transpose=True, fp8_max=448.0)
+        act_grad = native.activation_grad_tile_quantize(x.reshape(8192, 2, 2048), gamma.reshape(2, 2048),
+                                                        x[:, :2048], jnp.float8_e4m3fn, activation="clamped_swiglu",
+                                                        fp8_max=448.0)
         return (native.block_fp8_gemm(a, a_s, b, b_rows, jnp.bfloat16),
-                native.block_fp8_gemm(g, g_s, b, b_rows, jnp.bfloat16), a_t, a_t_s, b_t, norm, act)
+                native.block_fp8_gemm(g, g_s, b, b_rows, jnp.bfloat16), a_t, a_t_s, b_t, norm, act, act_grad)
 
     shared = _compile_all(f, x)
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
