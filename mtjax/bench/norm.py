@@ -144,7 +144,8 @@ def _fp8_case(rows, quick: bool) -> None:
 
 def _tile_fp8_cases(rows, quick: bool) -> None:
     """`BlockScaling`'s fused casts: LayerNorm and SwiGLU writing 1x128-tile FP8 with the transposed cast,
-    beside the same result from the separate ops (the norm or activation, then `tile_quantize`)."""
+    and SwiGLU's backward writing its gradient so, beside the same result from the separate ops (the
+    norm or activation, or its backward, then `tile_quantize`)."""
     tokens, hidden = (64, 260) if quick else MAIN_SHAPE
     inputs = _inputs((tokens, hidden), hidden, jnp.bfloat16, count_arrays=1)
     fp8 = jnp.float8_e4m3fn
@@ -170,6 +171,28 @@ def _tile_fp8_cases(rows, quick: bool) -> None:
                  power_of_two=False, amax_epsilon=0.0)
     # reads x [tokens, 2, hidden]; writes q and q^T
     _case(rows, f"bias+swiglu+tile cast+T fwd {tokens}x{2 * hidden} bf16->e4m3", fns, inputs, 6 * tokens * hidden,
+          quick, auto)
+    # the backward: fc1's output gradient from the activation's, cast in tiles with its transpose (the
+    # kernel cuts each gated half in whole tiles)
+    hidden -= hidden % 128
+    keys = jax.random.split(jax.random.key(5), 3)
+    inputs = timing.rotating(lambda i: tuple(
+        timing.random_array(jax.random.fold_in(key, i), shape, jnp.bfloat16)
+        for key, shape in zip(keys, ((tokens, 2, hidden), (tokens, hidden), (2, hidden)))))
+    fns = {label: jax.jit(lambda x, dy, b, impl=impl: ops.activation_grad_tile_fp8(x, dy, "swiglu", b,
+                                                                                   implementation=impl))
+           for label, impl in _implementations()}
+
+    def separate(x, dy, b):
+        dx, db = jax.vjp(lambda x, b: ops.activation(x, "swiglu", b), x, b)[1](dy)
+        return (*ops.tile_quantize(dx.reshape(tokens, -1), fp8, transpose=True), db)
+
+    fns["separate"] = jax.jit(separate)
+    x, dy, b = inputs[0]
+    auto = _auto("activation_grad_tile_fp8", x, b, dy, activation_type="swiglu", out_dtype=jnp.dtype(fp8),
+                 power_of_two=False, amax_epsilon=0.0)
+    # reads x [tokens, 2, hidden] and dy; writes q and q^T [tokens, 2 * hidden]
+    _case(rows, f"swiglu bwd+tile cast+T {tokens}x{2 * hidden} bf16->e4m3", fns, inputs, 10 * tokens * hidden,
           quick, auto)
 
 

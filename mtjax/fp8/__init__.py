@@ -38,8 +38,8 @@ Limitation: one `DotGeneral` instance must run once per differentiated function 
 The package: `mtjax.fp8.recipes` (formats and recipes), `mtjax.fp8.scaling` (the state and the scale
 math), `mtjax.fp8.context` (`fp8_autocast`, `autocast`), `mtjax.fp8.dot_general` (the FP8 GEMM and
 `DotGeneral`), `mtjax.fp8.mlp` (the fused FP8 MLP) and `mtjax.fp8.gradients` (the meta on
-gradients and optimizers); `mtjax.fp8.block_scaling` holds the matmul of `BlockScaling` (1x128
-tiles, 128x128 weight blocks, no state; docs/fp8-block-scaling.md).
+gradients and optimizers); `mtjax.fp8.block_scaling` holds the matmul and the fused MLP of
+`BlockScaling` (1x128 tiles, 128x128 weight blocks, no state; docs/fp8-block-scaling.md).
 The FP8 dtypes are `mtjax.dtypes`'; the quantize, cast_transpose and FP8 GEMM ops are `mtjax.ops`', re-exported here.
 """
 
