@@ -8,7 +8,8 @@ the meta update included) and ``mtjax fp8 block`` (`mtjax.fp8.BlockScaling`: 1x1
 weight blocks, every tile cast included). ``block fp8 gemm`` rows time the block-scaled GEMM alone
 (`mtjax.ops.block_fp8_gemm` on operands cast beforehand, ``2 * M * K * N`` FLOPs) against the
 machine's per-tensor FP8 GEMM ceiling: the dispatched op, then (first shape) each of its kernels
-that runs here (``[pallas_triton]``, ``[triton]``, ``[mosaic_gpu]``); ``--sweep`` adds one row per
+that runs here (``[pallas_triton]``, ``[triton]``, ``[mosaic_gpu]``, ``[cublaslt]``: cuBLASLt's block
+modes once `mtjax.kernels.cublaslt` is built); ``--sweep`` adds one row per
 candidate tile of the Pallas Triton and Mosaic GPU kernels (`mtjax.kernels.block_fp8_gemm.SWEEP_CONFIGS`,
 `mtjax.kernels.mosaic_gpu.block_fp8_gemm.SWEEP_CONFIGS`).
 
@@ -131,7 +132,7 @@ def _block_operands(inputs: tuple) -> tuple:
 
 
 # The block-scaled GEMM's kernels beside the dispatched op (each where its backend runs).
-BLOCK_GEMM_KERNELS = ("pallas_triton", "triton", "mosaic_gpu")
+BLOCK_GEMM_KERNELS = ("pallas_triton", "triton", "mosaic_gpu", "cublaslt")
 
 
 def _block_gemm_fn(variant: str | GemmConfig | MosaicGemmConfig | None):

@@ -86,6 +86,25 @@ def _block_fp8_gemm_mosaic(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     return mosaic.block_fp8_gemm(a, a_scale_inv, b, _row_scales(b_scale_inv, b.shape[0]), out_dtype)
 
 
+def _cublaslt_unsupported(a, sa, b, sb, *, out_dtype, **_) -> str | None:
+    from mtjax.kernels import cublaslt
+
+    reason = cublaslt.unsupported(a.dtype, b.dtype, out_dtype)
+    if reason is None and backend.cuda_compute_capability()[0] != 9:
+        reason = "cuBLASLt's 1x128 and 128x128 block scales run on Hopper (sm_90) GPUs"
+    return reason or cublaslt.load()
+
+
+# cuBLASLt's block-scaled modes through an FFI call; below the kernels until the GPU benchmark has
+# compared them.
+@backend.register("block_fp8_gemm", "cublaslt", requires=(backend.FP8_GEMM,), platforms=("cuda",), priority=7,
+                  single_device=True, unsupported=_cublaslt_unsupported)
+def _block_fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
+    from mtjax.kernels import cublaslt
+
+    return cublaslt.block_fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype)
+
+
 def block_fp8_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_inv: jax.Array, *,
                    out_dtype: Any, implementation: str | None = None) -> jax.Array:
     """``(a @ b^T)`` with block scales, in ``out_dtype``: the GEMM every block-scaled FP8 dot reduces to.
@@ -100,7 +119,8 @@ def block_fp8_gemm(a: jax.Array, a_scale_inv: jax.Array, b: jax.Array, b_scale_i
       implementation: ``"xla"`` (a loop of FP8 dots), ``"pallas_triton"`` (the kernel,
         `mtjax.kernels.block_fp8_gemm`), ``"triton"`` (its native Triton port) or ``"mosaic_gpu"``
         (a warp-specialised Mosaic GPU kernel for Hopper, `mtjax.kernels.mosaic_gpu.block_fp8_gemm`;
-        one FP8 dtype for both operands).
+        one FP8 dtype for both operands) or ``"cublaslt"`` (cuBLASLt's block-scaled modes on Hopper,
+        `mtjax.kernels.cublaslt`, once its FFI library is built).
     """
     for name, x in (("a", a), ("b", b)):
         if not is_fp8(x.dtype):
