@@ -24,7 +24,8 @@ from typing import Any
 import jax
 
 from mtjax.fp8.recipes import BlockScaling
-from mtjax.ops import Activation, Norm, block_fp8_gemm, block_quantize, tile_quantize
+from mtjax.ops import Activation, Norm, block_fp8_gemm, block_quantize, is_gated, tile_quantize
+from mtjax.ops.block_quantization import TILE
 
 
 def _options(recipe: BlockScaling) -> dict[str, Any]:
@@ -123,8 +124,13 @@ def _block_mlp_bwd(spec1, spec2, residuals, g):
     x, norm, w1_shape, gemm1, h, activation, gemm2 = residuals
     g_tiles = tile_quantize(g, spec2.bwd_dtype, transpose=True, **_options(spec2.recipe))
     d_activation_out, dw2 = _backward_gemms(spec2, gemm2, g_tiles)
-    # fc1's output gradient, written in FP8 tiles (both layouts) by the activation's backward.
-    *h_tiles, d_activation = activation.tile_fp8_grad(h, d_activation_out, spec1.bwd_dtype, **_options(spec1.recipe))
+    options = _options(spec1.recipe)
+    if is_gated(activation.activation_type) and h.shape[-1] % TILE:
+        # The fused kernel cuts each gated half in whole tiles; here the two kernels it fuses.
+        d_h, d_activation = prologue_backward(h, activation, d_activation_out)
+        h_tiles = tile_quantize(d_h.reshape(h.shape[0], -1), spec1.bwd_dtype, transpose=True, **options)
+    else:  # fc1's output gradient, written in FP8 tiles (both layouts) by the activation's backward
+        *h_tiles, d_activation = activation.tile_fp8_grad(h, d_activation_out, spec1.bwd_dtype, **options)
     d_fc1_input, dw1 = _backward_gemms(spec1, gemm1, h_tiles)
     dx, d_norm = prologue_backward(x, norm, d_fc1_input)
     return dx, d_norm, dw1.reshape(w1_shape), d_activation, dw2

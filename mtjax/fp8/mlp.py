@@ -75,7 +75,8 @@ def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.
     """``activation(norm(x) @ w1) @ w2`` with both GEMMs in FP8 (a Transformer MLP without dropout).
 
     The same numbers as `fp8_dot_general` with ``lhs_prologue=norm`` for fc1 and
-    ``lhs_prologue=activation`` for fc2, in one ``custom_vjp`` so that the activation's backward
+    ``lhs_prologue=activation`` for fc2 (in float32; in bf16 the fused backward casts the float32
+    gradient of the activation, one rounding fewer), in one ``custom_vjp`` so that the activation's backward
     writes fc1's output gradient directly in FP8 with its transpose (TransformerEngine's "dact +
     cast_transpose"): one pass over the MLP's widest tensor fewer. Under `DelayedScaling` with
     fc1's delayed output-gradient scale (`mtjax.ops.activation_grad_fp8`); under `BlockScaling` in

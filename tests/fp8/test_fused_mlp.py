@@ -105,13 +105,16 @@ def test_layernorm_mlp_runs_the_fused_op_without_dropout(spy):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
-@pytest.mark.parametrize("activation,with_norm", [("swiglu", True), ("gelu", False)])
-def test_block_scaled_fused_mlp_matches_the_gemms_one_at_a_time(activation, with_norm, implementation, interpret):
+@pytest.mark.parametrize("activation,with_norm,mlp", [("swiglu", True, 256), ("gelu", False, 256),
+                                                      ("swiglu", False, 200)])
+def test_block_scaled_fused_mlp_matches_the_gemms_one_at_a_time(activation, with_norm, mlp, implementation,
+                                                                 interpret):
     """Under `BlockScaling` both paths cast the same float32 gradient of the activation in the same
     tiles (one at a time through fc1's `tile_quantize`, fused through the activation's tile-cast
-    backward). With the XLA references the numbers are identical; with the kernels the derivative
-    rounds in another order, so an element on an FP8 rounding boundary may round the other way."""
-    x, w1, w2, dy, act, norm = mlp_inputs(activation, with_norm, m=160, hidden=128, mlp=256, out=136)
+    backward; a gated ``mlp`` off the 128-wide tiles takes the two kernels the fused one replaces).
+    With the XLA references the numbers are identical; with the kernels the derivative rounds in
+    another order, so an element on an FP8 rounding boundary may round the other way."""
+    x, w1, w2, dy, act, norm = mlp_inputs(activation, with_norm, m=160, hidden=128, mlp=mlp, out=136)
 
     def fused(x, norm, w1, act, w2):
         return fp8.fp8_mlp(x, w1, w2, None, None, activation=act, norm=norm, recipe=BLOCK)

@@ -311,6 +311,15 @@ def test_quantize_kernels_on_gpu(shape):
                                                       implementation="pallas_triton"),
                               ops.activation_tile_fp8(h, "swiglu", out_dtype=out_dtype, transpose=True,
                                                       implementation="xla"))
+        # the activation's backward writing its gradient's tiles (gated: halves of whole tiles)
+        act = "swiglu" if shape[1] % 256 == 0 else "gelu"
+        h = x.reshape(shape[0], 2, -1) if act == "swiglu" else x
+        dy = _x(1, (shape[0], h.shape[-1]), jnp.bfloat16)
+        got = ops.activation_grad_tile_fp8(h, dy, act, out_dtype=out_dtype, implementation="pallas_triton")
+        want = ops.activation_grad_tile_fp8(h, dy, act, out_dtype=out_dtype, implementation="xla")
+        assert_same_tiles(got[0:4:2], want[0:4:2])
+        for g, w in zip(got[1:4:2], want[1:4:2]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5)
 
 
 @pytest.mark.gpu
