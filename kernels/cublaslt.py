@@ -33,6 +33,7 @@ import numpy as np
 TARGET = "mtjax_cublaslt_block_fp8_gemm"
 SOURCE = Path(__file__).with_name("cuda") / "cublaslt_block_fp8.cc"
 BLOCK = 128
+MIN_VERSION = 120900  # cuBLAS 12.9: the first with the 1x128 and 128x128 scale modes
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -47,12 +48,14 @@ def library_path() -> Path:
 
 
 def _cuda_roots() -> list[Path]:
-    """Folders that may hold CUDA headers and libraries: the CUDA toolkit's, then the ``nvidia-*``
-    wheels' (``site-packages/nvidia/cu13``, ``nvidia/cublas``...)."""
-    roots = [Path(p) for p in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
-    for packages in {*site.getsitepackages(), site.getusersitepackages(), *sys.path}:
+    """Folders that may hold CUDA headers and libraries, in a fixed order: the ``nvidia-*`` wheels'
+    (``site-packages/nvidia/cu13``, ``nvidia/cublas``...: the copies jax's CUDA plugin loads), then
+    ``$CUDA_HOME``, ``$CUDA_PATH`` and ``/usr/local/cuda``."""
+    roots = []
+    for packages in dict.fromkeys([*site.getsitepackages(), site.getusersitepackages(), *sys.path]):
         roots += sorted(Path(p) for p in glob.glob(os.path.join(packages, "nvidia", "*")) if os.path.isdir(p))
-    return roots
+    roots += [Path(p) for p in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
+    return list(dict.fromkeys(roots))
 
 
 def _find(names: Sequence[str], subdirs: Sequence[str], roots: Sequence[Path]) -> list[Path]:
@@ -105,7 +108,7 @@ def build(output: str | os.PathLike | None = None, *, include_dirs: Sequence[str
 @functools.cache
 def load() -> str | None:
     """Load the library and register its FFI target for CUDA (once); None when that worked, else why
-    not (for `unsupported`)."""
+    not (for `unsupported`): no library, or one bound to a cuBLASLt without the block-scaled modes."""
     path = library_path()
     if not path.exists():
         return f"no cuBLASLt FFI library at {path} (build it: python -m mtjax.kernels.cublaslt)"
@@ -114,6 +117,10 @@ def load() -> str | None:
         if cublaslt is not None:  # the copy jax's CUDA plugin uses, if it has not loaded it yet
             ctypes.CDLL(str(cublaslt), mode=ctypes.RTLD_GLOBAL)
         library = ctypes.CDLL(str(path))
+        library.MtjaxCublasLtVersion.restype = ctypes.c_size_t
+        found = int(library.MtjaxCublasLtVersion())
+        if found < MIN_VERSION:
+            return f"cuBLASLt {found} (the block-scaled modes need {MIN_VERSION} or newer)"
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MtjaxCublasLtBlockFp8Gemm), platform="CUDA")
     except (OSError, AttributeError, ValueError) as err:
         return f"cuBLASLt FFI library {path} did not load: {err}"
@@ -156,6 +163,9 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
     why = unsupported(a.dtype, b.dtype, out_dtype)
     if why is not None:
         raise ValueError(f"cublaslt.block_fp8_gemm: unsupported input: {why}")
+    why = load()
+    if why is not None:
+        raise RuntimeError(f"cublaslt.block_fp8_gemm: {why}")
     (m, k), n = a.shape, b.shape[0]
     kb = -(-k // BLOCK)
     b_blocks = sb.shape[0] != n  # as `mtjax.ops.block_fp8_gemm` tells them apart
@@ -167,7 +177,8 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
         sb_lt = _pad(sb.astype(jnp.float32), (sb.shape[0], _round_up(kb, 4)), 1.0)  # [ceil(n/128), kb4]
     else:
         sb_lt = _pad(sb.astype(jnp.float32).T, (kb, np_), 1.0)  # [kb, n4]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((mp, np_), out_dtype))
+    # Batched callers (vmap) run one GEMM per batch entry: the handler takes 2-D operands.
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((mp, np_), out_dtype), vmap_method="sequential")
     out = call(a, sa_t, b, sb_lt, b_blocks=np.int32(b_blocks))
     return out[:m, :n] if (mp, np_) != (m, n) else out
 

@@ -7,9 +7,11 @@
 // "A" operand our `b` (transposed, k x n) and its "B" our `a` (k x m), the TN form its FP8 GEMMs take.
 //
 // Scale layouts (the Python wrapper, mtjax.kernels.cublaslt, writes them):
-//   a_scale: [ceil(k/128), m4] float32, m4 = m rounded up to 4 (rows contiguous per K block);
-//   b_scale: 1x128 tiles as a_scale's ([ceil(k/128), n4]); 128x128 blocks as [ceil(n/128), kb4],
+//   a_scale: [ceil(k/128), m] float32 (rows contiguous per K block);
+//   b_scale: 1x128 tiles as a_scale's ([ceil(k/128), n]); 128x128 blocks as [ceil(n/128), kb4],
 //            kb4 = ceil(k/128) rounded up to 4 (K blocks contiguous per N block).
+// cuBLASLt wants m and n multiples of 4 and k of 16 (the wrapper pads m and n to 16, k to whole
+// blocks); the handler checks these shapes, since a wrong one would read out of bounds.
 
 #include <cstddef>
 #include <cstdint>
@@ -28,6 +30,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+constexpr uintptr_t kWorkspaceAlignment = 256;  // cuBLASLt's requirement; XLA's allocator promises 16
 
 ffi::Error CublasError(const char* what, cublasStatus_t status) {
   return ffi::Error::Internal(std::string("mtjax cuBLASLt block FP8 GEMM: ") + what + ": " +
@@ -71,7 +74,16 @@ struct Descriptors {
   }
 };
 
-using AlgoKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int>;
+// Shape, types, scale mode and the operands' alignments (the heuristic's choice may depend on them).
+using AlgoKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, uint32_t, uint32_t, uint32_t>;
+
+// The largest power of two up to 256 that divides the address.
+uint32_t Alignment(const void* pointer) {
+  uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment) alignment /= 2;
+  return alignment;
+}
 
 std::mutex& Mutex() {
   static std::mutex mutex;
@@ -100,6 +112,18 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
     return ffi::Error::InvalidArgument("mtjax cuBLASLt block FP8 GEMM: expected a [m, k] and b [n, k]");
   }
   const int64_t m = a_dims[0], k = a_dims[1], n = b_dims[0];
+  const int64_t kb = (k + 127) / 128, kb4 = (kb + 3) / 4 * 4;
+  auto as_dims = a_scale.dimensions();
+  auto bs_dims = b_scale.dimensions();
+  const bool shapes_ok =
+      m % 4 == 0 && n % 4 == 0 && k % 16 == 0 && as_dims.size() == 2 && as_dims[0] == kb && as_dims[1] == m &&
+      bs_dims.size() == 2 &&
+      (b_blocks ? (bs_dims[0] == (n + 127) / 128 && bs_dims[1] == kb4) : (bs_dims[0] == kb && bs_dims[1] == n));
+  if (!shapes_ok) {
+    return ffi::Error::InvalidArgument(
+        "mtjax cuBLASLt block FP8 GEMM: expected m and n multiples of 4, k of 16, a_scale [ceil(k/128), m] and "
+        "b_scale [ceil(k/128), n] (tiles) or [ceil(n/128), ceil(k/128) rounded up to 4] (blocks)");
+  }
   cudaDataType_t a_type, b_type, d_type;
   if (!Fp8Type(a.element_type(), &a_type) || !Fp8Type(b.element_type(), &b_type)) {
     return ffi::Error::InvalidArgument("mtjax cuBLASLt block FP8 GEMM: a and b must be float8_e4m3fn or float8_e5m2");
@@ -109,10 +133,13 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   }
   cublasLtHandle_t handle;
   if (ffi::Error error = Handle(&handle); error.failure()) return error;
-  std::optional<void*> workspace = scratch.Allocate(kWorkspaceBytes);
-  if (!workspace.has_value()) {
+  std::optional<void*> scratch_memory = scratch.Allocate(kWorkspaceBytes + kWorkspaceAlignment);
+  if (!scratch_memory.has_value()) {
     return ffi::Error::Internal("mtjax cuBLASLt block FP8 GEMM: no workspace");
   }
+  const uintptr_t scratch_address = reinterpret_cast<uintptr_t>(scratch_memory.value());
+  void* workspace = reinterpret_cast<void*>((scratch_address + kWorkspaceAlignment - 1) / kWorkspaceAlignment *
+                                            kWorkspaceAlignment);
 
   Descriptors desc;
   MTJAX_RETURN_IF_ERROR("matmul descriptor", cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -139,8 +166,11 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   MTJAX_RETURN_IF_ERROR("B layout", cublasLtMatrixLayoutCreate(&desc.b, a_type, k, m, k));
   MTJAX_RETURN_IF_ERROR("D layout", cublasLtMatrixLayoutCreate(&desc.d, d_type, n, m, n));
 
+  void* d = out->untyped_data();
+  const uint32_t lt_a_alignment = Alignment(b.untyped_data()), lt_b_alignment = Alignment(a.untyped_data()),
+                 d_alignment = Alignment(d);
   const AlgoKey key{m, n, k, static_cast<int>(a_type), static_cast<int>(b_type), static_cast<int>(d_type),
-                    b_blocks};
+                    b_blocks, lt_a_alignment, lt_b_alignment, d_alignment};
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(Mutex());
@@ -152,6 +182,16 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
       const size_t workspace_bytes = kWorkspaceBytes;
       MTJAX_RETURN_IF_ERROR("workspace preference", cublasLtMatmulPreferenceSetAttribute(
           desc.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+      // The heuristic assumes 256-byte aligned operands unless told what they are.
+      const std::tuple<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, lt_a_alignment},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, lt_b_alignment},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, d_alignment},
+          {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d_alignment}};
+      for (const auto& [attribute, bytes] : alignments) {
+        MTJAX_RETURN_IF_ERROR("alignment preference",
+                              cublasLtMatmulPreferenceSetAttribute(desc.preference, attribute, &bytes, sizeof(bytes)));
+      }
       cublasLtMatmulHeuristicResult_t heuristic;
       int found_count = 0;
       MTJAX_RETURN_IF_ERROR("heuristic", cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
@@ -165,10 +205,9 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
-  void* d = out->untyped_data();
   MTJAX_RETURN_IF_ERROR("matmul", cublasLtMatmul(handle, desc.op, &alpha, b.untyped_data(), desc.a,
                                                   a.untyped_data(), desc.b, &beta, d, desc.d, d, desc.d, &algo,
-                                                  workspace.value(), kWorkspaceBytes, stream));
+                                                  workspace, kWorkspaceBytes, stream));
   return ffi::Error::Success();
 }
 

@@ -4,6 +4,7 @@ FFI library where this machine has cuBLASLt and its headers, and its numbers on 
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -16,18 +17,26 @@ from mtjax.kernels import cublaslt
 from tests.kernels.test_block_fp8 import _operands
 
 
-def _lowered(m, k, n, b_blocks, b_dtype=jnp.float8_e4m3fn):
+def _lowered(m, k, n, b_blocks, b_dtype=jnp.float8_e4m3fn, batch=()):
     kb = -(-k // 128)
     sb_rows = -(-n // 128) if b_blocks else n
-    shapes = [jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((m, kb), jnp.float32),
-              jax.ShapeDtypeStruct((n, k), b_dtype), jax.ShapeDtypeStruct((sb_rows, kb), jnp.float32)]
+    shapes = [jax.ShapeDtypeStruct(batch + s, dtype) for s, dtype in (
+        ((m, k), jnp.float8_e4m3fn), ((m, kb), jnp.float32), ((n, k), b_dtype), ((sb_rows, kb), jnp.float32))]
+    fn = functools.partial(cublaslt.block_fp8_gemm, out_dtype=jnp.bfloat16)
+    for _ in batch:
+        fn = jax.vmap(fn)
     with backend.abstract_gpu():
-        return jax.jit(lambda a, sa, b, sb: cublaslt.block_fp8_gemm(a, sa, b, sb, jnp.bfloat16)).trace(
-            *shapes).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The FFI target taken as registered: lowering does not need the library."""
+    monkeypatch.setattr(cublaslt, "load", lambda: None)
 
 
 @pytest.mark.parametrize("b_blocks", [True, False], ids=["blocks", "tiles"])
-def test_lowers_to_the_ffi_call_with_cublas_layouts(b_blocks):
+def test_lowers_to_the_ffi_call_with_cublas_layouts(registered, b_blocks):
     """Odd shapes: rows padded to 16, K to whole blocks; a's scales K-block-major with the rows
     contiguous, b's blocks with their K blocks contiguous (padded to 4), b's tiles as a's."""
     text = _lowered(1000, 2050, 700, b_blocks)
@@ -37,6 +46,12 @@ def test_lowers_to_the_ffi_call_with_cublas_layouts(b_blocks):
     assert operands == [("1008x2176", "f8E4M3FN"), ("17x1008", "f32"), ("704x2176", "f8E4M3FN"), b_scale], call
     assert "tensor<1008x704xbf16>" in call.split("->")[1]
     assert f"b_blocks = {int(b_blocks)} : i32" in call
+
+
+def test_batch_axes_run_one_call_per_entry(registered):
+    """`BlockScaling`'s matmul vmaps batch axes; the handler takes 2-D operands, so a loop of calls."""
+    text = _lowered(256, 256, 128, True, batch=(3,))
+    assert text.count(cublaslt.TARGET) == 1 and "stablehlo.while" in text
 
 
 def test_what_it_declines(monkeypatch, tmp_path):
@@ -55,6 +70,9 @@ def test_what_it_declines(monkeypatch, tmp_path):
         a = jax.ShapeDtypeStruct((128, 128), e4m3)
         scale = jax.ShapeDtypeStruct((128, 1), jnp.float32)
         assert "python -m mtjax.kernels.cublaslt" in impl.unsupported(a, scale, a, scale, out_dtype=jnp.bfloat16)
+        with pytest.raises(RuntimeError, match="python -m mtjax.kernels.cublaslt"):  # called directly
+            x = jnp.zeros((16, 128), e4m3)
+            cublaslt.block_fp8_gemm(x, jnp.ones((16, 1)), x, jnp.ones((16, 1)), jnp.bfloat16)
     finally:
         cublaslt.load.cache_clear()
 
