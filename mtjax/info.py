@@ -11,6 +11,7 @@ import jax
 
 from mtjax import backend
 from mtjax.config import config
+from mtjax.kernels import cublaslt
 from mtjax.xla_flags import XLA_FLAG_PRESETS
 
 
@@ -33,7 +34,8 @@ def collect() -> dict:
         "capabilities": sorted(backend.capabilities()),
         "kernel_packages": {"pallas_triton": "jax has Pallas' Triton backend" if backend.pallas_triton_present()
                             else "this jax has no Pallas Triton backend",
-                            "triton": backend.native_triton_problem() or "triton and jax_triton import"},
+                            "triton": backend.native_triton_problem() or "triton and jax_triton import",
+                            "cublaslt": cublaslt.load() or f"FFI library {cublaslt.library_path()} loaded"},
         "plugins": backend.loaded_plugins(),
         "config": {
             "implementations": config.implementations,
