@@ -60,8 +60,7 @@ class AttentionConfig:
 
     Attributes:
       block_kv: keys per step of the forward and dQ loops (64 or 128).
-      block_q: queries per step of the dK/dV loop (64: with 128, Mosaic GPU's interpret mode
-        deadlocks the dK/dV kernel under causal masks, for a reason not found yet; docs/kernels.md).
+      block_q: queries per step of the dK/dV loop (64 or 128).
       stages: slots of the TMA ring.
       p_in_registers: the second GEMM of each step reads its left operand (probabilities, their
         gradients) from registers, as FlashAttention-3 does; False writes it to shared memory first
@@ -74,10 +73,10 @@ class AttentionConfig:
     p_in_registers: bool = True
 
     def __post_init__(self) -> None:
-        for name, allowed in (("block_kv", (64, 128)), ("block_q", (64,))):
+        for name in ("block_kv", "block_q"):
             value = getattr(self, name)
-            if value not in allowed:  # the kernels pad to multiples of 128 rows
-                raise ValueError(f"AttentionConfig({name}={value!r}): expected one of {allowed}")
+            if value not in (64, 128):  # the kernels pad to multiples of 128 rows
+                raise ValueError(f"AttentionConfig({name}={value!r}): expected 64 or 128")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"AttentionConfig(stages={self.stages!r}): expected an int >= 2")
 
@@ -88,7 +87,9 @@ DEFAULT_CONFIG = AttentionConfig()
 # What `python -m mtjax.bench.attention --sweep` tries for these kernels.
 # Each fits an SM's shared memory at head_dim 128 with segment ids (three stages with 128-row blocks
 # would not); the tests lower every one.
-SWEEP_CONFIGS = (AttentionConfig(block_kv=128), AttentionConfig(stages=3), AttentionConfig(p_in_registers=False))
+SWEEP_CONFIGS = (AttentionConfig(block_kv=128), AttentionConfig(block_q=128),
+                 AttentionConfig(block_kv=128, block_q=128), AttentionConfig(stages=3),
+                 AttentionConfig(p_in_registers=False))
 
 
 def default_config() -> AttentionConfig:
