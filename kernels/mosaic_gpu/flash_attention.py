@@ -19,11 +19,19 @@ CTA's range, so the phases of every barrier advance in step in all three warpgro
   ``dSᵀ = Pᵀ (dPᵀ - δ)``, ``dK += dSᵀ Q``.
 - dQ (one CTA per 128 queries and head): ``P``, ``dP = dO Vᵀ``, ``dS = P (dP - δ)``, ``dQ += dS K``.
 
-What they take: bfloat16/float16, head_dim 64 or 128, causal masks and sliding windows, segment ids
-(their blocks ride in the same TMA ring as the keys or queries they label), GQA, logit soft-capping
-and dropout (the same counter-based mask as every mtjax attention, redrawn in each kernel); not
-head_dim 256 (two float32 accumulators of 64 x 256 per warpgroup exceed the registers of the dK/dV
-loop) or float32 inputs (`unsupported` says so and the op runs another kernel).
+What they take: bfloat16/float16, head_dim 64, 128 or 256, causal masks and sliding windows, segment
+ids (their blocks ride in the same TMA ring as the keys or queries they label), GQA, logit
+soft-capping and dropout (the same counter-based mask as every mtjax attention, redrawn in each
+kernel); not float32 inputs (`unsupported` says so and the op runs another kernel).
+
+At head_dim 256 the tiles are fixed (`tiles_for`): 64-row steps and two ring slots, so that each
+kernel's shared memory fits an SM. The backward kernels split the head dimension between the two
+compute warpgroups there: a CTA owns 64 queries (dQ) or 64 keys (dK/dV), shared by both, each
+computes the step's ``S`` (``Pᵀ``) and ``dP`` over the whole head dimension and accumulates its
+128-column half of the output (two float32 ``64 x 256`` dK and dV accumulators would not fit a
+warpgroup's registers; Q, dO and two K and V slots of 128 queries would not fit shared memory).
+Their tiles are stored as two ``[rows, 128]`` halves, so each warpgroup's GEMMs read a contiguous
+half; once both are done, each writes its half of the output through shared memory.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ from mtjax.kernels.mosaic_gpu.common import (
 )
 
 LOG2E = math.log2(math.e)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+SPLIT_HEAD_DIM = 128  # above this, dK/dV split the head dimension between the compute warpgroups
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -96,6 +105,15 @@ def default_config() -> AttentionConfig:
     """`DEFAULT_CONFIG`, with the probabilities through shared memory in interpret mode (which runs
     wgmma on shared-memory operands only)."""
     return dataclasses.replace(DEFAULT_CONFIG, p_in_registers=False) if interpret() else DEFAULT_CONFIG
+
+
+def tiles_for(config: AttentionConfig, head_dim: int, kernel: str) -> AttentionConfig:
+    """``config`` as ``kernel`` (``"forward"``, ``"dq"`` or ``"dkdv"``) runs it at ``head_dim``: at 256
+    the fixed tiles whose shared memory fits an SM (see the module docstring)."""
+    if head_dim <= SPLIT_HEAD_DIM:
+        return config
+    tiles = {"forward": dict(block_kv=64), "dq": dict(block_kv=64), "dkdv": dict(block_q=WG_ROWS)}[kernel]
+    return dataclasses.replace(config, stages=2, **tiles)
 
 
 def unsupported(q_shape, kv_shape, dtype) -> str | None:
@@ -221,8 +239,15 @@ def _cols_vector(ref):
 
 def _mma(a_smem, b_smem, shape):
     """``a @ b`` (float32 ``shape``) of two shared-memory operands, into a fresh accumulator."""
+    return _mma_sum([(a_smem, b_smem)], shape)
+
+
+def _mma_sum(pairs, shape):
+    """``Σ a @ b`` (float32 ``shape``) over ``[(a, b), ...]`` shared-memory operands (a product over a
+    contraction stored in parts), into one fresh accumulator."""
     def mma(out_ref):
-        plgpu.wgmma(out_ref, a_smem, b_smem)
+        for a_smem, b_smem in pairs:
+            plgpu.wgmma(out_ref, a_smem, b_smem)
         return out_ref[...]
 
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
@@ -249,10 +274,11 @@ def _drain(steps, stages: int, *free_barriers):
 
 
 def _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready, v_ready, k_free, v_free, batch,
-               kv_head, lo, hi, block_kv: int, stages: int, segments: bool):
+               kv_head, lo, hi, block_kv: int, stages: int, segments: bool, parts: int = 1):
     """The memory warpgroup of the forward and dQ kernels: K and V blocks ``lo .. hi`` of one kv head
     (and their keys' segment ids, with K's barrier) into the ring, each slot refilled once both
-    compute warpgroups have freed it."""
+    compute warpgroups have freed it; into ring slots ``[parts, block_kv, head_dim / parts]`` (dQ's),
+    each block as ``parts`` column blocks of the head dimension."""
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
     @pl.loop(lo, hi)
@@ -263,18 +289,24 @@ def _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready
             @pl.when(i - lo >= stages)  # the slot's previous block has been read by both
             def _(free=free):
                 plgpu.barrier_wait(free.at[slot])
-            plgpu.copy_gmem_to_smem(src.at[batch, keys, kv_head], dst.at[slot], ready.at[slot])
+            if len(dst.shape) == 3:  # the forward's ring: [stages, block_kv, head_dim]
+                plgpu.copy_gmem_to_smem(src.at[batch, keys, kv_head], dst.at[slot], ready.at[slot])
+            else:
+                part_dim = src.shape[-1] // parts
+                for part in range(parts):
+                    plgpu.copy_gmem_to_smem(src.at[batch, keys, kv_head, pl.ds(part * part_dim, part_dim)],
+                                            dst.at[slot, part], ready.at[slot])
             if segments and src is k_gmem:
                 plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, keys], kv_seg_smem.at[slot], ready.at[slot])
 
     _drain(hi - lo, stages, k_free, v_free)
 
 
-def _key_ranges(mask, q0, block_kv: int):
-    """``(lo, hi, ranges)``: the key blocks the CTA's 128 queries from ``q0`` may see, as the
+def _key_ranges(mask, q0, block_kv: int, rows: int = BLOCK_ROWS):
+    """``(lo, hi, ranges)``: the key blocks the CTA's ``rows`` queries from ``q0`` may see, as the
     `_steps` ranges of the band's masked edges and its unmasked middle (which ends before a block
     holding the end of the keys)."""
-    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, BLOCK_ROWS, block_kv)
+    lo, full_lo, full_hi, hi = mask.kv_blocks(q0, rows, block_kv)
     return lo, hi, ((lo, full_lo, True), (full_lo, full_hi, False), (full_hi, hi, True))
 
 
@@ -367,7 +399,7 @@ def _optional_inputs(q_seg, kv_seg, seed, batch):
 
 def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s forward launcher contract: ``(out, lse)`` on padded arrays."""
-    config = config or default_config()
+    config = tiles_for(config or default_config(), q.shape[-1], "forward")
     q_in = q.shape[1]
     q_seg, kv_seg, seed = _optional_inputs(q_seg, kv_seg, seed, q.shape[0])
     if st.mask.segments:  # padded rows and keys get id 0: padding, never attended
@@ -404,72 +436,96 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st, config: AttentionConfig | None = 
 
 def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, seed_gmem, dq_gmem, q_smem,
                do_smem, stats_smem, k_smem, v_smem, ds_smem, q_seg_smem, kv_seg_smem, tile_ready, k_ready, v_ready,
-               k_free, v_free, *, st, config: AttentionConfig, groups: int):
+               k_free, v_free, done, *, st, config: AttentionConfig, groups: int):
     mask = st.mask
     block_kv, stages = config.block_kv, config.stages
-    heads = q_gmem.shape[2]
+    heads, head_dim = q_gmem.shape[2], q_gmem.shape[3]
+    # As in dK/dV: split (2 parts), both compute warpgroups share one 64-query tile and each
+    # accumulates its half of dQ; else each owns 64 of the CTA's 128 queries.
+    parts = q_smem.shape[1]
+    split = parts > 1
+    part_dim = head_dim // parts
+    cta_rows = WG_ROWS if split else BLOCK_ROWS
     seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
     qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    q0 = qi * BLOCK_ROWS
-    lo, hi, ranges = _key_ranges(mask, q0, block_kv)
+    q0 = qi * cta_rows
+    lo, hi, ranges = _key_ranges(mask, q0, block_kv, cta_rows)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        q_rows = q0 + wg * WG_ROWS
-        q_tile, do_tile, stats = q_smem.at[wg], do_smem.at[wg], stats_smem.at[wg]
+        tile = 0 if split else wg
+        half = wg if split else 0  # the part of dQ this warpgroup accumulates
+        q_rows = q0 if split else q0 + wg * WG_ROWS
+        q_tile, do_tile, stats = q_smem.at[tile], do_smem.at[tile], stats_smem.at[tile]  # [parts, 64, part_dim]
         rows = pl.ds(q_rows, WG_ROWS)
-        plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_tile, tile_ready.at[wg])
-        plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head], do_tile, tile_ready.at[wg])
-        plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats, tile_ready.at[wg])
-        if mask.segments:
-            plgpu.copy_gmem_to_smem(q_seg_gmem.at[batch, rows], q_seg_smem.at[wg], tile_ready.at[wg])
-        plgpu.barrier_wait(tile_ready.at[wg])
+        columns = pl.ds(half * part_dim, part_dim)
+        # Split: each warpgroup loads its part of the shared tiles (and the first the rows' stats and ids).
+        plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head, columns], q_tile.at[half], tile_ready.at[tile])
+        plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head, columns], do_tile.at[half], tile_ready.at[tile])
+
+        @pl.when(wg == tile)
+        def _():
+            plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats, tile_ready.at[tile])
+            if mask.segments:
+                plgpu.copy_gmem_to_smem(q_seg_gmem.at[batch, rows], q_seg_smem.at[tile], tile_ready.at[tile])
+        plgpu.barrier_wait(tile_ready.at[tile])
         lse, delta = _rows_vector(stats.at[0]), _rows_vector(stats.at[1])
-        q_seg = _rows_vector(q_seg_smem.at[wg]) if mask.segments else None
+        q_seg = _rows_vector(q_seg_smem.at[tile]) if mask.segments else None
         shape = (WG_ROWS, block_kv)
 
         def step(i, masked, dq):
             slot = lax.rem(i - lo, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             kv_seg = _cols_vector(kv_seg_smem.at[slot]) if mask.segments else None
-            s, c = _logits(_mma(q_tile, k_smem.at[slot].T, shape), st)
+            s, c = _logits(_mma_sum([(q_tile.at[p], k_smem.at[slot, p].T) for p in range(parts)], shape), st)
             p = _exp2(s, c, lax.broadcast_in_dim(lse, shape, [0]))
             if masked or mask.segments:
                 p = _masked(p, _mask_tile(mask, q_rows, i * block_kv, shape, False, q_seg, kv_seg, edge=masked), 0.0)
             plgpu.barrier_wait(v_ready.at[slot])
-            dp = _mma(do_tile, v_smem.at[slot].T, shape)
+            dp = _mma_sum([(do_tile.at[p], v_smem.at[slot, p].T) for p in range(parts)], shape)
             plgpu.barrier_arrive(v_free.at[slot])
             dp = _dropped(dp, _dropout_keep(st, seed, batch, head, heads, q_rows, i * block_kv, shape, False), st)
             ds = _soft_cap_grad(p * (dp - lax.broadcast_in_dim(delta, shape, [0])), s, st)
-            dq = dq + _mma_from_registers(ds.astype(q_tile.dtype), ds_smem, wg, k_smem.at[slot], dq.shape)
+            dq = dq + _mma_from_registers(ds.astype(q_tile.dtype), ds_smem, wg, k_smem.at[slot, half], dq.shape)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        dq = _steps(step, ranges, plgpu.layout_cast(jnp.zeros(q_tile.shape, jnp.float32), plgpu.Layout.WGMMA))
-        q_tile[...] = (dq * st.scale).astype(q_tile.dtype)
+        zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, part_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dq = _steps(step, ranges, zeros)
+        if split:  # once both are done reading the shared queries, each writes its half there
+            plgpu.barrier_arrive(done.at[0])
+            plgpu.barrier_wait(done.at[0])
+        q_out = q_tile.at[half]
+        q_out[...] = (dq * st.scale).astype(q_out.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, dq_gmem.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(q_out, dq_gmem.at[batch, rows, head, columns])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
         _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready, v_ready, k_free, v_free,
-                   batch, lax.div(head, groups), lo, hi, block_kv, stages, mask.segments)
+                   batch, lax.div(head, groups), lo, hi, block_kv, stages, mask.segments, parts)
 
 
 def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_gmem, seed_gmem, dk_gmem, dv_gmem,
                  k_smem, v_smem, q_smem, do_smem, stats_smem, p_smem, kv_seg_smem, q_seg_smem, tile_ready, q_ready,
-                 do_ready, q_free, do_free, *, st, config: AttentionConfig, groups: int):
+                 do_ready, q_free, do_free, done, *, st, config: AttentionConfig, groups: int):
     mask = st.mask
     block_q, stages = config.block_q, config.stages
-    heads = q_gmem.shape[2]
+    heads, head_dim = q_gmem.shape[2], q_gmem.shape[3]
+    # The head dimension in `parts` stored halves. Split (2 parts): the compute warpgroups share one
+    # 64-key tile and each accumulates its half of dK and dV; else each owns 64 of the CTA's 128 keys.
+    parts = k_smem.shape[1]
+    split = parts > 1
+    part_dim = head_dim // parts
+    cta_rows = WG_ROWS if split else BLOCK_ROWS
     seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
     ki, kv_head, batch = lax.axis_index("k"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    k0 = ki * BLOCK_ROWS
-    lo, full_lo, full_hi, hi = mask.q_blocks(k0, BLOCK_ROWS, block_q)
+    k0 = ki * cta_rows
+    lo, full_lo, full_hi, hi = mask.q_blocks(k0, cta_rows, block_q)
     n = hi - lo
     # Padded query rows need no mask (their output gradient is zero); the band's edges and a key
     # block reaching into the key tail do.
@@ -478,16 +534,22 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        k_rows = k0 + wg * WG_ROWS
-        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        tile = 0 if split else wg
+        k_rows = k0 if split else k0 + wg * WG_ROWS
+        k_tile, v_tile = k_smem.at[tile], v_smem.at[tile]  # [parts, 64, part_dim]
+        half = wg if split else 0  # the part of dK and dV this warpgroup accumulates
         keys = (batch, pl.ds(k_rows, WG_ROWS), kv_head)
-        plgpu.copy_gmem_to_smem(k_gmem.at[keys], k_tile, tile_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_gmem.at[keys], v_tile, tile_ready.at[wg])
+        columns = pl.ds(half * part_dim, part_dim)
+        # Split: each warpgroup loads its part of the shared tile (and the first the ids).
+        plgpu.copy_gmem_to_smem(k_gmem.at[(*keys, columns)], k_tile.at[half], tile_ready.at[tile])
+        plgpu.copy_gmem_to_smem(v_gmem.at[(*keys, columns)], v_tile.at[half], tile_ready.at[tile])
         if mask.segments:
-            plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(k_rows, WG_ROWS)], kv_seg_smem.at[wg],
-                                    tile_ready.at[wg])
-        plgpu.barrier_wait(tile_ready.at[wg])
-        kv_seg = _rows_vector(kv_seg_smem.at[wg]) if mask.segments else None
+            @pl.when(wg == tile)
+            def _():
+                plgpu.copy_gmem_to_smem(kv_seg_gmem.at[batch, pl.ds(k_rows, WG_ROWS)], kv_seg_smem.at[tile],
+                                        tile_ready.at[tile])
+        plgpu.barrier_wait(tile_ready.at[tile])
+        kv_seg = _rows_vector(kv_seg_smem.at[tile]) if mask.segments else None
         shape = (WG_ROWS, block_q)
 
         def head_steps(g, carry):
@@ -495,7 +557,7 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
                 dk, dv = carry
                 slot = lax.rem(g * n + j - lo, stages)
                 plgpu.barrier_wait(q_ready.at[slot])
-                s_t, c = _logits(_mma(k_tile, q_smem.at[slot].T, shape), st)
+                s_t, c = _logits(_mma_sum([(k_tile.at[p], q_smem.at[slot, p].T) for p in range(parts)], shape), st)
                 lse, delta = _cols_vector(stats_smem.at[slot, 0]), _cols_vector(stats_smem.at[slot, 1])
                 q_seg = _cols_vector(q_seg_smem.at[slot]) if mask.segments else None
                 p_t = _exp2(s_t, c, lax.broadcast_in_dim(lse, shape, [1]))
@@ -505,23 +567,31 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
                 keep = _dropout_keep(st, seed, batch, kv_head * groups + g, heads, j * block_q, k_rows, shape, True)
                 plgpu.barrier_wait(do_ready.at[slot])
                 dv = dv + _mma_from_registers(_dropped(p_t, keep, st).astype(k_tile.dtype), p_smem, wg,
-                                              do_smem.at[slot], dv.shape)
-                dp_t = _dropped(_mma(v_tile, do_smem.at[slot].T, shape), keep, st)
+                                              do_smem.at[slot, half], dv.shape)
+                dp_t = _dropped(_mma_sum([(v_tile.at[p], do_smem.at[slot, p].T) for p in range(parts)], shape), keep,
+                                st)
                 plgpu.barrier_arrive(do_free.at[slot])
                 ds_t = _soft_cap_grad(p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1])), s_t, st)
-                dk = dk + _mma_from_registers(ds_t.astype(k_tile.dtype), p_smem, wg, q_smem.at[slot], dk.shape)
+                dk = dk + _mma_from_registers(ds_t.astype(k_tile.dtype), p_smem, wg, q_smem.at[slot, half],
+                                              dk.shape)
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
             return _steps(step, ranges, carry)
 
-        zeros = plgpu.layout_cast(jnp.zeros(k_tile.shape, jnp.float32), plgpu.Layout.WGMMA)
+        zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, part_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, groups, head_steps, (zeros, zeros))
-        k_tile[...] = (dk * st.scale).astype(k_tile.dtype)
-        v_tile[...] = dv.astype(v_tile.dtype)
+        if split:  # once both are done with every slot, the ring's first slot takes the outputs
+            plgpu.barrier_arrive(done.at[0])
+            plgpu.barrier_wait(done.at[0])
+            k_out, v_out = q_smem.at[0, half], do_smem.at[0, half]
+        else:  # this warpgroup's own keys and values take its dK and dV
+            k_out, v_out = k_tile.at[0], v_tile.at[0]
+        k_out[...] = (dk * st.scale).astype(k_out.dtype)
+        v_out[...] = dv.astype(v_out.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_tile, dk_gmem.at[keys])
-        plgpu.copy_smem_to_gmem(v_tile, dv_gmem.at[keys])
+        plgpu.copy_smem_to_gmem(k_out, dk_gmem.at[(*keys, columns)])
+        plgpu.copy_smem_to_gmem(v_out, dv_gmem.at[(*keys, columns)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -537,7 +607,9 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
             @pl.when(t >= stages)
             def _():
                 plgpu.barrier_wait(q_free.at[slot])
-            plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_smem.at[slot], q_ready.at[slot])
+            for part in range(parts):
+                plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head, pl.ds(part * part_dim, part_dim)],
+                                        q_smem.at[slot, part], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(stats_gmem.at[batch, head, :, rows], stats_smem.at[slot], q_ready.at[slot])
             if mask.segments:
                 plgpu.copy_gmem_to_smem(q_seg_gmem.at[batch, rows], q_seg_smem.at[slot], q_ready.at[slot])
@@ -545,7 +617,9 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
             @pl.when(t >= stages)
             def _():
                 plgpu.barrier_wait(do_free.at[slot])
-            plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head], do_smem.at[slot], do_ready.at[slot])
+            for part in range(parts):
+                plgpu.copy_gmem_to_smem(do_gmem.at[batch, rows, head, pl.ds(part * part_dim, part_dim)],
+                                        do_smem.at[slot, part], do_ready.at[slot])
 
         _drain(groups * n, stages, q_free, do_free)
 
@@ -553,6 +627,7 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
 def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionConfig | None = None):
     """`mtjax.kernels.flash_attention`'s backward launcher contract: ``(dq, dk, dv)`` on padded arrays."""
     config = config or default_config()
+    dq_config, config = tiles_for(config, q.shape[-1], "dq"), tiles_for(config, q.shape[-1], "dkdv")
     q_in, kv_in = q.shape[1], k.shape[1]
     q_seg, kv_seg, seed = _optional_inputs(q_seg, kv_seg, seed, q.shape[0])
     # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
@@ -560,43 +635,54 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
     rows = max(BLOCK_ROWS, config.block_q)
     q, do = _pad_rows(q, 1, rows), _pad_rows(do.astype(q.dtype), 1, rows)
     stats = _pad_rows(jnp.stack([lse, delta], axis=2), 3, rows)  # [batch, heads, 2, q]: one TMA per block
-    k, v = _pad_rows(k, 1, max(BLOCK_ROWS, config.block_kv)), _pad_rows(v, 1, max(BLOCK_ROWS, config.block_kv))
+    k_rows = max(BLOCK_ROWS, dq_config.block_kv)
+    k, v = _pad_rows(k, 1, k_rows), _pad_rows(v, 1, k_rows)
     if st.mask.segments:  # padded rows and keys get id 0: padding, never attended
-        q_seg, kv_seg = _pad_rows(q_seg, 1, rows), _pad_rows(kv_seg, 1, max(BLOCK_ROWS, config.block_kv))
+        q_seg, kv_seg = _pad_rows(q_seg, 1, rows), _pad_rows(kv_seg, 1, k_rows)
     segments = int(st.mask.segments)
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     dtype = q.dtype
+    # Both kernels store the head dimension in `parts` halves, each [rows, head_dim / parts].
+    parts = 2 if head_dim > SPLIT_HEAD_DIM else 1
+    part_dim = head_dim // parts
+    tiles = 1 if parts > 1 else COMPUTE_WGS  # the CTA's own query (dQ) or key (dK/dV) tiles: shared when split
+    block_kv = dq_config.block_kv
     dq = _launch(
-        functools.partial(_dq_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg, seed),
-        jax.ShapeDtypeStruct(q.shape, dtype),
-        [_wg_tiles(head_dim, dtype), _wg_tiles(head_dim, dtype), plgpu.SMEM((COMPUTE_WGS, 2, WG_ROWS), jnp.float32),
-         _ring(config, config.block_kv, head_dim, dtype), _ring(config, config.block_kv, head_dim, dtype),
-         _staging(config, config.block_kv, dtype),
-         plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
-         plgpu.SMEM((config.stages, config.block_kv), jnp.int32) if segments else None,
-         # every TMA copy arrives once on its barrier: q, dO, the stats (and the ids)
-         plgpu.Barrier(num_arrivals=3 + segments, num_barriers=COMPUTE_WGS),
-         plgpu.Barrier(num_arrivals=1 + segments, num_barriers=config.stages),
-         plgpu.Barrier(num_barriers=config.stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
-        (q_pad // BLOCK_ROWS, heads, batch), ("q", "heads", "batch"))
+        functools.partial(_dq_kernel, st=st, config=dq_config, groups=groups),
+        (q, k, v, do, stats, q_seg, kv_seg, seed), jax.ShapeDtypeStruct(q.shape, dtype),
+        [_smem((tiles, parts, WG_ROWS, part_dim), dtype), _smem((tiles, parts, WG_ROWS, part_dim), dtype),
+         plgpu.SMEM((tiles, 2, WG_ROWS), jnp.float32),
+         _smem((dq_config.stages, parts, block_kv, part_dim), dtype),
+         _smem((dq_config.stages, parts, block_kv, part_dim), dtype), _staging(dq_config, block_kv, dtype),
+         plgpu.SMEM((tiles, WG_ROWS), jnp.int32) if segments else None,
+         plgpu.SMEM((dq_config.stages, block_kv), jnp.int32) if segments else None,
+         # every TMA copy arrives once on its barrier: q, dO, the stats (and the ids); k (and the ids); v
+         plgpu.Barrier(num_arrivals=2 * parts + 1 + segments, num_barriers=tiles),
+         plgpu.Barrier(num_arrivals=parts + segments, num_barriers=dq_config.stages),
+         plgpu.Barrier(num_arrivals=parts, num_barriers=dq_config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_config.stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1)],  # split: both compute warpgroups done
+        (q_pad // (WG_ROWS if parts > 1 else BLOCK_ROWS), heads, batch), ("q", "heads", "batch"))
+    stages, block_q = config.stages, config.block_q
     dk, dv = _launch(
         functools.partial(_dkdv_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg, seed),
         (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-        [_wg_tiles(head_dim, dtype), _wg_tiles(head_dim, dtype), _ring(config, config.block_q, head_dim, dtype),
-         _ring(config, config.block_q, head_dim, dtype), plgpu.SMEM((config.stages, 2, config.block_q), jnp.float32),
-         _staging(config, config.block_q, dtype),
-         plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
-         plgpu.SMEM((config.stages, config.block_q), jnp.int32) if segments else None,
-         plgpu.Barrier(num_arrivals=2 + segments, num_barriers=COMPUTE_WGS),  # k, v (and the ids)
-         plgpu.Barrier(num_arrivals=2 + segments, num_barriers=config.stages),  # q, the stats (and the ids)
-         plgpu.Barrier(num_barriers=config.stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=config.stages)],
-        (kv_pad // BLOCK_ROWS, kv_heads, batch), ("k", "heads", "batch"))
+        [_smem((tiles, parts, WG_ROWS, part_dim), dtype), _smem((tiles, parts, WG_ROWS, part_dim), dtype),
+         _smem((stages, parts, block_q, part_dim), dtype), _smem((stages, parts, block_q, part_dim), dtype),
+         plgpu.SMEM((stages, 2, block_q), jnp.float32), _staging(config, block_q, dtype),
+         plgpu.SMEM((tiles, WG_ROWS), jnp.int32) if segments else None,
+         plgpu.SMEM((stages, block_q), jnp.int32) if segments else None,
+         # every TMA copy arrives once on its barrier
+         plgpu.Barrier(num_arrivals=2 * parts + segments, num_barriers=tiles),  # k, v (and the ids)
+         plgpu.Barrier(num_arrivals=parts + 1 + segments, num_barriers=stages),  # q, the stats (and the ids)
+         plgpu.Barrier(num_arrivals=parts, num_barriers=stages),  # dO
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1)],  # split: both compute warpgroups done
+        (kv_pad // (WG_ROWS if parts > 1 else BLOCK_ROWS), kv_heads, batch), ("k", "heads", "batch"))
     return dq[:, :q_in], dk[:, :kv_in], dv[:, :kv_in]
 
 

@@ -5,6 +5,8 @@ for an H200 (Pallas' Mosaic GPU lowering, layouts included), and on the GPU (``g
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,6 +266,8 @@ ATTENTION_CASES = {
     # batch and kv head > 0, so every term of dropout's row counter counts (one query block: the
     # cases above have the tails)
     "softcap-dropout-gqa": (2, 128, 128, 4, 2, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
+    # head_dim 256: fixed tiles, and dK/dV with the head dimension split between the warpgroups
+    "d256-gqa-segments-dropout": (1, 130, 200, 4, 2, 256, {"mask_type": "causal", "segments": True, "dropout": 0.2}),
 }
 
 
@@ -305,7 +309,7 @@ def test_attention_declines_what_it_lacks():
     seed = jax.ShapeDtypeStruct((), jnp.uint32)
     assert impl.unsupported(q, q, q, None, None, ids, ids, seed, **{**base, "dropout_rate": 0.1,
                                                                     "logits_soft_cap": 30.0}) is None
-    for shape, dtype, reason in [((1, 128, 2, 256), jnp.bfloat16, "head_dim 256"),
+    for shape, dtype, reason in [((1, 128, 2, 96), jnp.bfloat16, "head_dim 96"),
                                  ((1, 128, 2, 128), jnp.float32, "float32")]:
         x = jax.ShapeDtypeStruct(shape, dtype)
         assert reason in impl.unsupported(x, x, x, None, None, None, None, None, **base)
@@ -315,6 +319,8 @@ def test_attention_declines_what_it_lacks():
 
 @pytest.mark.parametrize("head_dim, config, segments", [
     (64, mosaic_attention.DEFAULT_CONFIG, False), (128, mosaic_attention.DEFAULT_CONFIG, False),
+    (256, mosaic_attention.DEFAULT_CONFIG, True),
+    (256, dataclasses.replace(mosaic_attention.DEFAULT_CONFIG, p_in_registers=False), True),
     *((128, config, True) for config in mosaic_attention.SWEEP_CONFIGS)], ids=str)
 def test_attention_lowers_for_cuda(head_dim, config, segments):
     """Forward and both backward kernels for an H200 (Mosaic GPU's lowering checks the layouts and
