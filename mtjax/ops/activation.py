@@ -193,6 +193,16 @@ def _check(op: str, x, activation_type, bias) -> str:
     return name
 
 
+def _check_tiled(op: str, x, activation_type, bias) -> str:
+    """`_check`, for the ops writing 1x128 tiles: ``x`` is ``[m, hidden]`` (``[m, 2, hidden]`` gated)."""
+    name = _check(op, x, activation_type, bias)
+    gated = ACTIVATIONS[name][1] is not None
+    if jnp.ndim(x) != (3 if gated else 2):
+        raise ValueError(f"{op}: x has shape {jnp.shape(x)}; expected {'[m, 2, hidden]' if gated else '[m, hidden]'}"
+                         f" for {name!r}")
+    return name
+
+
 @backend.register("activation_fp8", backend.REFERENCE)
 def activation_fp8_reference(x: jax.Array, bias: jax.Array | None, scale: jax.Array, *, activation_type: str,
                              out_dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
@@ -256,11 +266,7 @@ def activation_tile_fp8(
       output owns the backward, which is `activation`'s.
     """
     op = "activation_tile_fp8"
-    name = _check(op, x, activation_type, bias)
-    gated = ACTIVATIONS[name][1] is not None
-    if jnp.ndim(x) != (3 if gated else 2):
-        raise ValueError(f"{op}: x has shape {jnp.shape(x)}; expected {'[m, 2, hidden]' if gated else '[m, hidden]'}"
-                         f" for {name!r}")
+    name = _check_tiled(op, x, activation_type, bias)
     out_dtype = check_tile_options(op, out_dtype, power_of_two, amax_epsilon, transpose)
     return backend.dispatch(op, x, bias, implementation=implementation, activation_type=name, out_dtype=out_dtype,
                             transpose=transpose, power_of_two=power_of_two, amax_epsilon=float(amax_epsilon))
@@ -352,11 +358,7 @@ def activation_grad_tile_fp8(
       (float32, shaped like ``bias``) or ``None``.
     """
     op = "activation_grad_tile_fp8"
-    name = _check(op, x, activation_type, bias)
-    gated = ACTIVATIONS[name][1] is not None
-    if jnp.ndim(x) != (3 if gated else 2):
-        raise ValueError(f"{op}: x has shape {jnp.shape(x)}; expected {'[m, 2, hidden]' if gated else '[m, hidden]'}"
-                         f" for {name!r}")
+    name = _check_tiled(op, x, activation_type, bias)
     check_float(op, "dy", dy)
     check_shape(op, "dy", dy, (jnp.shape(x)[0], jnp.shape(x)[-1]))
     out_dtype = check_tile_options(op, out_dtype, power_of_two, amax_epsilon, True)
