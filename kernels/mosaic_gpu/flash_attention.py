@@ -302,6 +302,12 @@ def _stream_kv(k_gmem, v_gmem, kv_seg_gmem, k_smem, v_smem, kv_seg_smem, k_ready
     _drain(hi - lo, stages, k_free, v_free)
 
 
+def _cta_rows(parts: int) -> int:
+    """Rows a backward CTA owns (queries in dQ, keys in dK/dV): with the head dimension split in
+    ``parts`` > 1, 64 shared by both compute warpgroups; else 64 each."""
+    return WG_ROWS if parts > 1 else BLOCK_ROWS
+
+
 def _key_ranges(mask, q0, block_kv: int, rows: int = BLOCK_ROWS):
     """``(lo, hi, ranges)``: the key blocks the CTA's ``rows`` queries from ``q0`` may see, as the
     `_steps` ranges of the band's masked edges and its unmasked middle (which ends before a block
@@ -445,7 +451,7 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg_g
     parts = q_smem.shape[1]
     split = parts > 1
     part_dim = head_dim // parts
-    cta_rows = WG_ROWS if split else BLOCK_ROWS
+    cta_rows = _cta_rows(parts)
     seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
     qi, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -520,7 +526,7 @@ def _dkdv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, stats_gmem, q_seg_gmem, kv_seg
     parts = k_smem.shape[1]
     split = parts > 1
     part_dim = head_dim // parts
-    cta_rows = WG_ROWS if split else BLOCK_ROWS
+    cta_rows = _cta_rows(parts)
     seed = seed_gmem[0] if st.dropout_rate > 0.0 else None
     ki, kv_head, batch = lax.axis_index("k"), lax.axis_index("heads"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -665,7 +671,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_config.stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_config.stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1)],  # split: both compute warpgroups done
-        (q_pad // (WG_ROWS if parts > 1 else BLOCK_ROWS), heads, batch), ("q", "heads", "batch"))
+        (q_pad // _cta_rows(parts), heads, batch), ("q", "heads", "batch"))
     stages, block_q = config.stages, config.block_q
     dk, dv = _launch(
         functools.partial(_dkdv_kernel, st=st, config=config, groups=groups), (q, k, v, do, stats, q_seg, kv_seg, seed),
@@ -682,7 +688,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st, config: AttentionC
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1)],  # split: both compute warpgroups done
-        (kv_pad // (WG_ROWS if parts > 1 else BLOCK_ROWS), kv_heads, batch), ("k", "heads", "batch"))
+        (kv_pad // _cta_rows(parts), kv_heads, batch), ("k", "heads", "batch"))
     return dq[:, :q_in], dk[:, :kv_in], dv[:, :kv_in]
 
 

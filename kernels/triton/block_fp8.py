@@ -69,6 +69,19 @@ def _load_vector(ptr, index, SIZE: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _load_gate(x_ptr, offsets, mask, bias_ptr, cols, K: tl.constexpr, EXACT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The float32 gate half (columns ``K + cols`` of a gated activation's ``[m, 2 * K]`` input), its
+    bias added; 0 where masked."""
+    if EXACT:
+        gate = tl.load(x_ptr + offsets + K).to(tl.float32)
+    else:
+        gate = tl.load(x_ptr + offsets + K, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        gate = gate + _load_vector(bias_ptr, K + cols, 2 * K, EXACT)[None, :]
+    return gate
+
+
+@triton.jit
 def _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M: tl.constexpr, K: tl.constexpr,
                    EXACT: tl.constexpr, PROLOGUE: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                    HAS_SHIFT: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr):
@@ -96,13 +109,7 @@ def _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M: tl.constexp
             x = x + _load_vector(a_ptr, cols, K, EXACT)[None, :]
         x, _ = activation_fn(x, ACT)
         if GATED:
-            if EXACT:
-                gate = tl.load(x_ptr + offsets + K).to(tl.float32)
-            else:
-                gate = tl.load(x_ptr + offsets + K, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SHIFT:
-                gate = gate + _load_vector(a_ptr, K + cols, 2 * K, EXACT)[None, :]
-            g, _ = gate_fn(gate, GATE)
+            g, _ = gate_fn(_load_gate(x_ptr, offsets, mask, a_ptr, cols, K, EXACT, HAS_SHIFT), GATE)
             x = x * g
     if PROLOGUE != 0 and not EXACT:  # a masked element's prologue need not be 0
         x = tl.where(mask, x, 0.0)
@@ -242,13 +249,7 @@ def _activation_grad_kernel(x_ptr, bias_ptr, dy_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         a = a + _load_vector(bias_ptr, cols, HIDDEN, EXACT)[None, :]
     y, dact = activation_fn(a, ACT)
     if GATED:
-        if EXACT:
-            gate = tl.load(x_ptr + offsets + HIDDEN).to(tl.float32)
-        else:
-            gate = tl.load(x_ptr + offsets + HIDDEN, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            gate = gate + _load_vector(bias_ptr, HIDDEN + cols, 2 * HIDDEN, EXACT)[None, :]
-        g, dg = gate_fn(gate, GATE)
+        g, dg = gate_fn(_load_gate(x_ptr, offsets, mask, bias_ptr, cols, HIDDEN, EXACT, HAS_BIAS), GATE)
         _store_grad_tiles(dy * g * dact, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, cols, j, i, mask, M, WIDTH,
                           SCALE_COLS, ROW_BLOCKS, EXACT, FP8_MAX, POWER_OF_TWO, AMAX_EPSILON, HAS_BIAS)
         _store_grad_tiles(dy * y * dg, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, HIDDEN + cols,
