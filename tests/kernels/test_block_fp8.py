@@ -217,6 +217,17 @@ def test_errors_name_the_argument():
         ops.activation_tile_fp8(jnp.ones((2, 4, 256)), "gelu")
     with pytest.raises(ValueError, match=r"gated 'swiglu' takes x of shape \[..., 2, hidden\]"):
         ops.activation_tile_fp8(jnp.ones((4, 256)), "swiglu")
+    h, dy = jnp.ones((4, 2, 256)), jnp.ones((4, 256))
+    with pytest.raises(ValueError, match=r"grad_tile_fp8: x has shape \(2, 4, 256\); expected \[m, hidden\]"):
+        ops.activation_grad_tile_fp8(jnp.ones((2, 4, 256)), dy, "gelu")
+    with pytest.raises(ValueError, match="activation_grad_tile_fp8: dy has shape"):
+        ops.activation_grad_tile_fp8(h, dy[:, :128], "swiglu")
+    with pytest.raises(TypeError, match="activation_grad_tile_fp8: dy"):
+        ops.activation_grad_tile_fp8(h, dy.astype(jnp.int32), "swiglu")
+    with pytest.raises(TypeError, match=r"activation_grad_tile_fp8\(out_dtype=bfloat16\)"):
+        ops.activation_grad_tile_fp8(h, dy, "swiglu", out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        ops.activation_grad_tile_fp8(h, dy, "swiglu", amax_epsilon=-1.0)
     assert "float8_e4m3fnuz" in gemm_kernel.unsupported((4, 4), jnp.float8_e4m3fnuz, (4, 4), jnp.float8_e4m3fn)
 
 
