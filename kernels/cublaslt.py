@@ -87,7 +87,8 @@ def build(output: str | os.PathLike | None = None, *, include_dirs: Sequence[str
                            "nvidia-cublas wheel has it, or a CUDA toolkit, or pass cublaslt=)")
     roots = _cuda_roots()
     headers = [*map(Path, include_dirs)]
-    for name in ("cublasLt.h", "driver_types.h"):
+    # cuda_runtime's headers include crt/host_defines.h, which some header-only wheels leave out.
+    for name in ("cublasLt.h", "driver_types.h", "crt/host_defines.h"):
         if not any((d / name).exists() for d in headers):
             found = _find([name], ["include"], roots)
             if not found:
