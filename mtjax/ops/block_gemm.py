@@ -77,8 +77,8 @@ def _mosaic_unsupported(a, sa, b, sb, *, out_dtype, **_) -> str | None:
     return reason
 
 
-# Below the Triton kernels in automatic selection until the GPU benchmark has compared them.
-@backend.register("block_fp8_gemm", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=8,
+# Above the Triton kernels: Hopper's warpgroup MMAs fed by the bulk tensor copy engine.
+@backend.register("block_fp8_gemm", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=11,
                   single_device=True, unsupported=_mosaic_unsupported)
 def _block_fp8_gemm_mosaic(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     from mtjax.kernels.mosaic_gpu import block_fp8_gemm as mosaic
@@ -95,9 +95,9 @@ def _cublaslt_unsupported(a, sa, b, sb, *, out_dtype, **_) -> str | None:
     return reason or cublaslt.load()
 
 
-# cuBLASLt's block-scaled modes through an FFI call; below the kernels until the GPU benchmark has
-# compared them.
-@backend.register("block_fp8_gemm", "cublaslt", requires=(backend.FP8_GEMM,), platforms=("cuda",), priority=7,
+# cuBLASLt's block-scaled modes through an FFI call: first wherever its library is built and the
+# GPU is a Hopper (docs/performance.md compares it with the kernels).
+@backend.register("block_fp8_gemm", "cublaslt", requires=(backend.FP8_GEMM,), platforms=("cuda",), priority=12,
                   single_device=True, unsupported=_cublaslt_unsupported)
 def _block_fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     from mtjax.kernels import cublaslt
