@@ -44,6 +44,30 @@ MAX_ROW = 16384
 KERNEL_FP8_DTYPES = OCP_FP8_DTYPES
 
 
+def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+    """A kernel call's output type. Inside ``shard_map`` (with ``check_vma``) it varies over the
+    mesh axes its operands vary over, which a custom call cannot infer and must be told."""
+    types = [getattr(jax.typeof(x), "mat", None) for x in operands if x is not None]
+    varying = [t for t in types if t is not None and t.varying]
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    widest = max(varying, key=lambda t: len(t.varying))
+    if any(not t.varying <= widest.varying for t in varying):
+        raise ValueError("kernel call inside shard_map: the operands vary over different mesh axes "
+                         f"({[sorted(t.varying) for t in varying]}); pcast them to the same ones")
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=widest)
+
+
+def varying_like(out: jax.Array, *operands) -> jax.Array:
+    """``out`` cast to vary over the ``shard_map`` axes its operands vary over: for kernel calls
+    whose output type drops them (Mosaic GPU's ``plgpu.kernel``); a no-op outside ``shard_map``."""
+    axes = frozenset().union(*(t.varying for x in operands if x is not None
+                               for t in [getattr(jax.typeof(x), "mat", None)] if t is not None))
+    mat = getattr(jax.typeof(out), "mat", None)
+    missing = tuple(sorted(axes - (mat.varying if mat is not None else frozenset())))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
 def interpret() -> bool:
     """Whether launchers run Pallas in interpret mode (CPU tests), read at trace time."""
     return bool(config.pallas_interpret)

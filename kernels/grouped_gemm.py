@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from mtjax.kernels import common
 from mtjax.kernels.common import MAX_ELEMENTS
 from mtjax.kernels.common import pallas_triton as pltriton
 
@@ -153,20 +154,6 @@ def _check(fn: str, lhs, rhs) -> None:
     reason = unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype)
     if reason is not None:
         raise ValueError(f"{fn}: unsupported {reason}")
-
-
-def _out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
-    """The pallas_call's output type; inside ``shard_map`` it varies over the axes its operands vary
-    over (``check_vma=True`` needs that spelled out)."""
-    types = [getattr(jax.typeof(x), "mat", None) for x in operands]
-    varying = [t for t in types if t is not None and t.varying]
-    if not varying:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    widest = max(varying, key=lambda t: len(t.varying))
-    if any(not t.varying <= widest.varying for t in varying):
-        raise ValueError("grouped GEMM inside shard_map: the operands vary over different mesh axes "
-                         f"({[sorted(t.varying) for t in varying]}); pcast them to the same ones")
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=widest)
 
 
 FP8_MIN_CONTRACTION = 32  # an FP8 tensor-core MMA contracts 32 elements at a time
@@ -379,7 +366,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
     return pl.pallas_call(
         functools.partial(_gmm_kernel, st=st),
         grid=(num_tiles if tiles.num_programs is None else min(tiles.num_programs, num_tiles),),
-        out_shape=_out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
+        out_shape=common.out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm",
@@ -466,7 +453,7 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, st=st),
         grid=(pl.cdiv(n, tiles.block_n), pl.cdiv(k, tiles.block_k), g),
-        out_shape=_out_struct((g, k, n), out_dtype, lhs, dy, group_sizes),
+        out_shape=common.out_struct((g, k, n), out_dtype, lhs, dy, group_sizes),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm_wgrad",

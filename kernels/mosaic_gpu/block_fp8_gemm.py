@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtjax.kernels import block_fp8_gemm as portable
-from mtjax.kernels.common import Launchers
+from mtjax.kernels.common import Launchers, varying_like
 from mtjax.kernels.mosaic_gpu.common import (
     BLOCK_ROWS,
     COMPUTE_WGS,
@@ -141,12 +141,13 @@ def _launch(a: jax.Array, sa_t: jax.Array, b: jax.Array, sb_t: jax.Array, out_dt
     """The kernel on operands padded to whole tiles (`mtjax.kernels.block_fp8_gemm._launch`'s contract)."""
     (mp, kp), np_ = a.shape, b.shape[0]
     kernel = functools.partial(_kernel, k_blocks=kp // BLOCK_K, config=config)
-    return plgpu.kernel(
+    out = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, WG_ROWS, config.block_n), out_dtype)],
         grid=(mp // BLOCK_M, np_ // config.block_n), grid_names=("m", "n"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", interpret=interpret_params(),
     )(a, sa_t, b, sb_t)
+    return varying_like(out, a, sa_t, b, sb_t)
 
 
 MOSAIC = Launchers(forward=_launch)
