@@ -17,6 +17,8 @@ A query with nothing left to attend returns zeros.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -70,6 +72,28 @@ def dropout_rows(batch: int, heads: int, q_len: int) -> jax.Array:
     return (b * heads + h) * q_len + i
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``einsum(spec, x, y)`` accumulated and returned in float32, whose backward runs its two GEMMs
+    in the operands' dtype: the float32 cotangent (a softmax's) is rounded to it first, as flash
+    attention kernels round their score gradients. Differentiated as is, a bf16 einsum with a
+    float32 result would transpose into float32 x float32 GEMMs."""
+    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+
+
+def _einsum_f32_fwd(spec, x, y):
+    return _einsum_f32(spec, x, y), (x, y)
+
+
+def _einsum_f32_bwd(spec, residuals, cotangent):
+    x, y = residuals
+    _, vjp = jax.vjp(functools.partial(jnp.einsum, spec), x, y)
+    return vjp(cotangent.astype(jnp.result_type(x, y)))
+
+
+_einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
+
+
 @backend.register("attention", backend.REFERENCE)
 def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
                         mask: jax.Array | None, q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
@@ -81,7 +105,7 @@ def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array, bias
     kv_len, kv_heads = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, key, preferred_element_type=jnp.float32) * scale
+    logits = _einsum_f32("btkgd,bskd->bkgts", q, key) * scale
     logits = logits.reshape(batch, heads, q_len, kv_len)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
@@ -95,7 +119,7 @@ def attention_reference(query: jax.Array, key: jax.Array, value: jax.Array, bias
                             dropout_rate)
         probs = jnp.where(kept, probs / (1.0 - dropout_rate), 0.0)
     probs = probs.astype(value.dtype).reshape(batch, kv_heads, groups, q_len, kv_len)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, value, preferred_element_type=jnp.float32)
+    out = _einsum_f32("bkgts,bskd->btkgd", probs, value)
     return out.reshape(batch, q_len, heads, value.shape[-1]).astype(query.dtype)
 
 
@@ -288,6 +312,10 @@ def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_
         return f"head_dim {head_dim} (cuDNN here: a multiple of 8, at most {max_head_dim})"
     if _is_causal(mask_type) and jnp.shape(query)[1] != jnp.shape(key)[1]:
         return "causal with q_len != kv_len (cuDNN aligns causal top-left, mtjax bottom-right)"
+    if jnp.shape(query)[1] % 2 or jnp.shape(key)[1] % 2:
+        # jax's cuDNN check rejects the training pass (forward with residuals) at odd lengths, and
+        # this choice is made before anyone knows whether a gradient will be taken.
+        return f"odd q_len or kv_len ({jnp.shape(query)[1]}, {jnp.shape(key)[1]}: cuDNN training needs even ones)"
     for name, present in (("bias", bias is not None), ("explicit mask", mask is not None),
                           ("segment ids", q_segment_ids is not None), ("dropout", dropout_rate > 0.0),
                           ("sliding window", window_size is not None), ("soft-cap", logits_soft_cap is not None)):

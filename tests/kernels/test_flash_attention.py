@@ -208,6 +208,7 @@ def test_selection_on_cuda():
     assert chosen(_abstract()) == "cudnn"
     # What cuDNN cannot do (as mtjax defines it) goes to the kernel.
     assert chosen(_abstract(q_len=64)) == "pallas_triton"  # causal, q_len != kv_len
+    assert chosen(_abstract(q_len=197, kv_len=197), mask_type="no_mask") == "pallas_triton"  # ViT: odd lengths
     assert chosen(_abstract(), logits_soft_cap=5.0) == "pallas_triton"
     assert chosen(_abstract(), window_size=(16, 0)) == "pallas_triton"
     assert chosen(_abstract(dtype=jnp.float32)) == "pallas_triton"

@@ -1,5 +1,7 @@
 """The jax.numpy references of mtjax.ops against float64 numpy formulas, forward and gradients."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,6 +222,28 @@ def test_gqa_does_not_repeat_kv_in_the_jaxpr():
     q, k = jnp.ones((1, 5, 8, 16)), jnp.ones((1, 7, 1, 16))
     jaxpr = str(jax.make_jaxpr(lambda q, k: ops.attention(q, k, k))(q, k))
     assert "f32[1,7,8,16]" not in jaxpr  # K/V repeated to 8 heads would have this shape
+
+
+def test_attention_backward_gemms_run_in_the_operand_dtype():
+    """bf16 attention with a bias (T5's relative positions take this path on GPUs): every GEMM of the
+    backward is bf16 x bf16 (float32 cotangents would make them float32 GEMMs), and the gradients stay
+    within bf16 rounding of the float32 ones."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(key, (2, 64, 4, 32)) for key in keys[:3])
+    bias = jax.random.normal(keys[3], (1, 4, 64, 64))
+
+    def grads(dtype):
+        loss = lambda *args: jnp.sum(ops.attention(*(a.astype(dtype) for a in args[:3]), bias=args[3].astype(dtype),  # noqa: E731
+                                                   implementation="xla").astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3)), loss
+
+    grad_bf16, _ = grads(jnp.bfloat16)
+    text = jax.jit(grad_bf16).lower(q, k, v, bias).as_text()
+    operands = re.findall(r"stablehlo\.dot_general.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+    assert len(operands) == 6 and all(a.endswith("bf16>") and b.endswith("bf16>") for a, b in operands), operands
+    want = grads(jnp.float32)[0](q, k, v, bias)
+    for got, ref in zip(grad_bf16(q, k, v, bias), want):
+        assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 2e-2
 
 
 @pytest.mark.parametrize("call,match", [
