@@ -31,9 +31,11 @@ from mtjax.kernels.common import (
     check_size,
     interpret,
     next_power_of_2,
+    pallas_call,
     reduce_tile_maxima,
     saturate_cast,
     unsupported_array,
+    vary_together,
 )
 from mtjax.kernels.common import (
     pallas_triton as plgpu,
@@ -208,7 +210,7 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
         out_shape.append(jax.ShapeDtypeStruct(spec.grid, jnp.float32))
-    outs = list(pl.pallas_call(
+    outs = list(pallas_call(
         functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8),
         out_shape=out_shape,
         grid=spec.grid,
@@ -238,7 +240,7 @@ def backward(x, bias, dy, *, activation: str, tile_override=None):
     m, k = x.shape
     spec = _spec(m, dy.shape[1], activation, bias is not None, tile_override)
     inputs = [x] + ([bias] if bias is not None else []) + [dy]
-    dx = pl.pallas_call(
+    dx = pallas_call(
         functools.partial(_backward_kernel, spec=spec),
         out_shape=jax.ShapeDtypeStruct((m, k), x.dtype),
         grid=spec.grid,
@@ -292,7 +294,7 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
                  jax.ShapeDtypeStruct(spec.grid, jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((spec.grid[0], k), jnp.float32))
-    outs = pl.pallas_call(
+    outs = pallas_call(
         functools.partial(_backward_fp8_kernel, spec=spec, out_fp8=jnp.dtype(out_dtype)),
         out_shape=out_shape,
         grid=spec.grid,
@@ -355,6 +357,7 @@ def activation(x: jax.Array, bias: jax.Array | None, *, activation: str, launche
     """``act(x + bias)`` over ``x [..., hidden]`` (``[..., 2, hidden]`` and bias ``[2, hidden]`` when gated);
     returns ``[..., hidden]`` in x.dtype. ``launchers``: these Pallas kernels or the native Triton ones
     (`mtjax.kernels.triton.activation.NATIVE`)."""
+    x, bias = vary_together(x, bias)
     return _activation(x, bias, activation, launchers)
 
 

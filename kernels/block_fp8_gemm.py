@@ -29,7 +29,7 @@ from mtjax.kernels.common import (
     Launchers,
     interpret,
     next_power_of_2,
-    out_struct,
+    pallas_call,
     unsupported_fp8_dtype,
 )
 from mtjax.kernels.common import (
@@ -118,9 +118,9 @@ def _launch(a: jax.Array, sa_t: jax.Array, b: jax.Array, sb_t: jax.Array, out_dt
     (mp, kp), np_ = a.shape, b.shape[0]
     kb = kp // BLOCK_K
     bm, bn = config.block_m, config.block_n
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_kernel, num_k_blocks=kb),
-        out_shape=out_struct((mp, np_), out_dtype, a, sa_t, b, sb_t),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=(mp // bm, np_ // bn),
         in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kb, bm), lambda i, j: (0, i)),
                   pl.BlockSpec((bn, kp), lambda i, j: (j, 0)), pl.BlockSpec((kb, bn), lambda i, j: (0, j))],

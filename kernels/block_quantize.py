@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from mtjax.kernels.activation import ACTIVATIONS
 from mtjax.kernels.common import (
     interpret,
+    pallas_call,
     saturate_cast,
     unsupported_array,
     unsupported_fp8_dtype,
@@ -199,7 +200,7 @@ def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: 
     kernel = functools.partial(_tile_kernel, m=m, k=k, rows_per_program=rows, transpose=transpose, fp8_max=fp8_max,
                                power_of_two=power_of_two, amax_epsilon=amax_epsilon, prologue=prologue,
                                num_operands=len(operands))
-    return tuple(pl.pallas_call(
+    return tuple(pallas_call(
         kernel, out_shape=tuple(out_shape), grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret(), name=kernel_name(prologue),
@@ -312,7 +313,7 @@ def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.
     kernel = functools.partial(_activation_grad_kernel, m=m, hidden=hidden, activation=activation,
                                has_bias=bias is not None, fp8_max=fp8_max, power_of_two=power_of_two,
                                amax_epsilon=amax_epsilon)
-    outs = pl.pallas_call(
+    outs = pallas_call(
         kernel, out_shape=tuple(out_shape), grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret(), name="mtjax_activation_grad_tile_quantize",
@@ -343,7 +344,7 @@ def block_quantize(w: jax.Array, out_dtype, *, fp8_max: float, power_of_two: boo
     grid = (pl.cdiv(k, TILE), pl.cdiv(n, TILE))
     kernel = functools.partial(_block_kernel, k=k, n=n, fp8_max=fp8_max, power_of_two=power_of_two,
                                amax_epsilon=amax_epsilon)
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((n, k), out_dtype),
                    jax.ShapeDtypeStruct(grid, jnp.float32)),

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from mtjax.config import config
 from mtjax.dtypes import OCP_FP8_DTYPES, fp8_max
@@ -44,28 +46,42 @@ MAX_ROW = 16384
 KERNEL_FP8_DTYPES = OCP_FP8_DTYPES
 
 
-def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
-    """A kernel call's output type. Inside ``shard_map`` (with ``check_vma``) it varies over the
-    mesh axes its operands vary over, which a custom call cannot infer and must be told."""
-    types = [getattr(jax.typeof(x), "mat", None) for x in operands if x is not None]
-    varying = [t for t in types if t is not None and t.varying]
-    if not varying:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    widest = max(varying, key=lambda t: len(t.varying))
-    if any(not t.varying <= widest.varying for t in varying):
+def _out_struct(struct: jax.ShapeDtypeStruct, operands) -> jax.ShapeDtypeStruct:
+    types = [t for x in operands if x is not None for t in [getattr(jax.typeof(x), "mat", None)] if t is not None]
+    if not types:  # outside shard_map
+        return struct
+    widest = max(types, key=lambda t: len(t.varying))
+    if any(not t.varying <= widest.varying for t in types):
         raise ValueError("kernel call inside shard_map: the operands vary over different mesh axes "
-                         f"({[sorted(t.varying) for t in varying]}); pcast them to the same ones")
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=widest)
+                         f"({[sorted(t.varying) for t in types]}); pcast them to the same ones")
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, manual_axis_type=widest)
 
 
-def varying_like(out: jax.Array, *operands) -> jax.Array:
-    """``out`` cast to vary over the ``shard_map`` axes its operands vary over: for kernel calls
-    whose output type drops them (Mosaic GPU's ``plgpu.kernel``); a no-op outside ``shard_map``."""
-    axes = frozenset().union(*(t.varying for x in operands if x is not None
-                               for t in [getattr(jax.typeof(x), "mat", None)] if t is not None))
-    mat = getattr(jax.typeof(out), "mat", None)
-    missing = tuple(sorted(axes - (mat.varying if mat is not None else frozenset())))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
+def pallas_call(kernel: Callable[..., None], *, out_shape: Any, **kwargs: Any) -> Callable[..., Any]:
+    """`pl.pallas_call` for the kernels here: inside ``shard_map`` (with ``check_vma``) its outputs
+    vary over the mesh axes its operands vary over, which a custom call cannot infer and must be told."""
+
+    def call(*operands):
+        shapes = jax.tree.map(lambda struct: _out_struct(struct, operands), out_shape)
+        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*operands)
+
+    return call
+
+
+def vary_together(*arrays):
+    """``arrays`` (``None`` passes through) cast to vary over every ``shard_map`` axis any of them
+    varies over; a no-op outside ``shard_map``. Before a ``custom_vjp``: its backward then returns a
+    varying gradient for each input, and the cast's transpose sums the gradient of a replicated input
+    (a norm's gamma) over the mesh, as autodiff would. After a kernel call whose output type drops the
+    axes (Mosaic GPU's ``plgpu.kernel``, an FFI call): its output varies as its operands do."""
+
+    def axes(x):
+        mat = None if x is None else getattr(jax.typeof(x), "mat", None)
+        return frozenset() if mat is None else frozenset(mat.varying)
+
+    union = frozenset().union(*map(axes, arrays))
+    return tuple(x if x is None or not union - axes(x)
+                 else jax.lax.pcast(x, tuple(sorted(union - axes(x))), to="varying") for x in arrays)
 
 
 def interpret() -> bool:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.kernels.common import varying_like
+from mtjax.kernels.common import vary_together
 
 TARGET = "mtjax_cublaslt_block_fp8_gemm"
 SOURCE = Path(__file__).with_name("cuda") / "cublaslt_block_fp8.cc"
@@ -182,7 +182,7 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
         sb_lt = _pad(sb.astype(jnp.float32).T, (kb, np_), 1.0)  # [kb, n4]
     # Batched callers (vmap) run one GEMM per batch entry: the handler takes 2-D operands.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((mp, np_), out_dtype), vmap_method="sequential")
-    out = varying_like(call(a, sa_t, b, sb_lt, b_blocks=np.int32(b_blocks)), a, sa_t, b, sb_lt)
+    out = vary_together(call(a, sa_t, b, sb_lt, b_blocks=np.int32(b_blocks)), a, sa_t, b, sb_lt)[0]
     return out[:m, :n] if (mp, np_) != (m, n) else out
 
 

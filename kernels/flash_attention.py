@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep
+from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep, pallas_call, vary_together
 from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
@@ -373,7 +373,7 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st: _Static):
     specs, args = _optional_inputs(st, q_seg, kv_seg, seed,
                                    pl.BlockSpec((None, b.block_q), lambda i, n, h: (n, nq - 1 - i)),
                                    pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0)))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_fwd_kernel, st=st, num_q_blocks=nq),
         grid=grid,
         in_specs=in_specs + specs,
@@ -483,7 +483,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st: _Static):
     row_group = pl.BlockSpec((None, groups, q_pad), lambda j, n, h: (n, h, 0))
     specs, args = _optional_inputs(st, q_seg, kv_seg, seed, pl.BlockSpec((None, q_pad), lambda j, n, h: (n, 0)),
                                    pl.BlockSpec((None, b.dkdv_block_k), lambda j, n, h: (n, j)))
-    dk, dv = pl.pallas_call(
+    dk, dv = pallas_call(
         functools.partial(_dkdv_kernel, st=st, groups=groups),
         grid=(nk, batch, kv_heads),
         in_specs=[q_group, kv_block, kv_block, q_group, row_group, row_group] + specs,
@@ -506,7 +506,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st: _Static):
     specs, args = _optional_inputs(st, q_seg, kv_seg, seed,
                                    pl.BlockSpec((None, b.dq_block_q), lambda i, n, h: (n, nq - 1 - i)),
                                    pl.BlockSpec((None, kv_pad), lambda i, n, h: (n, 0)))
-    dq = pl.pallas_call(
+    dq = pallas_call(
         functools.partial(_dq_kernel, st=st, num_q_blocks=nq),
         grid=(nq, batch, heads),
         in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block] + specs,
@@ -618,7 +618,7 @@ def flash_attention(
     def run(ptx, *args):
         return _flash(*args, dataclasses.replace(st, ptx_exp2=ptx))
 
-    out = _per_platform(ptx_exp2, interpret, run, *args, seed)
+    out = _per_platform(ptx_exp2, interpret, run, *vary_together(*args, seed))
     return out[:, :q_len]
 
 

@@ -363,10 +363,10 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
     schedule = visits(group_sizes, m, tiles.block_m)
     scale = () if group_scale is None else (group_scale.astype(jnp.float32),)
     num_tiles = st.num_visits * pl.cdiv(n, tiles.block_n)
-    return pl.pallas_call(
+    return common.pallas_call(
         functools.partial(_gmm_kernel, st=st),
         grid=(num_tiles if tiles.num_programs is None else min(tiles.num_programs, num_tiles),),
-        out_shape=common.out_struct((m, n), out_dtype, lhs, rhs, group_sizes),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm",
@@ -450,10 +450,10 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
     m, k, n, g, tiles, out_dtype, offsets = prepare_tgmm(lhs, dy, group_sizes, group_scale, out_dtype, tiles)
     st = _TgmmStatic(m=m, k=k, n=n, scaled=group_scale is not None, tiles=tiles)
     scale = () if group_scale is None else (group_scale.astype(jnp.float32),)
-    return pl.pallas_call(
+    return common.pallas_call(
         functools.partial(_tgmm_kernel, st=st),
         grid=(pl.cdiv(n, tiles.block_n), pl.cdiv(k, tiles.block_k), g),
-        out_shape=common.out_struct((g, k, n), out_dtype, lhs, dy, group_sizes),
+        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mtjax_grouped_gemm_wgrad",

@@ -37,8 +37,10 @@ from mtjax.kernels.common import (
     dropout_keep,
     interpret,
     next_power_of_2,
+    pallas_call,
     reduce_tile_maxima,
     saturate_cast,
+    vary_together,
 )
 from mtjax.kernels.common import (
     pallas_triton as plgpu,
@@ -279,7 +281,7 @@ def forward(x, gamma, beta, residual=None, seed=None, scale=None, *, rms: bool, 
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
         out_shape.append(jax.ShapeDtypeStruct((programs,), jnp.float32))
-    outs = list(pl.pallas_call(
+    outs = list(pallas_call(
         functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8, programs=programs),
         out_shape=out_shape,
         grid=(programs,),
@@ -367,7 +369,7 @@ def backward(h, gamma, dy, dresidual=None, seed=None, *, rms: bool, epsilon: flo
     if split_dx:
         out_shape.append(jax.ShapeDtypeStruct((m, n), dx_dtype))
     out_shape += [jax.ShapeDtypeStruct((programs, n), jnp.float32)] * (2 if has_beta else 1)
-    outs = list(pl.pallas_call(
+    outs = list(pallas_call(
         functools.partial(_backward_kernel, spec=spec, programs=programs, split_dx=split_dx),
         out_shape=out_shape,
         grid=(programs,),
@@ -422,12 +424,14 @@ def layer_norm(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, *, epsilo
                zero_centered_gamma: bool, launchers: Launchers = PALLAS) -> jax.Array:
     """LayerNorm over the last axis of ``x [..., hidden]``; ``gamma``/``beta`` ``[hidden]``; returns x.dtype.
     ``launchers``: the kernels (these Pallas ones, or `mtjax.kernels.triton.layer_norm.NATIVE`)."""
+    x, gamma, beta = vary_together(x, gamma, beta)
     return _norm(x, gamma, beta, False, epsilon, zero_centered_gamma, launchers)
 
 
 def rms_norm(x: jax.Array, gamma: jax.Array, *, epsilon: float, zero_centered_gamma: bool,
              launchers: Launchers = PALLAS) -> jax.Array:
     """RMSNorm over the last axis of ``x [..., hidden]``; ``gamma`` ``[hidden]``; returns x.dtype."""
+    x, gamma = vary_together(x, gamma)
     return _norm(x, gamma, None, True, epsilon, zero_centered_gamma, launchers)
 
 

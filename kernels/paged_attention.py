@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.common import KERNEL_FP8_DTYPES, MAX_ELEMENTS, Launchers
+from mtjax.kernels.common import KERNEL_FP8_DTYPES, MAX_ELEMENTS, Launchers, pallas_call
 from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
@@ -158,7 +158,7 @@ def _decode(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st: _Stat
     q_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, s: (b, h // nrb, h % nrb, 0))
     page_spec = pl.BlockSpec((None,) + tuple(k_pages.shape[1:]), lambda b, h, s: (h // nrb, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, 1), lambda b, h, s: (h // nrb, 0))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_decode_kernel, st=st, num_row_blocks=nrb),
         grid=grid,
         in_specs=[q_spec, page_spec, page_spec, pl.BlockSpec((None, tables.shape[1]), lambda b, h, s: (b, 0)),

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 
 from mtjax.kernels.common import (
     interpret,
+    pallas_call,
     reduce_tile_maxima,
     saturate_cast,
     unsupported_array,
@@ -87,7 +88,7 @@ def cast_transpose(x: jax.Array, scale: jax.Array, out_dtype, *, block: int = BL
         raise ValueError(f"cast_transpose: unsupported input: {why}")
     m, k = x.shape
     spec = CastSpec(m=m, k=k, block=block, num_warps=num_warps)
-    q, qt, tile_amax = pl.pallas_call(
+    q, qt, tile_amax = pallas_call(
         functools.partial(_kernel, spec=spec),
         out_shape=(jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((k, m), out_dtype),
                    jax.ShapeDtypeStruct(spec.grid, jnp.float32)),

@@ -15,7 +15,7 @@ import functools
 import jax
 
 from mtjax.kernels import layer_norm as norm_kernels
-from mtjax.kernels.common import Launchers
+from mtjax.kernels.common import Launchers, vary_together
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -66,5 +66,6 @@ def residual_norm(x: jax.Array, residual: jax.Array, gamma: jax.Array, beta: jax
     """
     if dropout_rate > 0.0 and seed is None:
         raise ValueError("residual_norm: dropout_rate > 0 needs a seed")
+    x, residual, gamma, beta, seed = vary_together(x, residual, gamma, beta, seed)
     return _residual_norm(x, residual, gamma, beta, seed, rms, float(epsilon), bool(zero_centered_gamma),
                           float(dropout_rate), launchers)

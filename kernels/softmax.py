@@ -18,7 +18,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.common import Launchers, check_size, interpret, next_power_of_2, unsupported_array
+from mtjax.kernels.common import (
+    Launchers,
+    check_size,
+    interpret,
+    next_power_of_2,
+    pallas_call,
+    unsupported_array,
+    vary_together,
+)
 from mtjax.kernels.common import pallas_triton as plgpu
 
 
@@ -129,7 +137,7 @@ def forward(logits, mask, *, scale: float, causal: bool, tile_override=None):
     rows_per, compact = mask_rows(mask, logits.shape)
     inputs = [logits.reshape(-1, logits.shape[-1])] + ([] if compact is None else [compact])
     spec = _spec(logits.shape, scale, causal, rows_per, tile_override)
-    y = pl.pallas_call(
+    y = pallas_call(
         functools.partial(_forward_kernel, spec=spec),
         out_shape=jax.ShapeDtypeStruct(inputs[0].shape, logits.dtype),
         grid=(pl.cdiv(spec.m, spec.block_m),),
@@ -151,7 +159,7 @@ def _backward_kernel(y_ref, dy_ref, dx_ref, *, spec: SoftmaxSpec):
 def backward(y, dy, *, scale: float, tile_override=None):
     """Gradient of the logits from the softmax output ``y`` and its cotangent ``dy``."""
     spec = _spec(y.shape, scale, False, 0, tile_override)
-    dx = pl.pallas_call(
+    dx = pallas_call(
         functools.partial(_backward_kernel, spec=spec),
         out_shape=jax.ShapeDtypeStruct((spec.m, spec.n), y.dtype),
         grid=(pl.cdiv(spec.m, spec.block_m),),
@@ -195,4 +203,5 @@ def softmax(logits: jax.Array, mask: jax.Array | None, *, scale: float, causal: 
             launchers: Launchers = PALLAS) -> jax.Array:
     """``softmax(scale * logits)`` over the last axis, in ``logits.dtype``; ``mask`` True keeps.
     ``launchers``: these Pallas kernels or the native Triton ones (`mtjax.kernels.triton.softmax.NATIVE`)."""
+    logits, mask = vary_together(logits, mask)
     return _softmax(logits, mask, float(scale), bool(causal), launchers)

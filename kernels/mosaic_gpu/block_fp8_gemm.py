@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtjax.kernels import block_fp8_gemm as portable
-from mtjax.kernels.common import Launchers, varying_like
+from mtjax.kernels.common import Launchers, vary_together
 from mtjax.kernels.mosaic_gpu.common import (
     BLOCK_ROWS,
     COMPUTE_WGS,
@@ -147,7 +147,7 @@ def _launch(a: jax.Array, sa_t: jax.Array, b: jax.Array, sb_t: jax.Array, out_dt
         grid=(mp // BLOCK_M, np_ // config.block_n), grid_names=("m", "n"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg", interpret=interpret_params(),
     )(a, sa_t, b, sb_t)
-    return varying_like(out, a, sa_t, b, sb_t)
+    return vary_together(out, a, sa_t, b, sb_t)[0]
 
 
 MOSAIC = Launchers(forward=_launch)

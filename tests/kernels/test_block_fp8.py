@@ -165,8 +165,6 @@ def _operands(seed, m, k, n, b_blocks, b_dtype=jnp.float8_e4m3fn):
     return a, a_s, b, b_s
 
 
-@pytest.mark.parametrize("m, k, n, b_blocks, b_dtype", [
-    (64, 256, 128, True, jnp.float8_e4m3fn), (37, 300, 70, False, jnp.float8_e5m2)], ids=["blocks", "rows-mixed"])
 def assert_fp8_gemm_close(got, want, bound):
     """``got`` (a GPU kernel's product of FP8 operands) against ``want`` (the float32 reference).
 
@@ -190,6 +188,8 @@ def fp8_gemm_bound(a, a_s, b, b_s):
     return jnp.matmul(jnp.abs(ops.tile_dequantize(a, a_s)), jnp.abs(deq_b).T, precision=jax.lax.Precision.HIGHEST)
 
 
+@pytest.mark.parametrize("m, k, n, b_blocks, b_dtype", [
+    (64, 256, 128, True, jnp.float8_e4m3fn), (37, 300, 70, False, jnp.float8_e5m2)], ids=["blocks", "rows-mixed"])
 def test_gemm_kernel_matches_reference(interpret, m, k, n, b_blocks, b_dtype):
     a, a_s, b, b_s = _operands(0, m, k, n, b_blocks, b_dtype)
     want = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="xla")
