@@ -114,7 +114,7 @@ def test_block_scaled_fused_mlp_matches_the_gemms_one_at_a_time(activation, with
     backward; a gated ``mlp`` off the 128-wide tiles takes the two kernels the fused one replaces).
     With the XLA references the numbers are identical; with the kernels the derivative rounds in
     another order, so an element on an FP8 rounding boundary may round the other way."""
-    x, w1, w2, dy, act, norm = mlp_inputs(activation, with_norm, m=160, hidden=128, mlp=mlp, out=136)
+    x, w1, w2, dy, act, norm = mlp_inputs(activation, with_norm, m=256, hidden=128, mlp=mlp, out=136)
 
     def fused(x, norm, w1, act, w2):
         return fp8.fp8_mlp(x, w1, w2, None, None, activation=act, norm=norm, recipe=BLOCK)
