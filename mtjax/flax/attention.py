@@ -32,6 +32,8 @@ from mtjax.sharding.context import context_parallel_size
 ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
 CACHE_COLLECTION = "cache"
+# The cross-attention keys and values a decoding `MultiHeadAttention` keeps in the cache collection.
+CROSS_CACHE_NAMES = ("cached_cross_key", "cached_cross_value")
 # The variable collection of paged key/value caches (`PagedKV`): ``k_pages``/``v_pages`` per layer
 # (and ``k_scale``/``v_scale`` with FP8 pages).
 PAGED_KV_COLLECTION = "paged_kv"
@@ -391,7 +393,11 @@ class MultiHeadAttention(nn.Module):
     with ``decode=True`` on a ``[batch, max_length, hidden]`` input; each later call appends its keys at
     ``cache_index`` and attends causally to everything cached (positions default to the cache index).
     A ``bias`` then spans the whole cache, ``[batch|1, heads|1, q_len, max_length]`` (e.g. T5's relative
-    position biases of the step's queries: `RelativePositionBiases` with ``q_offset``).
+    position biases of the step's queries: `RelativePositionBiases` with ``q_offset``). Cross-attention
+    with ``decode=True`` keeps the projected ``inputs_kv`` as ``cached_cross_key``/``cached_cross_value``
+    (and its queries' position as ``cache_index``): the call that creates the cache projects them,
+    later calls read them and ignore ``inputs_kv`` (pass the same encoder output; a ``mask`` of its
+    padding still applies).
 
     Paged decoding (``paged_kv=PagedKV(...)``, causal self-attention): the keys and values of the
     call's tokens go into the pages of the `PAGED_KV_COLLECTION` collection at ``paged_kv.slots``
@@ -509,6 +515,8 @@ class MultiHeadAttention(nn.Module):
                              + ("" if self_attention else f", inputs_kv {inputs_kv.shape}"))
         hidden = inputs_q.shape[-1]
         heads = self.num_attention_heads
+        # Cross-attention while decoding projects the encoder output once, into the cache.
+        cross_cached = decode and not self_attention and self.has_variable(CACHE_COLLECTION, CROSS_CACHE_NAMES[0])
         dense = dict(use_bias=self.use_bias, bias_init=self.bias_init, dtype=self.dtype, param_dtype=self.param_dtype,
                      collective_matmul=self.collective_matmul and not decode and paged_kv is None)
         qkv_dense = {**dense, "use_bias": self.use_bias or self.qkv_bias}
@@ -533,7 +541,9 @@ class MultiHeadAttention(nn.Module):
                 **qkv_dense,
             )(inputs_q, residual)
             kv_inputs = ln_out if self_attention else inputs_kv
-            if self.fuse_qkv_params:
+            if cross_cached:
+                key, value = (self.get_variable(CACHE_COLLECTION, name) for name in CROSS_CACHE_NAMES)
+            elif self.fuse_qkv_params:
                 kv = DenseGeneral(
                     features=(2, groups, self.head_dim), kernel_init=self.kernel_init,
                     kernel_axes=(axes.EMBED, None, axes.KV_HEADS, axes.HEAD_DIM),
@@ -554,7 +564,8 @@ class MultiHeadAttention(nn.Module):
                              zero_centered_gamma=self.zero_centered_gamma, scale_axes=(axes.HEAD_DIM,),
                              bias_axes=(axes.HEAD_DIM,), dtype=self.dtype, param_dtype=self.param_dtype)
             query = LayerNorm(name="query_norm", **head_norm)(query)
-            key = LayerNorm(name="key_norm", **head_norm)(key)
+            if not cross_cached:
+                key = LayerNorm(name="key_norm", **head_norm)(key)
         query = nn.with_logical_constraint(query, Q_AXES)
         key = nn.with_logical_constraint(key, KV_AXES)
         value = nn.with_logical_constraint(value, KV_AXES)
@@ -565,8 +576,10 @@ class MultiHeadAttention(nn.Module):
             what = "decode=True" if paged_kv is None else "paged_kv"
             if decode and paged_kv is not None:
                 raise ValueError(f"{owner}: pass decode=True (the dense cache) or paged_kv, not both")
-            if q_segment_ids is not None or mask is not None or not self_attention:
-                raise ValueError(f"{owner}: {what} supports causal self-attention without mask or segment ids")
+            if q_segment_ids is not None or (self_attention and mask is not None) or (
+                    paged_kv is not None and not self_attention):
+                raise ValueError(f"{owner}: {what} supports causal self-attention without mask or segment ids"
+                                 + (" and cross-attention without segment ids" if decode else ""))
             if paged_kv is not None and bias is not None:
                 raise ValueError(f"{owner}: paged_kv does not support bias (decode=True does, over the whole cache)")
             if paged_kv is not None and self.attn_mask_type not in ("causal", "padding_causal"):
@@ -574,19 +587,27 @@ class MultiHeadAttention(nn.Module):
             if (paged_kv is not None and not paged_kv.prefill and self.enable_rotary_pos_emb
                     and q_positions is None):
                 raise ValueError(f"{owner}: paged_kv with prefill=False needs q_positions (the tokens' positions)")
-        if decode:
+        query_offset = None  # where the call's queries start in the decoded sequence
+        if decode and self_attention:
             cache_index = self._cache_index(key)
+            query_offset = None if cache_index is None else cache_index.value
+        elif decode:
+            query_offset = self._cross_query_offset(cross_cached, query.shape[1])
         if self.enable_rotary_pos_emb:
             batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
             if q_positions is None:
-                offset = 0 if cache_index is None else cache_index.value
+                offset = 0 if query_offset is None else query_offset
                 q_positions = offset + jnp.broadcast_to(jnp.arange(q_len), (batch, q_len))
             if kv_positions is None:
                 kv_positions = q_positions if self_attention else jnp.broadcast_to(jnp.arange(kv_len), (batch, kv_len))
             rope = dict(windows=self.rotary_pos_emb_windows, group_method=self.rotary_pos_emb_group_method,
                         fraction=self.rotary_pos_emb_fraction, scaling=self.rotary_pos_emb_scaling)
             query = apply_rotary_pos_emb(query, q_positions, **rope)
-            key = apply_rotary_pos_emb(key, kv_positions, **rope)
+            if not cross_cached:
+                key = apply_rotary_pos_emb(key, kv_positions, **rope)
+        if decode and not self_attention and not cross_cached:
+            for name, x in zip(CROSS_CACHE_NAMES, (key, value)):
+                self.put_variable(CACHE_COLLECTION, name, x)
         if cache_index is not None:
             key, value, mask = self._update_cache(cache_index, key, value)
             mask_type, window_size = "no_mask", None  # the cache mask holds causality and the window
@@ -657,6 +678,16 @@ class MultiHeadAttention(nn.Module):
         self.variable(CACHE_COLLECTION, "cached_value", jnp.zeros, key.shape, key.dtype)
         index = self.variable(CACHE_COLLECTION, "cache_index", lambda: jnp.zeros((), jnp.int32))
         return index if initialized else None
+
+    def _cross_query_offset(self, cached: bool, q_len: int) -> jax.Array | None:
+        """The decoded position of a cross-attention call's first query (its ``cache_index``, advanced by
+        ``q_len``), or None while the cache is being created."""
+        index = self.variable(CACHE_COLLECTION, "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if not cached:
+            return None
+        start = index.value
+        index.value = start + q_len
+        return start
 
     def _update_cache(self, index: nn.Variable, key: jax.Array, value: jax.Array):
         """Writes ``key``/``value`` at the cache index; returns the whole cache and the keep-mask

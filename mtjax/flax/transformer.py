@@ -59,7 +59,8 @@ class TransformerLayer(nn.Module):
     self-attention on a paged key/value cache; ``attention_bias [batch|1, heads|1, q_len, kv_len]`` is
     added to the self-attention logits (after scaling): T5's relative position biases computed once
     per stack and shared by its layers (with ``decode=True`` it spans the whole cache, see
-    `MultiHeadAttention`). Returns ``[batch, length, hidden_size]``.
+    `MultiHeadAttention`; the cross-attention keeps its projected ``encoded`` in the cache). Returns
+    ``[batch, length, hidden_size]``.
 
     ``parallel_attention_mlp=True`` (GPT-NeoX, GPT-J; pre-LN only) runs the attention and the MLP side
     by side on the block's input, each behind its own norm: ``x = x + attn(norm1(x)) + mlp(norm2(x))``.
@@ -312,7 +313,7 @@ class TransformerLayer(nn.Module):
                 input_layernorm=True, attn_mask_type="padding" if has_padding else "no_mask",
                 name="encoder_decoder_attention", **attention,
             )(x, encoded, encoder_decoder_mask, q_segment_ids=segment_ids, kv_segment_ids=encoder_segment_ids,
-              deterministic=deterministic)
+              deterministic=deterministic, decode=decode)
             branch, residual = y, x
 
         fuse = self.fuse_residual_norm and not self.apply_residual_connection_post_layernorm

@@ -487,6 +487,27 @@ def test_decoder_layer_cross_attention():
         layer.apply(v, x, deterministic=True)
 
 
+def test_cross_attention_decoding_projects_the_encoder_output_once():
+    """``decode=True`` cross-attention (GQA, QK norm, rotary keys) gives the plain call's output, the
+    keys and values coming from the cache its first call filled; the encoder's padding mask still applies."""
+    x, enc = rand(0, (2, 3, 16)), rand(1, (2, 6, 16))
+    mask = jnp.ones((2, 1, 1, 6), bool).at[1, ..., 4:].set(False)
+    mha = MultiHeadAttention(head_dim=4, num_attention_heads=4, num_gqa_groups=2, attn_mask_type="padding",
+                             qk_norm=True, enable_rotary_pos_emb=True, layernorm_type="rmsnorm")
+    params = perturbed(init_params(mha, x, enc, mask, deterministic=True))
+    want = mha.apply({"params": params}, x, enc, mask, deterministic=True)[0]
+    _, cache = mha.apply({"params": params}, x, enc, mask, decode=True, deterministic=True, mutable=["cache"])
+    assert set(cache["cache"]) == {"cached_cross_key", "cached_cross_value", "cache_index"}
+    assert cache["cache"]["cached_cross_key"].shape == (2, 6, 2, 4)
+    for i in range(3):  # one query at a time, with the encoder output changed: the cache is what is read
+        got, cache = mha.apply({"params": params, **cache}, x[:, i:i + 1], 5.0 * enc, mask, decode=True,
+                               deterministic=True, mutable=["cache"])
+        close(got[0], want[:, i:i + 1])
+    with pytest.raises(ValueError, match="cross-attention without segment ids"):
+        mha.apply({"params": params, **cache}, x, enc, decode=True, deterministic=True, mutable=["cache"],
+                  q_segment_ids=jnp.ones((2, 3), jnp.int32), kv_segment_ids=jnp.ones((2, 6), jnp.int32))
+
+
 def test_embed_lookup_and_attend():
     embed = Embed(10, 4)
     v = embed.init(jax.random.key(0), jnp.zeros((2,), jnp.int32))

@@ -113,8 +113,9 @@ def test_patchify_and_sincos_positions_against_loops():
 
 def test_t5_masks_and_cached_decoding():
     """Encoder padding and future decoder tokens are never attended (perturbing them changes no other
-    logit); decoding token by token on the cache (relative biases at the cache offset) gives the full
-    forward's logits, and greedy generation on a cache of exactly its length the full forward's argmax."""
+    logit); decoding token by token on the cache (relative biases at the cache offset, the encoder
+    output projected once) gives the full forward's logits, and greedy generation on a cache of exactly
+    its length the full forward's argmax."""
     model = T5(T5_TINY)
     enc, dec = tokens(2, (2, 7)), tokens(3, (2, 6))
     segment_ids = jnp.array([[1] * 7, [1] * 4 + [0] * 3])
@@ -122,15 +123,15 @@ def test_t5_masks_and_cached_decoding():
     assert param_count(variables) == T5_TINY.num_params()
     forward = jax.jit(functools.partial(model.apply, variables, encoder_segment_ids=segment_ids))
 
-    @jax.jit
-    def cached(dec):
+    @functools.partial(jax.jit, static_argnames="step_encoded")
+    def cached(dec, step_encoded=1.0):
         encoded = model.apply(variables, enc, encoder_segment_ids=segment_ids, method=T5.encode)
         step = functools.partial(model.apply, encoder_segment_ids=segment_ids, decode=True, method=T5.decode,
                                  mutable=["cache"])
         _, cache = step(variables, dec, encoded)
 
         def one(cache, token):
-            logits, cache = step({**variables, **cache}, token[:, None], encoded)
+            logits, cache = step({**variables, **cache}, token[:, None], step_encoded * encoded)
             return cache, logits[:, 0]
 
         return jnp.swapaxes(jax.lax.scan(one, cache, dec.T)[1], 0, 1)
@@ -142,6 +143,9 @@ def test_t5_masks_and_cached_decoding():
                                atol=1e-6)
     assert not np.allclose(forward(enc.at[1, 2].set(7), dec)[1], base[1], atol=1e-4)  # a real token does count
     np.testing.assert_allclose(cached(dec), base, rtol=1e-4, atol=1e-5)
+    # The cross-attention keys and values come from the cache once it exists: the steps never read
+    # `encoded` again (a scaled one changes nothing).
+    np.testing.assert_array_equal(cached(dec, step_encoded=3.0), cached(dec))
     out = jitted_t5_generate(model, variables, enc, encoder_segment_ids=segment_ids, max_new_tokens=6, start_id=1)
     forced = forward(enc, jnp.concatenate([jnp.ones((2, 1), jnp.int32), out[:, :-1]], axis=1))
     np.testing.assert_array_equal(out, jnp.argmax(forced, axis=-1))
