@@ -324,8 +324,9 @@ def engine_row(model_name: str, sizes: Sizes) -> list[dict]:
 
     def one():
         model, params = model_and_params(model_name, sizes.contexts[0])
+        # The timed runs repeat the warm-up's prompts: without prefix caching they prefill them again.
         engine = Engine(model, params, max_slots=batch, page_size=PAGE_SIZE, max_seq_len=sizes.contexts[0],
-                        decode_steps=sizes.steps)
+                        decode_steps=sizes.steps, prefix_caching=False)
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(0, model.config.vocab_size, prompt_len)] for _ in range(batch)]
         params_ = SamplingParams(max_tokens=new, temperature=0.0)

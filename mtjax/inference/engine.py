@@ -88,13 +88,16 @@ class Engine:
         prefill batches pad to 1, 4, 16, ... rows (at most ``max_prefill_tokens`` tokens).
       max_prefill_tokens: prompt tokens prefilled per step at most (default ``max(2048, prefill_chunk)``).
       max_stop_tokens: most stop tokens of one request.
+      prefix_caching: a prompt that starts with the tokens of full pages another sequence computed
+        reads their keys and values from those pages (shared, reference-counted) and prefills only
+        the rest; finished sequences' pages stay cached until the pages are needed (`KVCache`).
     """
 
     def __init__(self, model: GPT, params: Any, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, max_seq_len: int | None = None, kv_dtype: Any = None,
                  weights: str | None = None, mesh: Mesh | None = None, tp_axis: str = "tp", decode_steps: int = 8,
                  prefill_chunk: int | None = None, prefill_buckets: Sequence[int] | None = None,
-                 max_prefill_tokens: int | None = None, max_stop_tokens: int = 8):
+                 max_prefill_tokens: int | None = None, max_stop_tokens: int = 8, prefix_caching: bool = True):
         if not isinstance(model, GPT):
             raise TypeError(f"Engine: model must be a mtjax.models.GPT; got {type(model).__name__}")
         cfg = model.config
@@ -141,9 +144,11 @@ class Engine:
         self.prefill_chunk, self.prefill_buckets, self.max_stop_tokens = prefill_chunk, tuple(buckets), max_stop_tokens
         self.kv_dtype = resolve_kv_dtype(kv_dtype, cfg.dtype)
         self.cache = KVCache(model, params, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
-                             max_seq_len=max_seq_len, dtype=self.kv_dtype, mesh=mesh, tp_axis=tp_axis)
+                             max_seq_len=max_seq_len, dtype=self.kv_dtype, mesh=mesh, tp_axis=tp_axis,
+                             prefix_caching=prefix_caching)
         max_prefill_tokens = max(2048, prefill_chunk) if max_prefill_tokens is None else max_prefill_tokens
-        self.scheduler = Scheduler(self.cache, prefill_chunk=prefill_chunk, max_prefill_tokens=max_prefill_tokens)
+        self.scheduler = Scheduler(self.cache, prefill_chunk=prefill_chunk, max_prefill_tokens=max_prefill_tokens,
+                                   chunk_lengths=buckets)
         self.prefill_batch_sizes = {
             # Batch sizes grow by 4 (fewer compilations; a batch pads to at most 4x its rows).
             length: _geometric(1, max(1, min(max_slots, self.scheduler.max_prefill_tokens // length)), 4)
@@ -244,12 +249,14 @@ class Engine:
         return bool(self._inbox) or bool(self._requests)
 
     def stats(self) -> dict[str, Any]:
-        """Queue length, running requests, free pages, preemptions, tokens/s and compilations so far."""
+        """Queue length, running requests, free pages (cached ones included), preemptions, prefix-cache
+        pages and the prompt tokens read from them, tokens/s and compilations so far."""
         sched = self.scheduler
         return dict(
             waiting=len(sched.waiting) + sum(1 for op, _ in list(self._inbox) if op == "add"),
             running=len(sched.running), free_pages=self.cache.num_free_pages, total_pages=self.cache.num_pages - 1,
             page_size=self.cache.page_size, max_slots=self.max_slots, preemptions=sched.num_preemptions,
+            cached_pages=self.cache.num_cached_pages, cached_prompt_tokens=sched.num_cached_tokens,
             generated_tokens=self._generated_tokens,
             tokens_per_s=self._generated_tokens / self._busy_seconds if self._busy_seconds else 0.0,
             compilations=dict(self.compilations),
@@ -302,7 +309,7 @@ class Engine:
         with self._lock:
             for length in self.prefill_buckets:
                 for batch in self.prefill_batch_sizes[length]:
-                    for whole in (True, False) if length == self.prefill_chunk else (True,):
+                    for whole in (True, False):
                         self._call_prefill([], length, batch, whole)
             self._call_decode([])
 
@@ -368,8 +375,8 @@ class Engine:
         """Groups chunks by kind and padded length into batches of the compiled sizes."""
         groups: dict[tuple[bool, int], list[PrefillChunk]] = collections.defaultdict(list)
         for chunk in chunks:
-            length = (next(b for b in self.prefill_buckets if b >= chunk.length) if chunk.whole
-                      else self.prefill_chunk)
+            # A chunk after cached tokens has a bucket's length already (it cannot be padded).
+            length = next(b for b in self.prefill_buckets if b >= chunk.length) if chunk.whole else chunk.length
             groups[(chunk.whole, length)].append(chunk)
         for (whole, length), group in groups.items():
             largest = self.prefill_batch_sizes[length][-1]
@@ -417,6 +424,7 @@ class Engine:
             request.num_computed = chunk.start + chunk.length
             if chunk.last:
                 request.status = RequestStatus.DECODING
+                self.cache.register(request.slot, request.sequence, request.prefill_target)
                 self._append(request, int(token), changed)
 
     def _call_decode(self, requests: list[Request]) -> np.ndarray:

@@ -1,15 +1,24 @@
 """The paged key/value cache of an `Engine`: device pages for every attention layer, a free-list page
-allocator and a block table per slot on the host.
+allocator, a block table per slot and the prefix cache, on the host.
 
 Pages are ``[kv_heads, num_pages, page_size, head_dim]`` per layer (``[layers, ...]`` when the model
 scans its layers), the `mtjax.flax.PAGED_KV_COLLECTION` variables of the model; with a mesh they
 are sharded over the key/value heads on its ``tp`` axis. Page 0 is a scratch page: padding tokens
 write there and no sequence reads it, so the allocator hands out pages ``1 .. num_pages - 1``.
+
+Prefix caching (after vLLM's automatic prefix caching): a full page whose tokens' keys and values are
+computed is registered under its tokens and the chain of pages before it. A later sequence that starts
+with the same tokens takes those pages into its block table (reference-counted, never written again)
+and prefills only the rest. Registered pages nobody holds stay cached and count as free; the
+allocator evicts them, least recently released first, when the free list runs dry.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -72,11 +81,13 @@ class KVCache:
       page_size, num_pages, max_slots, max_pages_per_seq: the geometry.
       dtype: page dtype.
       block_tables: ``[max_slots, max_pages_per_seq]`` int32 on the host (unused entries: the scratch page).
-      allocator: the `PageAllocator`.
+      allocator: the `PageAllocator` of the pages no one holds and no prefix is cached in.
+      prefix_caching: full computed pages are shared by sequences that start with the same tokens
+        (`match`, `share`, `register`).
     """
 
     def __init__(self, model: GPT, params: Any, *, max_slots: int, page_size: int, num_pages: int, max_seq_len: int,
-                 dtype: jnp.dtype, mesh: Mesh | None = None, tp_axis: str = "tp"):
+                 dtype: jnp.dtype, mesh: Mesh | None = None, tp_axis: str = "tp", prefix_caching: bool = False):
         for name, value in (("max_slots", max_slots), ("page_size", page_size), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVCache: {name}={value!r}; expected a positive int")
@@ -86,6 +97,14 @@ class KVCache:
         self.allocator = PageAllocator(num_pages)
         self.block_tables = np.full((max_slots, self.max_pages_per_seq), SCRATCH_PAGE, np.int32)
         self.slot_pages: list[list[int]] = [[] for _ in range(max_slots)]
+        self.prefix_caching = prefix_caching
+        self._refs = np.zeros(num_pages, np.int32)  # slots holding each page
+        # The prefix cache: a registered page's key is (the node of the page before it, its tokens); a
+        # node id is never reused, so an evicted page's successors can no longer be matched.
+        self._prefix: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}  # key -> (page, node)
+        self._registered: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}  # page -> (key, node)
+        self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._nodes = itertools.count(1)
 
         view = self.view(np.zeros((1, self.max_pages_per_seq), np.int32), np.ones((1,), np.int32),
                          np.zeros((1, 1), np.int32), prefill=True)
@@ -128,7 +147,76 @@ class KVCache:
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Pages a sequence can get: the free list and the cached pages no one holds."""
+        return self.allocator.num_free + len(self._cached_free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages registered in the prefix cache (held or not)."""
+        return len(self._registered)
+
+    def _allocate(self, count: int) -> list[int]:
+        short = count - self.allocator.num_free
+        for _ in range(max(short, 0)):  # evict the least recently released cached pages
+            page, _ = self._cached_free.popitem(last=False)
+            key, _ = self._registered.pop(page)
+            del self._prefix[key]
+            self.allocator.free([page])
+        return self.allocator.allocate(count)
+
+    def _page_keys(self, tokens: Sequence[int], num_pages: int):
+        """``(index, the page's tokens)`` of ``tokens``' first ``num_pages`` pages."""
+        size = self.page_size
+        return [(i, tuple(int(t) for t in tokens[i * size:(i + 1) * size])) for i in range(num_pages)]
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """The cached pages holding the longest run of ``tokens``' leading full pages, leaving at least
+        one token to compute (its logits pick the next token); [] without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        pages, node = [], 0
+        for _, chunk in self._page_keys(tokens, (len(tokens) - 1) // self.page_size):
+            hit = self._prefix.get((node, chunk))
+            if hit is None:
+                break
+            page, node = hit
+            pages.append(page)
+        return pages
+
+    def num_cached_free(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` no slot holds (taking them shrinks `num_free_pages`)."""
+        return sum(1 for p in pages if self._refs[p] == 0)
+
+    def share(self, slot: int, pages: Sequence[int]) -> None:
+        """Puts the cached ``pages`` (from `match`) at the start of the empty ``slot``'s block table."""
+        if self.slot_pages[slot]:
+            raise ValueError(f"KVCache.share: slot {slot} already holds pages")
+        for page in pages:
+            if self._refs[page] == 0:
+                del self._cached_free[page]
+            self._refs[page] += 1
+        self.block_tables[slot, :len(pages)] = pages
+        self.slot_pages[slot] = list(pages)
+
+    def register(self, slot: int, tokens: Sequence[int], num_computed: int) -> None:
+        """Registers ``slot``'s full pages among the first ``num_computed`` tokens (``tokens``' keys and
+        values are in them) in the prefix cache. A page whose tokens another page already caches stays
+        private."""
+        if not self.prefix_caching:
+            return
+        node = 0
+        for i, chunk in self._page_keys(tokens, num_computed // self.page_size):
+            page = self.slot_pages[slot][i]
+            if page in self._registered:
+                node = self._registered[page][1]
+                continue
+            hit = self._prefix.get((node, chunk))
+            if hit is not None:
+                node = hit[1]
+                continue
+            key, node = (node, chunk), next(self._nodes)
+            self._prefix[key] = (page, node)
+            self._registered[page] = (key, node)
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -143,24 +231,36 @@ class KVCache:
             raise ValueError(f"KVCache: {num_tokens} tokens exceed max_seq_len ({self.max_pages_per_seq} pages of "
                              f"{self.page_size})")
         missing = self.missing_pages(slot, num_tokens)
-        if missing > self.allocator.num_free:
+        if missing > self.num_free_pages:
             return False
         pages = self.slot_pages[slot]
-        new = self.allocator.allocate(missing)
+        new = self._allocate(missing)
+        self._refs[new] = 1
         self.block_tables[slot, len(pages):len(pages) + missing] = new
         pages.extend(new)
         return True
 
     def release(self, slot: int) -> None:
-        """Returns ``slot``'s pages to the free list."""
-        self.allocator.free(self.slot_pages[slot])
+        """Returns ``slot``'s pages: to the free list, or, registered ones, to the cached pages (the
+        last page first, so a sequence's tail is evicted before its head)."""
+        for page in reversed(self.slot_pages[slot]):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._registered:
+                    self._cached_free[page] = None
+                else:
+                    self.allocator.free([page])
         self.slot_pages[slot] = []
         self.block_tables[slot] = SCRATCH_PAGE
 
     def slot_mapping(self, slot: int, positions: np.ndarray) -> np.ndarray:
-        """Flat cache slots (``page * page_size + offset``) of ``slot``'s tokens at ``positions``."""
+        """Flat cache slots (``page * page_size + offset``) of ``slot``'s tokens at ``positions``; a
+        position in a registered page maps to the scratch page (its keys and values are there already
+        and other sequences may read them: a recomputation never writes them again)."""
         positions = np.asarray(positions)
         pages = self.block_tables[slot, positions // self.page_size]
+        if self._registered:
+            pages = np.where(np.isin(pages, list(self._registered)), SCRATCH_PAGE, pages)
         return (pages * self.page_size + positions % self.page_size).astype(np.int32)
 
     def set_scales(self, k_scale: Any, v_scale: Any) -> None:

@@ -5,7 +5,8 @@ Modelled on vLLM's scheduler and block manager, on the host, in plain Python:
 - Requests wait in arrival order (FIFO). Between steps the oldest waiting request is admitted when a
   slot is free and the free pages hold its whole prompt; a request that does not fit blocks the ones
   behind it (no overtaking), so every request is served in turn.
-- An admitted request first prefills: its prompt runs in chunks of at most ``prefill_chunk`` tokens,
+- An admitted request first takes the cached pages of its prompt's longest cached prefix (with prefix
+  caching, `KVCache.match`), then prefills the rest: in chunks of at most ``prefill_chunk`` tokens,
   oldest first, up to ``max_prefill_tokens`` per step, then it decodes with the others.
 - Before each decode dispatch every decoding request gets the pages for the tokens the dispatch may
   add. When the free list runs dry the most recently admitted request is preempted: its pages go back
@@ -18,6 +19,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 from mtjax.inference.kv_cache import KVCache
 from mtjax.inference.sampling import SamplingParams
@@ -101,16 +103,25 @@ class Scheduler:
       cache: the `KVCache` whose pages and slots it hands out.
       prefill_chunk: most tokens of one prompt per prefill call.
       max_prefill_tokens: most prompt tokens prefilled per step (at least one chunk).
+      chunk_lengths: the lengths a chunk after a sequence's first may have (the engine's compiled
+        prefill lengths; ``prefill_chunk`` is added).
+
+    Attributes:
+      num_preemptions: requests preempted so far.
+      num_cached_tokens: prompt tokens taken from the prefix cache instead of prefilled.
     """
 
-    def __init__(self, cache: KVCache, *, prefill_chunk: int, max_prefill_tokens: int):
+    def __init__(self, cache: KVCache, *, prefill_chunk: int, max_prefill_tokens: int,
+                 chunk_lengths: Sequence[int] = ()):
         self.cache = cache
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max(max_prefill_tokens, prefill_chunk)
+        self.chunk_lengths = sorted({n for n in chunk_lengths if n <= prefill_chunk} | {prefill_chunk})
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: dict[int, Request] = {}  # slot -> request
         self.free_slots = list(range(cache.max_slots - 1, -1, -1))
         self.num_preemptions = 0
+        self.num_cached_tokens = 0
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -129,6 +140,8 @@ class Scheduler:
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
 
     def _release(self, request: Request) -> None:
+        computed = request.cache_length if request.status == RequestStatus.DECODING else request.num_computed
+        self.cache.register(request.slot, request.sequence, computed)
         self.cache.release(request.slot)
         del self.running[request.slot]
         self.free_slots.append(request.slot)
@@ -146,13 +159,19 @@ class Scheduler:
             request = self.waiting[0]
             slot = self.free_slots[-1]
             target = min(len(request.sequence) + steps, request.max_cache_length)
-            if self.cache.missing_pages(slot, target) + committed > self.cache.num_free_pages:
+            cached = self.cache.match(request.sequence)
+            needed = self.cache.pages_for(target) - len(cached) + self.cache.num_cached_free(cached)
+            if needed + committed > self.cache.num_free_pages:
                 break
-            self.cache.reserve(slot, target)
+            self.cache.share(slot, cached)
+            if not self.cache.reserve(slot, target):
+                raise RuntimeError(f"Scheduler.admit: {needed} pages counted for request {request.request_id}, "
+                                   f"fewer allocated (page accounting is broken)")
             self.free_slots.pop()
             self.waiting.pop(0)
             request.slot, request.status = slot, RequestStatus.PREFILLING
-            request.num_computed, request.prefill_target = 0, len(request.sequence)
+            request.num_computed, request.prefill_target = len(cached) * self.cache.page_size, len(request.sequence)
+            self.num_cached_tokens += request.num_computed
             self.running[slot] = request
             admitted.append(request)
         return admitted
@@ -160,16 +179,26 @@ class Scheduler:
     def prefill_chunks(self) -> list[PrefillChunk]:
         """The next chunk of each prefilling request, oldest first, within the step's token budget.
 
-        Chunks are ``prefill_chunk`` long except a sequence's only chunk; a sequence's last chunk of
-        several ends at its end and overlaps the one before (recomputing a few cached tokens), so
-        every chunk after the first is exactly ``prefill_chunk`` tokens: one compiled shape."""
+        A sequence with nothing cached starts with a chunk from position 0 of up to ``prefill_chunk``
+        tokens (attending among themselves). The chunks after it (or after cached pages) attend to
+        the cache and have a length of ``chunk_lengths``, so they need no padding: ``prefill_chunk``
+        tokens while more than that remain, then the shortest length that holds the rest, ending at
+        the sequence's end and overlapping the chunk before (recomputing a few cached tokens); where
+        that length exceeds the sequence, one chunk from position 0 instead."""
         chunks, budget = [], self.max_prefill_tokens
         for request in sorted(self.running.values(), key=lambda r: r.arrival):
             if request.status != RequestStatus.PREFILLING:
                 continue
             total, done, size = request.prefill_target, request.num_computed, self.prefill_chunk
-            length = min(size, total)
-            start = 0 if done == 0 else min(done, total - size)
+            if done == 0:
+                start, length = 0, min(size, total)
+            elif total - done > size:
+                start, length = done, size
+            else:
+                length = next(n for n in self.chunk_lengths if n >= total - done)
+                start = total - length
+                if start < 0:
+                    start, length = 0, total
             if length > budget:
                 break
             budget -= length

@@ -336,6 +336,10 @@ class CompletionServer:
         metric("mtjax_cache_pages_total", "gauge", "KV-cache pages.", stats["total_pages"])
         metric("mtjax_preemptions_total", "counter", "Requests preempted for pages (recomputed later).",
                stats["preemptions"])
+        metric("mtjax_prefix_cache_pages", "gauge", "KV-cache pages holding a cached prompt prefix.",
+               stats["cached_pages"])
+        metric("mtjax_prefix_cache_hit_tokens_total", "counter", "Prompt tokens read from the prefix cache.",
+               stats["cached_prompt_tokens"])
         metric("mtjax_generated_tokens_total", "counter", "Tokens generated.", stats["generated_tokens"])
         metric("mtjax_tokens_per_second", "gauge", "Generated tokens per second of engine time.",
                f"{stats['tokens_per_s']:.3f}")

@@ -1,6 +1,7 @@
 """`Engine` end to end on tiny models: greedy outputs equal greedy decoding that re-runs the whole
 model on the growing sequence (no cache), for ragged batches, long (chunked) prompts, requests that
-arrive while others decode and under page pressure (preemption); nothing compiles after warm-up;
+arrive while others decode, under page pressure (preemption) and with prompts sharing cached prefix
+pages; nothing compiles after warm-up;
 sampling is deterministic per seed; stop tokens, max_tokens, abort and bad input."""
 
 import contextlib
@@ -125,6 +126,33 @@ def test_preemption_under_page_pressure_keeps_outputs_exact():
     for prompt, got in zip(prompts, out):
         assert got == reference(prompt, 14)
     assert engine.stats()["free_pages"] == 11
+
+
+def test_prefix_caching_reads_shared_prompt_pages_and_outputs_stay_exact():
+    model, params = make_model("rope-gqa-tied-scan")
+    reference = Reference(model, params)
+    # Chunks after cached pages take 4 or 8 tokens; 19 usable pages, so later requests evict cached ones.
+    options = {**ENGINE, "prefill_buckets": (4, 8), "num_pages": 20}
+    engine = Engine(model, params, **options)
+    engine.warmup()
+    system = prompts_of([13], seed=8)[0]  # a shared "system prompt" of 3 full pages and 1 token
+    prompts = [system + tail for tail in prompts_of([2, 5, 9, 1], seed=9)] + [system]
+    with count_compilations() as compiled:
+        first = engine.generate(prompts[:1], SamplingParams(max_tokens=6))
+        rest = engine.generate(prompts[1:], SamplingParams(max_tokens=6))
+        assert engine.stats()["cached_prompt_tokens"] == 4 * 12
+        # Other prompts fill the cache (preempting and evicting), then the shared prompt comes back.
+        others = engine.generate(prompts_of([10, 11, 9, 12], seed=10), SamplingParams(max_tokens=8))
+        again = engine.generate(prompts[1:3], SamplingParams(max_tokens=6))
+    assert compiled["n"] == 0
+    assert first + rest == [reference(p, 6) for p in prompts]
+    assert others == [reference(p, 8) for p in prompts_of([10, 11, 9, 12], seed=10)]
+    assert again == rest[:2]
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["cached_pages"] > 0
+    plain = Engine(model, params, **options, prefix_caching=False)
+    assert plain.generate(prompts, SamplingParams(max_tokens=6)) == first + rest
+    assert plain.stats()["cached_prompt_tokens"] == 0 and plain.stats()["cached_pages"] == 0
 
 
 def test_sampling_is_deterministic_per_seed_whatever_the_batch(setup):

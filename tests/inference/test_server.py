@@ -213,6 +213,7 @@ def test_health_metrics_and_unknown_routes(server):
     values = {name: float(value) for name, value in samples}
     assert values["mtjax_requests_waiting"] == 0
     assert values["mtjax_generated_tokens_total"] >= 2
+    assert values["mtjax_prefix_cache_hit_tokens_total"] >= 0 and "mtjax_prefix_cache_pages" in values
     assert "mtjax_tokens_per_second" in values and 'mtjax_http_responses_total{status="200"}' in values
     assert status == 404 and "error" in missing
 
