@@ -4,8 +4,9 @@ HTTP (`mtjax.inference.server`).
     mtjax serve --checkpoint runs/tiny --port 8000 [--max-slots 16] [--weights fp8] [--kv-dtype fp8]
 
 Loads the checkpoint (`mtjax.generate.load_checkpoint`), builds an `mtjax.inference.Engine`, compiles it
-(unless ``--no-warmup``) and answers OpenAI-compatible ``/v1/completions`` requests until interrupted.
-Needs the ``serve`` extra (aiohttp).
+(unless ``--no-warmup``) and answers OpenAI-compatible ``/v1/completions`` and, with a chat template
+(``--chat-template``, else the one beside the tokenizer or in the checkpoint folder),
+``/v1/chat/completions`` requests until interrupted. Needs the ``serve`` extra (aiohttp, jinja2).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mtjax.inference.chat import ChatTemplate
 
 logger = logging.getLogger("mtjax.serve")
 
@@ -28,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     parser.add_argument("--model-name", help="the 'model' of responses (default: the checkpoint folder's name)")
+    parser.add_argument("--chat-template",
+                        help="the Jinja chat template of /v1/chat/completions: a file, a tokenizer_config.json or a "
+                             "model folder (default: the tokenizer's or the checkpoint's, if it has one)")
     engine = parser.add_argument_group("engine (mtjax.inference.Engine)")
     engine.add_argument("--max-slots", type=int, default=16, help="requests decoded together (default 16)")
     engine.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
@@ -57,12 +65,36 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(model, params, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                         max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, weights=args.weights,
                         decode_steps=args.decode_steps, prefix_caching=args.prefix_caching)
+        chat_template = find_chat_template(args.chat_template, tokenizer, args.checkpoint)
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"mtjax serve: error: {err}", file=sys.stderr)
         return 2
+    if chat_template is None:
+        logger.info("no chat template: /v1/chat/completions answers 400 (see --chat-template)")
     if not args.no_warmup:
         logger.info("compiling (warm-up)")
         engine.warmup()
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    serve(engine, tokenizer, host=args.host, port=args.port, model_name=name)
+    serve(engine, tokenizer, host=args.host, port=args.port, model_name=name, chat_template=chat_template)
     return 0
+
+
+def find_chat_template(path: str | None, tokenizer: Any, checkpoint: str) -> ChatTemplate | None:
+    """``path``'s `mtjax.inference.chat.ChatTemplate`, else the one in the tokenizer's folder or the
+    checkpoint folder, else None (also when jinja2 is missing and no ``path`` asked for one)."""
+    try:
+        import jinja2  # noqa: F401
+
+        from mtjax.inference.chat import ChatTemplate
+    except ImportError:
+        if path is not None:
+            raise ValueError("--chat-template needs jinja2 (pip install 'mtjax[serve]')") from None
+        return None
+    if path is not None:
+        return ChatTemplate.from_path(path)
+    folders = [os.path.dirname(tokenizer.path)] if getattr(tokenizer, "path", None) else []
+    for folder in folders + ([checkpoint] if os.path.isdir(checkpoint) else []):
+        template = ChatTemplate.find(folder)
+        if template is not None:
+            return template
+    return None

@@ -32,8 +32,9 @@ class Tokenizer(Protocol):
     eos_id: int
     spec: str
 
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` as a 1-D integer array (no EOS appended)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """Token ids of ``text`` as a 1-D integer array (no EOS appended); ``add_special_tokens``: with
+        the tokens the tokenizer puts around a text (a Hugging Face post-processor's BOS), if any."""
         ...
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -48,7 +49,7 @@ class ByteTokenizer:
     eos_id = 256
     spec = "byte"
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -79,7 +80,7 @@ class SentencePieceTokenizer:
         self.eos_id = eos if eos >= 0 else 0
         self.spec = f"sentencepiece:{self.path}"
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         return np.asarray(self._model.encode(text), dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -144,8 +145,8 @@ class HFTokenizer:
                          f"or eos_token_id in config.json beside it, and none of {', '.join(_EOS_TOKENS)} in its "
                          "vocabulary")
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tokenizer.encode(text).ids, dtype=np.int32)
+    def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)

@@ -10,6 +10,10 @@ Endpoints:
   ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent events with ``"stream": true`` (one
   ``data:`` chunk per batch of new tokens, then ``data: [DONE]``). Each choice also carries the
   ``token_ids`` it produced. Bad requests get HTTP 400 with OpenAI's error object.
+- ``POST /v1/chat/completions``: OpenAI's chat request (``messages`` rendered by the model's chat
+  template, `mtjax.inference.chat`; ``max_completion_tokens`` or ``max_tokens``, by default what fits
+  the context; the other options as above), answered as ``chat.completion`` objects or
+  ``chat.completion.chunk`` events.
 - ``GET /health``: ``{"status": "ok"}`` while the engine loop runs.
 - ``GET /metrics``: Prometheus text: waiting and running requests, free pages, preemptions, tokens
   generated, tokens/s.
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # jax, the engine and aiohttp are imported when the command runs
     from aiohttp import web
 
+    from mtjax.inference.chat import ChatTemplate
     from mtjax.inference.engine import Engine, RequestOutput
 
 logger = logging.getLogger("mtjax.serve")
@@ -236,12 +241,16 @@ class CompletionServer:
       engine: the `Engine` every request goes to.
       tokenizer: encodes text prompts and decodes the answers (``None``: token-id prompts only, empty texts).
       model_name: the ``model`` field of responses.
+      chat_template: a `mtjax.inference.chat.ChatTemplate` for ``/v1/chat/completions`` (None: that
+        endpoint answers 400).
     """
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, *, model_name: str = "mtjax"):
+    def __init__(self, engine: Engine, tokenizer: Any = None, *, model_name: str = "mtjax",
+                 chat_template: ChatTemplate | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.chat_template = chat_template
         self.loop = EngineLoop(engine)
         self.started = time.time()
         self.http_requests: dict[str, int] = {}
@@ -252,6 +261,7 @@ class CompletionServer:
 
         app = web.Application(client_max_size=16 * 2**20, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self._start)
@@ -352,21 +362,55 @@ class CompletionServer:
         self._count(200)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
-    def _parse(self, body: Any) -> tuple[list[list[int]], Any, list[str], frozenset[int], bool]:
-        from mtjax.inference.sampling import SamplingParams
-
+    def _json_body(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        if "prompt" not in body:
-            raise RequestError("'prompt' is required", "prompt")
-        prompts = parse_prompts(body["prompt"], self.tokenizer)
+        return body
+
+    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        from mtjax.inference.chat import ChatTemplateError
+
+        if self.chat_template is None or self.tokenizer is None:
+            raise RequestError("this model has no chat template (start mtjax serve with --chat-template): use "
+                               "/v1/completions", "messages")
+        if "messages" not in body:
+            raise RequestError("'messages' is required", "messages")
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise RequestError(f"'{name}' is not supported by this server", name)
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise RequestError("'response_format' other than {'type': 'text'} is not supported", "response_format")
+        try:
+            text = self.chat_template.render(body["messages"])
+        except ChatTemplateError as err:
+            raise RequestError(str(err), "messages") from None
+        ids = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+        if not ids:
+            raise RequestError("the rendered conversation is empty", "messages")
+        return ids
+
+    def _sampling(self, body: dict[str, Any], prompts: list[list[int]], *, chat: bool
+                  ) -> tuple[Any, list[str], frozenset[int], bool]:
+        """``(SamplingParams, stop strings, stop token ids, stream)`` of a request body."""
+        from mtjax.inference.sampling import SamplingParams
+
         unsupported = {"n": lambda v: _is_int(v) and v == 1, "best_of": lambda v: _is_int(v) and v == 1,
-                       "echo": lambda v: v is False, "logprobs": lambda v: False, "suffix": lambda v: v == ""}
+                       "echo": lambda v: v is False, "logprobs": lambda v: v is False, "suffix": lambda v: v == "",
+                       "top_logprobs": lambda v: False}
         for name, accepted in unsupported.items():
             value = body.get(name)
             if value is not None and not accepted(value):
                 raise RequestError(f"'{name}'={value!r} is not supported by this server", name)
-        max_tokens = _integer(body, "max_tokens", 16, 1)
+        max_len = self.engine.max_seq_len
+        for ids in prompts:
+            if len(ids) >= max_len:
+                raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_len} tokens "
+                                   f"in all, so at most {max_len - 1} prompt tokens",
+                                   "messages" if chat else "prompt")
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        # OpenAI's completions default to 16 new tokens; a chat answer may fill the context.
+        max_tokens = _integer(body, name, max_len - max(len(p) for p in prompts) if chat else 16, 1)
         temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
         top_k = _integer(body, "top_k", 0, 0)
@@ -392,27 +436,38 @@ class CompletionServer:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be a boolean", "stream")
-        max_len = self.engine.max_seq_len
         for ids in prompts:
-            if len(ids) >= max_len:
-                raise RequestError(f"the prompt has {len(ids)} tokens; this model takes at most {max_len} tokens "
-                                   f"in all, so at most {max_len - 1} prompt tokens", "prompt")
             if len(ids) + max_tokens > max_len:
-                raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens={max_tokens} exceed the model's "
-                                   f"{max_len} tokens: ask for at most {max_len - len(ids)}", "max_tokens")
+                raise RequestError(f"the prompt ({len(ids)} tokens) plus {name}={max_tokens} exceed the model's "
+                                   f"{max_len} tokens: ask for at most {max_len - len(ids)}", name)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, stop=tuple(stop_ids))
         except ValueError as err:
             raise RequestError(str(err)) from None
-        return prompts, params, stop, frozenset(stop_ids), stream
+        return params, stop, frozenset(stop_ids), stream
 
-    async def completions(self, request):
+    @staticmethod
+    async def _read_json(request) -> Any:
         try:
-            body = await request.json()
+            return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise RequestError("the request body is not valid JSON") from None
-        prompts, params, stop, stop_ids, stream = self._parse(body)
+
+    async def completions(self, request):
+        body = self._json_body(await self._read_json(request))
+        if "prompt" not in body:
+            raise RequestError("'prompt' is required", "prompt")
+        prompts = parse_prompts(body["prompt"], self.tokenizer)
+        return await self._generate(request, prompts, *self._sampling(body, prompts, chat=False), chat=False)
+
+    async def chat_completions(self, request):
+        body = self._json_body(await self._read_json(request))
+        prompts = [self._chat_prompt(body)]
+        return await self._generate(request, prompts, *self._sampling(body, prompts, chat=True), chat=True)
+
+    async def _generate(self, request, prompts: list[list[int]], params: Any, stop: list[str],
+                        stop_ids: frozenset[int], stream: bool, *, chat: bool):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         completions = [Completion(i, p, stop, stop_ids, self.tokenizer) for i, p in enumerate(prompts)]
@@ -428,16 +483,16 @@ class CompletionServer:
                 try:
                     c.request_id = self.loop.submit(c.prompt, params, on_output(c.index))
                 except ValueError as err:
-                    raise RequestError(str(err), "prompt") from None
+                    raise RequestError(str(err), "messages" if chat else "prompt") from None
             created = int(time.time())
-            completion_id = f"cmpl-{uuid.uuid4().hex}"
+            completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if stream:
-                return await self._stream(request, completions, queue, completion_id, created)
+                return await self._stream(request, completions, queue, completion_id, created, chat)
             await self._drain(completions, queue)
             self._count(200)
             from aiohttp import web
 
-            return web.json_response(self._response(completion_id, created, completions))
+            return web.json_response(self._response(completion_id, created, completions, chat))
         finally:
             self.active -= 1
             for c in completions:  # the client left, or a stop string ended it: free the slot (no-op if done)
@@ -456,23 +511,32 @@ class CompletionServer:
         while any(c.finish_reason is None for c in completions):
             await self._next(completions, queue)
 
-    def _response(self, completion_id: str, created: int, completions: list[Completion]) -> dict[str, Any]:
+    def _response(self, completion_id: str, created: int, completions: list[Completion], chat: bool
+                  ) -> dict[str, Any]:
         prompt_tokens = sum(len(c.prompt) for c in completions)
         completion_tokens = sum(len(c.token_ids) for c in completions)
+        if chat:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "token_ids": c.token_ids, "logprobs": None, "finish_reason": c.finish_reason}
+                       for c in completions]
+        else:
+            choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": None,
+                        "finish_reason": c.finish_reason} for c in completions]
         return {
-            "id": completion_id, "object": "text_completion", "created": created, "model": self.model_name,
-            "choices": [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": None,
-                         "finish_reason": c.finish_reason} for c in completions],
+            "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.model_name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }
 
-    async def _stream(self, request, completions, queue, completion_id: str, created: int):
+    async def _stream(self, request, completions, queue, completion_id: str, created: int, chat: bool):
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         self._count(200)
+        head = {"id": completion_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.model_name}
 
         async def send(payload: Any) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
@@ -480,15 +544,19 @@ class CompletionServer:
 
         sent_tokens = [0] * len(completions)
         try:
+            if chat:  # OpenAI's first chunk names the role
+                await send(head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None} for c in completions]})
             while any(c.finish_reason is None for c in completions):
                 c = await self._next(completions, queue)
                 new_ids = c.token_ids[sent_tokens[c.index]:]
                 sent_tokens[c.index] = len(c.token_ids)
-                await send({"id": completion_id, "object": "text_completion", "created": created,
-                            "model": self.model_name,
-                            "choices": [{"index": c.index, "text": c.delta(), "token_ids": new_ids, "logprobs": None,
-                                         "finish_reason": c.finish_reason}]})
-            await send(self._response(completion_id, created, completions) | {"choices": []})
+                text = c.delta()
+                choice = {"index": c.index, "token_ids": new_ids, "logprobs": None, "finish_reason": c.finish_reason}
+                choice |= {"delta": {"content": text} if text or c.finish_reason is None else {}} if chat else {
+                    "text": text}
+                await send(head | {"choices": [choice]})
+            await send(self._response(completion_id, created, completions, chat) | head | {"choices": []})
             await send("[DONE]")
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("client of %s went away; aborting", completion_id)
@@ -505,12 +573,12 @@ class CompletionServer:
 
 
 def serve(engine: Engine, tokenizer: Any = None, *, host: str = "127.0.0.1", port: int = 8000,
-          model_name: str = "mtjax") -> None:
+          model_name: str = "mtjax", chat_template: ChatTemplate | None = None) -> None:
     """Serve ``engine`` over HTTP until interrupted (SIGINT/SIGTERM)."""
     from aiohttp import web
 
     def ready(*_):
         print(f"mtjax serve: listening on http://{host}:{port}", flush=True)
 
-    web.run_app(CompletionServer(engine, tokenizer, model_name=model_name).app(), host=host, port=port, print=ready,
-                handle_signals=True)
+    server = CompletionServer(engine, tokenizer, model_name=model_name, chat_template=chat_template)
+    web.run_app(server.app(), host=host, port=port, print=ready, handle_signals=True)

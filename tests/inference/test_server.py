@@ -1,6 +1,6 @@
-"""`mtjax serve` end to end: a checkpoint written with the train API, the server started as a process,
-concurrent clients (aiohttp's), answers checked against `Engine.generate`, and bad requests answered
-with HTTP 400 while the server keeps serving."""
+"""`mtjax serve` end to end: a checkpoint written with the train API (and a chat template beside it), the
+server started as a process, concurrent clients (aiohttp's), completions and chat completions checked
+against `Engine.generate`, and bad requests answered with HTTP 400 while the server keeps serving."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from mtjax.train.state import init_train_state
 aiohttp = pytest.importorskip("aiohttp")
 
 MAX_SLOTS, DECODE_STEPS, EOS = 4, 2, 256  # the byte tokenizer's end of document
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 PROMPTS = [[5, 6, 7], [100, 3, 3, 9, 250, 1, 2], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [300, 301], [1, 2, 3, 4]]
 
 
@@ -40,6 +42,7 @@ def checkpoint(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve_run")
     with Checkpointer(workdir / "checkpoints", save_every=None, async_save=False) as checkpointer:
         checkpointer.save(0, state, {"run": dataclasses.asdict(run)}, force=True)
+    (workdir / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # found in the checkpoint folder
     return workdir
 
 
@@ -82,15 +85,15 @@ def reference(checkpoint):
     return engine, tokenizer
 
 
-async def post(session, url, body, *, raw=None):
-    async with session.post(url + "/v1/completions", data=raw if raw is not None else json.dumps(body),
+async def post(session, url, body, *, raw=None, route="/v1/completions"):
+    async with session.post(url + route, data=raw if raw is not None else json.dumps(body),
                             headers={"Content-Type": "application/json"}) as response:
         return response.status, await response.json()
 
 
-async def post_stream(session, url, body):
+async def post_stream(session, url, body, route="/v1/completions"):
     chunks = []
-    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as response:
+    async with session.post(url + route, json={**body, "stream": True}) as response:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/event-stream")
         async for line in response.content:
@@ -188,6 +191,53 @@ def test_bad_requests_get_400_and_the_server_lives(server, body, raw, param):
     assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
     assert answer["error"]["param"] == param
     assert healthy == (200, {"status": "ok"})
+
+
+def test_chat_completions_render_the_template_and_match_engine_generate(server, reference):
+    engine, tokenizer = reference
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    text = "<system>Be brief.\n<user>Hi there\n<assistant>"
+    want = engine.generate([[int(t) for t in tokenizer.encode(text)]],
+                           SamplingParams(max_tokens=10, temperature=0.0, stop=(EOS,)))[0]
+    body = {"messages": messages, "max_completion_tokens": 10, "temperature": 0}
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return (await post(session, server, body, route="/v1/chat/completions"),
+                    await post_stream(session, server, body, route="/v1/chat/completions"))
+
+    (status, answer), chunks = asyncio.run(main())
+    assert status == 200, answer
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    [choice] = answer["choices"]
+    assert choice["token_ids"] == want
+    assert choice["message"] == {"role": "assistant", "content": tokenizer.decode([t for t in want if t != EOS])}
+    assert answer["usage"]["prompt_tokens"] == len(text.encode())
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert streamed == choice["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 4}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+])
+def test_bad_chat_requests_get_400(server, body, param):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await post(session, server, body, route="/v1/chat/completions")
+
+    status, answer = asyncio.run(main())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["message"]
 
 
 def test_too_long_prompt_says_how_long(server):

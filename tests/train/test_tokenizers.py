@@ -24,6 +24,7 @@ def test_hf_tokenizer_json_by_folder_file_or_spec(tmp_path):
     tok = tokenizers[0]
     ids = tok.encode(TEXT)
     assert ids.dtype == np.int32 and ids[0] == 1 and 0 <= ids.min() and ids.max() < 64  # <s> prepended
+    assert tok.encode(TEXT, add_special_tokens=False).tolist() == ids[1:].tolist()  # as for a rendered chat
     assert tok.decode(ids) == TEXT and tok.decode(list(ids) + [tok.eos_id]) == TEXT
     assert tok.eos_id == 2  # "</s>", found in the vocabulary
     assert load_tokenizer(tok.spec).encode(TEXT).tolist() == ids.tolist()  # the spec rebuilds it
