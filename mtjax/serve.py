@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32", "fp8"), help="KV-cache dtype")
     engine.add_argument("--weights", choices=("fp8",), help="store the GEMM weights in FP8")
     engine.add_argument("--decode-steps", type=int, default=4, help="tokens decoded per dispatch (default 4)")
+    engine.add_argument("--max-logprobs", type=int, default=20,
+                        help="most alternatives per token a request may ask for with logprobs (default 20; 0: none)")
     engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="prefill every prompt whole (default: reuse the cached pages of shared prompt prefixes)")
     engine.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before serving")
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         model, params, tokenizer = load_checkpoint(args.checkpoint, args.step, args.tokenizer)
         engine = Engine(model, params, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                         max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, weights=args.weights,
-                        decode_steps=args.decode_steps, prefix_caching=args.prefix_caching)
+                        decode_steps=args.decode_steps, max_logprobs=args.max_logprobs,
+                        prefix_caching=args.prefix_caching)
         chat_template = find_chat_template(args.chat_template, tokenizer, args.checkpoint)
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"mtjax serve: error: {err}", file=sys.stderr)

@@ -3,10 +3,10 @@
 
 from mtjax.inference.engine import Engine, RequestOutput
 from mtjax.inference.kv_cache import KV_DTYPES, KVCache, PageAllocator
-from mtjax.inference.sampling import SamplingParams, sample
+from mtjax.inference.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
 from mtjax.inference.scheduler import Request, RequestStatus, Scheduler
 
 __all__ = [
     "KV_DTYPES", "Engine", "KVCache", "PageAllocator", "Request", "RequestOutput", "RequestStatus", "SamplingParams",
-    "Scheduler", "sample",
+    "Scheduler", "TokenLogprobs", "sample", "token_logprobs",
 ]

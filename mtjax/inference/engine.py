@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mtjax.flax import PAGED_KV_COLLECTION, PagedKV
 from mtjax.flax.attention import E4M3_MAX
 from mtjax.inference.kv_cache import SCRATCH_PAGE, KVCache, resolve_kv_dtype
-from mtjax.inference.sampling import SamplingParams, request_key, sample
+from mtjax.inference.sampling import SamplingParams, TokenLogprobs, request_key, sample, token_logprobs
 from mtjax.inference.scheduler import PrefillChunk, Request, RequestStatus, Scheduler
 from mtjax.models import GPT, unstack_layers
 
@@ -43,6 +43,7 @@ class RequestOutput:
       token_ids: every token produced so far.
       finished: the request is done (it holds no slot any more).
       finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+      logprobs: a `TokenLogprobs` per token of ``token_ids`` if the request asked for them, else None.
     """
 
     request_id: int
@@ -50,6 +51,7 @@ class RequestOutput:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 def _geometric(low: int, high: int, factor: int) -> list[int]:
@@ -88,6 +90,8 @@ class Engine:
         prefill batches pad to 1, 4, 16, ... rows (at most ``max_prefill_tokens`` tokens).
       max_prefill_tokens: prompt tokens prefilled per step at most (default ``max(2048, prefill_chunk)``).
       max_stop_tokens: most stop tokens of one request.
+      max_logprobs: the most alternatives a request may ask for with ``SamplingParams.logprobs`` (0:
+        no request may ask for log-probabilities, and the steps compute none).
       prefix_caching: a prompt that starts with the tokens of full pages another sequence computed
         reads their keys and values from those pages (shared, reference-counted) and prefills only
         the rest; finished sequences' pages stay cached until the pages are needed (`KVCache`).
@@ -97,7 +101,8 @@ class Engine:
                  num_pages: int | None = None, max_seq_len: int | None = None, kv_dtype: Any = None,
                  weights: str | None = None, mesh: Mesh | None = None, tp_axis: str = "tp", decode_steps: int = 8,
                  prefill_chunk: int | None = None, prefill_buckets: Sequence[int] | None = None,
-                 max_prefill_tokens: int | None = None, max_stop_tokens: int = 8, prefix_caching: bool = True):
+                 max_prefill_tokens: int | None = None, max_stop_tokens: int = 8, max_logprobs: int = 0,
+                 prefix_caching: bool = True):
         if not isinstance(model, GPT):
             raise TypeError(f"Engine: model must be a mtjax.models.GPT; got {type(model).__name__}")
         cfg = model.config
@@ -114,6 +119,8 @@ class Engine:
                             ("max_stop_tokens", max_stop_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name}={value!r}; expected a positive int")
+        if not isinstance(max_logprobs, int) or not 0 <= max_logprobs <= cfg.vocab_size:
+            raise ValueError(f"Engine: max_logprobs={max_logprobs!r}; expected an int in [0, vocab_size]")
         prefill_chunk = min(512, max_seq_len) if prefill_chunk is None else prefill_chunk
         if not isinstance(prefill_chunk, int) or not 1 <= prefill_chunk <= max_seq_len:
             raise ValueError(f"Engine: prefill_chunk={prefill_chunk!r}; expected 1 .. max_seq_len={max_seq_len}")
@@ -142,6 +149,7 @@ class Engine:
         self.model, self.params = model, params
         self.max_seq_len, self.max_slots, self.decode_steps = max_seq_len, max_slots, decode_steps
         self.prefill_chunk, self.prefill_buckets, self.max_stop_tokens = prefill_chunk, tuple(buckets), max_stop_tokens
+        self.max_logprobs = max_logprobs
         self.kv_dtype = resolve_kv_dtype(kv_dtype, cfg.dtype)
         self.cache = KVCache(model, params, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                              max_seq_len=max_seq_len, dtype=self.kv_dtype, mesh=mesh, tp_axis=tp_axis,
@@ -181,7 +189,10 @@ class Engine:
         self.compilations["prefill"] += 1  # runs when jax traces, i.e. on a compilation-cache miss
         view = self._view(block_tables, lengths, slots, whole)
         logits, pages = self._forward(params, pages, tokens, positions, view, logits_index=last)
-        return pages, sample(logits[:, 0], temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=index)
+        new = sample(logits[:, 0], temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=index)
+        if not self.max_logprobs:
+            return pages, (new,)
+        return pages, (new, *token_logprobs(logits[:, 0], new, self.max_logprobs))
 
     def _decode_fn(self, params, pages, tokens, lengths, active, generated, max_tokens, temperature, top_k, top_p,
                    keys, stop, block_tables):
@@ -190,7 +201,7 @@ class Engine:
         last_page = block_tables.shape[1] - 1
 
         def body(i, carry):
-            pages, tokens, lengths, active, generated, out = carry
+            pages, tokens, lengths, active, generated, out, logprobs = carry
             page_index = jnp.minimum(lengths // page_size, last_page)[:, None]
             page = jnp.take_along_axis(block_tables, page_index, axis=1)[:, 0]
             slot = jnp.where(active, page * page_size + lengths % page_size, SCRATCH_PAGE * page_size)
@@ -198,17 +209,24 @@ class Engine:
             positions = jnp.where(active, lengths, 0)[:, None]
             logits, pages = self._forward(params, pages, tokens[:, None], positions, view)
             new = sample(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=generated)
+            if self.max_logprobs:
+                logprobs = tuple(x.at[:, i].set(y) for x, y in zip(
+                    logprobs, token_logprobs(logits[:, -1], new, self.max_logprobs)))
             new = jnp.where(active, new, -1)
             out = out.at[:, i].set(new)
             generated = generated + active
             finished = (generated >= max_tokens) | jnp.any(new[:, None] == stop, axis=-1)
             lengths = lengths + active
             tokens = jnp.where(active, new, tokens)
-            return pages, tokens, lengths, active & ~finished, generated, out
+            return pages, tokens, lengths, active & ~finished, generated, out, logprobs
 
-        out = jnp.full((tokens.shape[0], steps), -1, jnp.int32)
-        carry = jax.lax.fori_loop(0, steps, body, (pages, tokens, lengths, active, generated, out))
-        return carry[0], carry[-1]
+        slots, top = tokens.shape[0], self.max_logprobs
+        out = jnp.full((slots, steps), -1, jnp.int32)
+        logprobs = () if not top else (jnp.zeros((slots, steps), jnp.float32),
+                                       jnp.zeros((slots, steps, top), jnp.int32),
+                                       jnp.zeros((slots, steps, top), jnp.float32))
+        carry = jax.lax.fori_loop(0, steps, body, (pages, tokens, lengths, active, generated, out, logprobs))
+        return carry[0], (carry[-2], *carry[-1])
 
     # -- public API ------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -236,6 +254,10 @@ class Engine:
         if len(params.stop) > self.max_stop_tokens:
             raise ValueError(f"Engine.add_request: {len(params.stop)} stop tokens; at most max_stop_tokens="
                              f"{self.max_stop_tokens}")
+        if params.logprobs is not None and (not self.max_logprobs or params.logprobs > self.max_logprobs):
+            raise ValueError(f"Engine.add_request: logprobs={params.logprobs}; this engine returns "
+                             + (f"at most {self.max_logprobs} alternatives" if self.max_logprobs else
+                                "no log-probabilities (build it with max_logprobs > 0)"))
         request_id = next(self._ids)
         self._inbox.append(("add", Request(request_id, prompt, params, arrival=request_id)))
         return request_id
@@ -297,7 +319,9 @@ class Engine:
             for request_id, new in changed.items():
                 request = self._requests[request_id]
                 finished = request.status == RequestStatus.FINISHED
-                outputs.append(RequestOutput(request_id, new, list(request.output), finished, request.finish_reason))
+                logprobs = None if request.params.logprobs is None else list(request.logprobs)
+                outputs.append(RequestOutput(request_id, new, list(request.output), finished, request.finish_reason,
+                                             logprobs))
                 if finished:
                     del self._requests[request_id]
             self._generated_tokens += sum(len(o.new_token_ids) for o in outputs)
@@ -394,7 +418,7 @@ class Engine:
                 temperature[i], top_k[i], top_p[i], keys[i] = p.temperature, p.top_k, p.top_p, request_key(p.seed)
         return temperature, top_k, top_p, keys
 
-    def _call_prefill(self, batch: list[PrefillChunk], length: int, rows: int, whole: bool) -> np.ndarray:
+    def _call_prefill(self, batch: list[PrefillChunk], length: int, rows: int, whole: bool) -> tuple[np.ndarray, ...]:
         cache = self.cache
         tokens = np.zeros((rows, length), np.int32)
         positions = np.zeros((rows, length), np.int32)
@@ -414,20 +438,20 @@ class Engine:
         sampling = self._sampling_rows([c.request for c in batch], rows)
         cache.pages, new = self._prefill(self.params, cache.pages, tokens, positions, slots, tables, lengths, last,
                                          *sampling, index, whole=whole)
-        return np.asarray(new)
+        return tuple(np.asarray(x) for x in new)
 
     def _run_prefill(self, batch: list[PrefillChunk], length: int, whole: bool, changed: dict[int, list[int]]) -> None:
         rows = next(b for b in self.prefill_batch_sizes[length] if b >= len(batch))
         new = self._call_prefill(batch, length, rows, whole)
-        for chunk, token in zip(batch, new):
+        for row, chunk in enumerate(batch):
             request = chunk.request
             request.num_computed = chunk.start + chunk.length
             if chunk.last:
                 request.status = RequestStatus.DECODING
                 self.cache.register(request.slot, request.sequence, request.prefill_target)
-                self._append(request, int(token), changed)
+                self._append(request, int(new[0][row]), changed, [x[row] for x in new[1:]])
 
-    def _call_decode(self, requests: list[Request]) -> np.ndarray:
+    def _call_decode(self, requests: list[Request]) -> tuple[np.ndarray, ...]:
         slots = self.max_slots
         tokens = np.zeros(slots, np.int32)
         lengths = np.zeros(slots, np.int32)
@@ -445,17 +469,23 @@ class Engine:
         sampling = self._sampling_rows(rows, slots)
         self.cache.pages, out = self._decode(self.params, self.cache.pages, tokens, lengths, active, generated,
                                              max_tokens, *sampling, stop, self.cache.block_tables)
-        return np.asarray(out)
+        return tuple(np.asarray(x) for x in out)
 
     def _run_decode(self, requests: list[Request], changed: dict[int, list[int]]) -> None:
-        out = self._call_decode(requests)
+        out, *logprobs = self._call_decode(requests)
         for request in requests:
-            for token in out[request.slot]:
+            for i, token in enumerate(out[request.slot]):
                 if token < 0 or request.status == RequestStatus.FINISHED:
                     break
-                self._append(request, int(token), changed)
+                self._append(request, int(token), changed, [x[request.slot, i] for x in logprobs])
 
-    def _append(self, request: Request, token: int, changed: dict[int, list[int]]) -> None:
+    def _append(self, request: Request, token: int, changed: dict[int, list[int]], logprobs: list[Any]) -> None:
+        """Adds a new token (with its ``[logprob, top ids, top logprobs]`` when the engine computes them)."""
+        if request.params.logprobs is not None:
+            logprob, top_ids, top_logprobs = logprobs
+            top = tuple((int(t), float(v)) for t, v in zip(top_ids[:request.params.logprobs],
+                                                           top_logprobs[:request.params.logprobs]))
+            request.logprobs.append(TokenLogprobs(float(logprob), top))
         request.output.append(token)
         changed.setdefault(request.request_id, []).append(token)
         if token in request.params.stop:

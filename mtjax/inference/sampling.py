@@ -30,6 +30,9 @@ class SamplingParams:
       seed: the request's random seed (a request with the same prompt, options and seed produces the
         same tokens).
       stop: token ids that end the request; the stop token is the last of the returned tokens.
+      logprobs: None, or return each new token's log-probability under the model (``log_softmax`` of
+        its logits, before temperature and filtering) with the ``logprobs`` likeliest alternatives
+        (0: none; at most the engine's ``max_logprobs``).
     """
 
     max_tokens: int = 16
@@ -38,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: Sequence[int] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -54,6 +58,31 @@ class SamplingParams:
         for token in self.stop:
             if not isinstance(token, (int, np.integer)) or token < 0:
                 raise ValueError(f"SamplingParams: stop={self.stop!r}; expected non-negative token ids")
+        if self.logprobs is not None and (not isinstance(self.logprobs, (int, np.integer)) or self.logprobs < 0):
+            raise ValueError(f"SamplingParams: logprobs={self.logprobs!r}; expected None or an int >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A new token's log-probability and the likeliest alternatives at its position.
+
+    Attributes:
+      logprob: the token's log-probability.
+      top: ``(token id, log-probability)`` of the likeliest tokens, likeliest first (as many as the
+        request's ``logprobs``).
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(logprob [slots], top_ids [slots, num_top], top_logprobs [slots, num_top])`` of ``tokens
+    [slots]`` under ``log_softmax(logits [slots, vocab])`` (float32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logp, num_top)
+    return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
 @functools.lru_cache(maxsize=4096)

@@ -22,7 +22,7 @@ import enum
 from collections.abc import Sequence
 
 from mtjax.inference.kv_cache import KVCache
-from mtjax.inference.sampling import SamplingParams
+from mtjax.inference.sampling import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +47,7 @@ class Request:
       num_computed: tokens of `sequence` whose keys and values are in the cache (while prefilling).
       finish_reason: ``"stop"`` (a stop token), ``"length"`` (max_tokens) or ``"abort"``.
       num_preemptions: times it was preempted.
+      logprobs: a `TokenLogprobs` per token of ``output`` when its params ask for them.
     """
 
     request_id: int
@@ -60,6 +61,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     prefill_target: int = 0
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:

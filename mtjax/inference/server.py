@@ -26,6 +26,7 @@ Needs the ``serve`` extra (aiohttp).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import random
@@ -202,12 +203,14 @@ class Completion:
         self.emitted = 0
         self.finish_reason: str | None = None
         self.request_id: int | None = None
+        self.logprobs: list[Any] | None = None  # the engine's TokenLogprobs per token, if asked for
 
     def update(self, output: RequestOutput) -> bool:
         """Takes the request's new tokens; True once it is done (a stop string may end it early)."""
         if self.finish_reason is not None:
             return True
         self.token_ids = list(output.token_ids)
+        self.logprobs = output.logprobs
         if self.tokenizer is not None:
             self.text = self.tokenizer.decode([t for t in self.token_ids if t not in self.stop_ids])
         for s in self.stop:
@@ -396,8 +399,7 @@ class CompletionServer:
         from mtjax.inference.sampling import SamplingParams
 
         unsupported = {"n": lambda v: _is_int(v) and v == 1, "best_of": lambda v: _is_int(v) and v == 1,
-                       "echo": lambda v: v is False, "logprobs": lambda v: v is False, "suffix": lambda v: v == "",
-                       "top_logprobs": lambda v: False}
+                       "echo": lambda v: v is False, "suffix": lambda v: v == ""}
         for name, accepted in unsupported.items():
             value = body.get(name)
             if value is not None and not accepted(value):
@@ -436,16 +438,57 @@ class CompletionServer:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be a boolean", "stream")
+        logprobs = self._logprobs(body, chat)
         for ids in prompts:
             if len(ids) + max_tokens > max_len:
                 raise RequestError(f"the prompt ({len(ids)} tokens) plus {name}={max_tokens} exceed the model's "
                                    f"{max_len} tokens: ask for at most {max_len - len(ids)}", name)
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed, stop=tuple(stop_ids))
+                                    seed=seed, stop=tuple(stop_ids), logprobs=logprobs)
         except ValueError as err:
             raise RequestError(str(err)) from None
         return params, stop, frozenset(stop_ids), stream
+
+    def _logprobs(self, body: dict[str, Any], chat: bool) -> int | None:
+        """The alternatives a request wants per token (None: no log-probabilities): completions'
+        ``logprobs: int``, chat's ``logprobs: true`` with ``top_logprobs: int``."""
+        if chat:
+            wanted = body.get("logprobs", False)
+            if not isinstance(wanted, bool):
+                raise RequestError("'logprobs' must be a boolean", "logprobs")
+            if body.get("top_logprobs") is not None and not wanted:
+                raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            name, top = "top_logprobs", _integer(body, "top_logprobs", 0, 0) if wanted else None
+        else:
+            name, top = "logprobs", _integer(body, "logprobs", None, 0)
+        if top is not None and (not self.engine.max_logprobs or top > self.engine.max_logprobs):
+            limit = (f"at most {self.engine.max_logprobs}" if self.engine.max_logprobs else
+                     "none (start mtjax serve with --max-logprobs N)")
+            raise RequestError(f"'{name}'={top}: this server returns {limit} alternatives per token", name)
+        return top
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+    def _logprobs_body(self, c: Completion, start: int, chat: bool) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` of ``c``'s tokens from ``start`` on (None if the request asked for none)."""
+        if c.logprobs is None:
+            return None
+        tokens, entries = c.token_ids[start:], c.logprobs[start:]
+        if chat:
+            def item(token, logprob):
+                text = self._token_text(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [item(t, e.logprob) | {"top_logprobs": [item(a, v) for a, v in e.top]}
+                                for t, e in zip(tokens, entries)]}
+        texts = [self._token_text(t) for t in tokens]
+        offset = len(c.tokenizer.decode(c.token_ids[:start])) if start and c.tokenizer is not None else 0
+        offsets = list(itertools.accumulate([len(t) for t in texts[:-1]], initial=offset)) if texts else []
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token_text(a): v for a, v in e.top} for e in entries],
+                "text_offset": offsets}
 
     @staticmethod
     async def _read_json(request) -> Any:
@@ -517,11 +560,12 @@ class CompletionServer:
         completion_tokens = sum(len(c.token_ids) for c in completions)
         if chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "token_ids": c.token_ids, "logprobs": None, "finish_reason": c.finish_reason}
-                       for c in completions]
-        else:
-            choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": None,
+                        "token_ids": c.token_ids, "logprobs": self._logprobs_body(c, 0, chat),
                         "finish_reason": c.finish_reason} for c in completions]
+        else:
+            choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                        "logprobs": self._logprobs_body(c, 0, chat), "finish_reason": c.finish_reason}
+                       for c in completions]
         return {
             "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.model_name, "choices": choices,
@@ -549,10 +593,12 @@ class CompletionServer:
                                                 "logprobs": None, "finish_reason": None} for c in completions]})
             while any(c.finish_reason is None for c in completions):
                 c = await self._next(completions, queue)
-                new_ids = c.token_ids[sent_tokens[c.index]:]
+                start = sent_tokens[c.index]
+                new_ids = c.token_ids[start:]
                 sent_tokens[c.index] = len(c.token_ids)
                 text = c.delta()
-                choice = {"index": c.index, "token_ids": new_ids, "logprobs": None, "finish_reason": c.finish_reason}
+                choice = {"index": c.index, "token_ids": new_ids, "logprobs": self._logprobs_body(c, start, chat),
+                          "finish_reason": c.finish_reason}
                 choice |= {"delta": {"content": text} if text or c.finish_reason is None else {}} if chat else {
                     "text": text}
                 await send(head | {"choices": [choice]})

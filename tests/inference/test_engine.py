@@ -155,6 +155,39 @@ def test_prefix_caching_reads_shared_prompt_pages_and_outputs_stay_exact():
     assert plain.stats()["cached_prompt_tokens"] == 0 and plain.stats()["cached_pages"] == 0
 
 
+def test_logprobs_are_the_full_forwards_log_softmax():
+    model, params = make_model("learned-mha-untied-unrolled")
+    engine = Engine(model, params, **ENGINE, max_logprobs=3)
+    prompts = prompts_of([5, 11], seed=11)
+    ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=6, logprobs=2)),
+           engine.add_request(prompts[1], SamplingParams(max_tokens=6, temperature=1.0, seed=4, logprobs=0)),
+           engine.add_request(prompts[0], SamplingParams(max_tokens=3))]
+    final = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    assert final[ids[2]].logprobs is None
+    for request_id, prompt, top in ((ids[0], prompts[0], 2), (ids[1], prompts[1], 0)):
+        output = final[request_id]
+        sequence = np.asarray([prompt + output.token_ids], np.int32)
+        logp = jax.nn.log_softmax(model.apply({"params": params}, sequence)[0], axis=-1)
+        assert len(output.logprobs) == len(output.token_ids) == 6
+        for i, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
+            row = np.asarray(logp[len(prompt) - 1 + i])
+            np.testing.assert_allclose(entry.logprob, row[token], rtol=1e-4, atol=1e-4)
+            assert [t for t, _ in entry.top] == list(np.argsort(-row)[:top])
+            np.testing.assert_allclose([v for _, v in entry.top], np.sort(row)[::-1][:top], rtol=1e-4, atol=1e-4)
+        if request_id == ids[0]:  # greedy: the token is the likeliest
+            assert all(entry.top[0][0] == token for token, entry in zip(output.token_ids, output.logprobs))
+    with pytest.raises(ValueError, match="at most 3 alternatives"):
+        engine.add_request([1, 2], SamplingParams(logprobs=4))
+    with pytest.raises(ValueError, match="max_logprobs > 0"):
+        Engine(model, params, **ENGINE).add_request([1, 2], SamplingParams(logprobs=0))
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-1)
+
+
 def test_sampling_is_deterministic_per_seed_whatever_the_batch(setup):
     engine, _ = setup
     prompts = prompts_of([4, 9, 3], seed=3)

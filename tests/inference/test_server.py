@@ -221,6 +221,52 @@ def test_chat_completions_render_the_template_and_match_engine_generate(server, 
     assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
 
 
+def test_logprobs_of_completions_and_chat_streamed_or_not(server):
+    completion = {"prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 3}
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return (await post(session, server, completion), await post_stream(session, server, completion),
+                    await post(session, server, chat, route="/v1/chat/completions"),
+                    await post_stream(session, server, chat, route="/v1/chat/completions"))
+
+    (status, plain), plain_chunks, (chat_status, chat_answer), chat_chunks = asyncio.run(main())
+    assert status == 200 and chat_status == 200, (plain, chat_answer)
+    [choice] = plain["choices"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(choice["token_ids"]) == 5
+    for token_logprob, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert len(top) <= 2 and token_logprob <= 0.0
+        assert max(top.values()) == pytest.approx(token_logprob)  # greedy: the token is the likeliest
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    streamed = [x for c in plain_chunks for ch in c["choices"] for x in ch["logprobs"]["token_logprobs"]]
+    assert streamed == logprobs["token_logprobs"]
+    content = chat_answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+        assert entry["bytes"] == list(entry["token"].encode())
+    streamed = [x for c in chat_chunks for ch in c["choices"] for x in (ch["logprobs"] or {}).get("content", [])]
+    assert [x["logprob"] for x in streamed] == [x["logprob"] for x in content]
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+])
+def test_bad_logprobs_get_400(server, route, body, param):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await post(session, server, body, route=route)
+
+    status, answer = asyncio.run(main())
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
 @pytest.mark.parametrize("body,param", [
     ({"max_tokens": 4}, "messages"),
     ({"messages": []}, "messages"),
@@ -228,7 +274,6 @@ def test_chat_completions_render_the_template_and_match_engine_generate(server, 
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
 ])
 def test_bad_chat_requests_get_400(server, body, param):
     async def main():
@@ -276,6 +321,7 @@ def test_completion_streams_text_but_holds_back_a_possible_stop():
     class Output:
         def __init__(self, ids, finished=False):
             self.token_ids, self.finished, self.finish_reason = ids, finished, "length" if finished else None
+            self.logprobs = None
 
     c = Completion(0, [1], ["xyz"], frozenset(), Chars())
     c.update(Output([ord(ch) for ch in "abcx"]))
