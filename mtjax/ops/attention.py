@@ -316,7 +316,13 @@ def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_
         # jax's cuDNN check rejects the training pass (forward with residuals) at odd lengths, and
         # this choice is made before anyone knows whether a gradient will be taken.
         return f"odd q_len or kv_len ({jnp.shape(query)[1]}, {jnp.shape(key)[1]}: cuDNN training needs even ones)"
-    for name, present in (("bias", bias is not None), ("explicit mask", mask is not None),
+    if bias is not None:
+        q_len, heads = jnp.shape(query)[1:3]
+        shape = (1,) * (4 - jnp.ndim(bias)) + tuple(jnp.shape(bias))
+        # cuDNN's bias gradient sums over a batch-1 bias only; the sequence axes must be whole.
+        if shape[0] != 1 or shape[1] not in (1, heads) or shape[2:] != (q_len, jnp.shape(key)[1]):
+            return f"bias of shape {jnp.shape(bias)} (cuDNN here: [1, heads|1, q_len, kv_len], shared by the batch)"
+    for name, present in (("explicit mask", mask is not None),
                           ("segment ids", q_segment_ids is not None), ("dropout", dropout_rate > 0.0),
                           ("sliding window", window_size is not None), ("soft-cap", logits_soft_cap is not None)):
         if present:
@@ -328,5 +334,9 @@ def _cudnn_unsupported(query, key, value, bias, mask, q_segment_ids, kv_segment_
                   unsupported=_cudnn_unsupported, priority=20)
 def _attention_cudnn(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, dropout_seed, *,
                      mask_type, scale, dropout_rate, window_size, logits_soft_cap):
-    return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=_is_causal(mask_type),
+    if bias is not None:  # [1, heads, q_len, kv_len] in the inputs' dtype
+        q_len, heads = query.shape[1:3]
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        bias = jnp.broadcast_to(bias, (1, heads, q_len, key.shape[1])).astype(query.dtype)
+    return jax.nn.dot_product_attention(query, key, value, bias, scale=scale, is_causal=_is_causal(mask_type),
                                         implementation="cudnn")

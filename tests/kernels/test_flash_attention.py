@@ -218,6 +218,16 @@ def test_selection_on_cuda():
     with override(cuda_compute_capability="8.0"):  # cuDNN takes head_dim <= 128 before Hopper
         assert chosen(_abstract(head_dim=256)) == "pallas_triton"
     assert chosen(_abstract(), dropout_rate=0.1) == "pallas_triton"
+    # A bias shared by the batch (T5's relative position biases) goes to cuDNN; others to the reference.
+    q, k, v, _, *rest = _abstract()
+
+    def with_bias(*shape):
+        return (q, k, v, jax.ShapeDtypeStruct(shape, jnp.float32), *rest)
+
+    for shape in ((1, 8, 128, 128), (8, 128, 128), (1, 1, 128, 128), (128, 128)):
+        assert chosen(with_bias(*shape)) == "cudnn", shape
+    for shape in ((2, 8, 128, 128), (1, 8, 1, 128)):
+        assert chosen(with_bias(*shape)) == "xla", shape
 
 
 def test_plugin_platform_with_triton_gets_the_kernel(monkeypatch):
@@ -279,3 +289,24 @@ def test_gpu_real_sizes(head_dim, options):
         for a, b in zip(got, want):
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, np.abs(b).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_type,bias_shape", [("no_mask", (1, 8, 512, 512)), ("causal", (8, 512, 512)),
+                                                  ("causal", (1, 1, 512, 512))])
+def test_gpu_cudnn_with_a_shared_bias(mask_type, bias_shape):
+    """T5's case: a bias shared by the batch, its gradient too, against the reference."""
+    q, k, v, do = _inputs(9, 2, 512, 512, 8, 2, 64, jnp.bfloat16)
+    bias = jnp.asarray(np.random.default_rng(3).normal(size=bias_shape), jnp.float32)
+
+    def out_and_grads(implementation):
+        def f(q, k, v, bias):
+            out, vjp = jax.vjp(lambda *a: ops.attention(*a[:3], bias=a[3], mask_type=mask_type, scale=0.125,
+                                                        implementation=implementation), q, k, v, bias)
+            return (out, *vjp(do))
+        return jax.jit(f)(q, k, v, bias)
+
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dbias"), out_and_grads("cudnn"), out_and_grads("xla")):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, np.abs(b).max()), err_msg=name)
