@@ -6,7 +6,7 @@
 
 Endpoints:
 - ``POST /v1/completions``: OpenAI's completions request (``prompt`` text or token ids, one or a list;
-  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``; extensions ``top_k``,
+  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``n``, ``logprobs``; extensions ``top_k``,
   ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent events with ``"stream": true`` (one
   ``data:`` chunk per batch of new tokens, then ``data: [DONE]``). Each choice also carries the
   ``token_ids`` it produced. Bad requests get HTTP 400 with OpenAI's error object.
@@ -26,6 +26,7 @@ Needs the ``serve`` extra (aiohttp).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # jax, the engine and aiohttp are imported when the command r
 logger = logging.getLogger("mtjax.serve")
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # the most choices ("n") per prompt
 
 
 class RequestError(ValueError):
@@ -394,11 +396,11 @@ class CompletionServer:
         return ids
 
     def _sampling(self, body: dict[str, Any], prompts: list[list[int]], *, chat: bool
-                  ) -> tuple[Any, list[str], frozenset[int], bool]:
-        """``(SamplingParams, stop strings, stop token ids, stream)`` of a request body."""
+                  ) -> tuple[Any, list[str], frozenset[int], bool, int]:
+        """``(SamplingParams, stop strings, stop token ids, stream, choices per prompt)`` of a request body."""
         from mtjax.inference.sampling import SamplingParams
 
-        unsupported = {"n": lambda v: _is_int(v) and v == 1, "best_of": lambda v: _is_int(v) and v == 1,
+        unsupported = {"best_of": lambda v: _is_int(v) and v == body.get("n", 1),
                        "echo": lambda v: v is False, "suffix": lambda v: v == ""}
         for name, accepted in unsupported.items():
             value = body.get(name)
@@ -448,7 +450,7 @@ class CompletionServer:
                                     seed=seed, stop=tuple(stop_ids), logprobs=logprobs)
         except ValueError as err:
             raise RequestError(str(err)) from None
-        return params, stop, frozenset(stop_ids), stream
+        return params, stop, frozenset(stop_ids), stream, _integer(body, "n", 1, 1, MAX_CHOICES)
 
     def _logprobs(self, body: dict[str, Any], chat: bool) -> int | None:
         """The alternatives a request wants per token (None: no log-probabilities): completions'
@@ -510,10 +512,13 @@ class CompletionServer:
         return await self._generate(request, prompts, *self._sampling(body, prompts, chat=True), chat=True)
 
     async def _generate(self, request, prompts: list[list[int]], params: Any, stop: list[str],
-                        stop_ids: frozenset[int], stream: bool, *, chat: bool):
+                        stop_ids: frozenset[int], stream: bool, n: int, *, chat: bool):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        completions = [Completion(i, p, stop, stop_ids, self.tokenizer) for i, p in enumerate(prompts)]
+        # Choice i * n + j is prompt i's j-th, drawn with the request's seed + j.
+        completions = [Completion(i * n + j, p, stop, stop_ids, self.tokenizer) for i, p in enumerate(prompts)
+                       for j in range(n)]
+        seeds = [(params.seed + j) % 2**32 for j in range(n)]
 
         def on_output(index):
             def deliver(output, error):
@@ -524,18 +529,19 @@ class CompletionServer:
         try:
             for c in completions:
                 try:
-                    c.request_id = self.loop.submit(c.prompt, params, on_output(c.index))
+                    c.request_id = self.loop.submit(c.prompt, dataclasses.replace(params, seed=seeds[c.index % n]),
+                                                    on_output(c.index))
                 except ValueError as err:
                     raise RequestError(str(err), "messages" if chat else "prompt") from None
             created = int(time.time())
             completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if stream:
-                return await self._stream(request, completions, queue, completion_id, created, chat)
+                return await self._stream(request, completions, queue, completion_id, created, chat, n)
             await self._drain(completions, queue)
             self._count(200)
             from aiohttp import web
 
-            return web.json_response(self._response(completion_id, created, completions, chat))
+            return web.json_response(self._response(completion_id, created, completions, chat, n))
         finally:
             self.active -= 1
             for c in completions:  # the client left, or a stop string ended it: free the slot (no-op if done)
@@ -554,9 +560,9 @@ class CompletionServer:
         while any(c.finish_reason is None for c in completions):
             await self._next(completions, queue)
 
-    def _response(self, completion_id: str, created: int, completions: list[Completion], chat: bool
+    def _response(self, completion_id: str, created: int, completions: list[Completion], chat: bool, n: int
                   ) -> dict[str, Any]:
-        prompt_tokens = sum(len(c.prompt) for c in completions)
+        prompt_tokens = sum(len(c.prompt) for c in completions[::n])  # each prompt once, as OpenAI counts
         completion_tokens = sum(len(c.token_ids) for c in completions)
         if chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -573,7 +579,7 @@ class CompletionServer:
                       "total_tokens": prompt_tokens + completion_tokens},
         }
 
-    async def _stream(self, request, completions, queue, completion_id: str, created: int, chat: bool):
+    async def _stream(self, request, completions, queue, completion_id: str, created: int, chat: bool, n: int):
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -602,7 +608,7 @@ class CompletionServer:
                 choice |= {"delta": {"content": text} if text or c.finish_reason is None else {}} if chat else {
                     "text": text}
                 await send(head | {"choices": [choice]})
-            await send(self._response(completion_id, created, completions, chat) | head | {"choices": []})
+            await send(self._response(completion_id, created, completions, chat, n) | head | {"choices": []})
             await send("[DONE]")
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("client of %s went away; aborting", completion_id)

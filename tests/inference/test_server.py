@@ -137,6 +137,24 @@ def test_concurrent_requests_match_engine_generate(server, reference):
         assert chunks[-1]["usage"]["completion_tokens"] == max_tokens[i]
 
 
+def test_n_choices_per_prompt_draw_with_consecutive_seeds(server, reference):
+    engine, _ = reference
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    want = [engine.generate([p], SamplingParams(max_tokens=6, temperature=1.0, seed=5 + j))[0]
+            for p in prompts for j in range(3)]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await post(session, server, {"prompt": prompts, "n": 3, "max_tokens": 6, "seed": 5,
+                                                "ignore_eos": True})
+
+    status, body = asyncio.run(main())
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["token_ids"] for c in body["choices"]] == want
+    assert body["usage"]["prompt_tokens"] == len(prompts[0]) + len(prompts[1])  # each prompt once
+
+
 def test_text_prompts_batches_and_stop_strings(server, reference):
     engine, tokenizer = reference
     prompt = "The quick"
@@ -174,7 +192,9 @@ def test_text_prompts_batches_and_stop_strings(server, reference):
     ({"prompt": [1], "max_tokens": "ten"}, None, "max_tokens"),
     ({"prompt": [1], "temperature": -1}, None, "temperature"),
     ({"prompt": [1], "top_p": 0}, None, "top_p"),
-    ({"prompt": [1], "n": 2}, None, "n"),
+    ({"prompt": [1], "n": 0}, None, "n"),
+    ({"prompt": [1], "n": 17}, None, "n"),
+    ({"prompt": [1], "n": 2, "best_of": 3}, None, "best_of"),
     ({"prompt": [1], "stream": "yes"}, None, "stream"),
     ({"prompt": [1], "stop": [""]}, None, "stop"),
 ])
