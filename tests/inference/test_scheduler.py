@@ -50,6 +50,8 @@ def test_admission_is_fifo_and_a_large_head_blocks_the_queue(cache):
     assert [r.request_id for r in sched.waiting] == [0, 1, 2]
     assert sched.admit(steps=2) == [first]  # 14 tokens: 4 pages; big needs 26 -> 7 pages, 4 left
     assert big.status == RequestStatus.WAITING and small.status == RequestStatus.WAITING  # no overtaking
+    cache.register(first.slot, first.sequence, 12)  # without prefix caching: nothing is shared
+    assert cache.num_cached_pages == 0 and cache.match(first.sequence) == []
     sched.finish(first, "length")
     assert sched.admit(steps=2) == [big, small]  # 7 pages, then 1 page of the 1 left
 
