@@ -165,6 +165,7 @@ class Engine:
         self.compilations: collections.Counter[str] = collections.Counter()
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), static_argnames=("whole",))
+        self._score = jax.jit(self._score_fn)
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._inbox: collections.deque = collections.deque()
@@ -336,6 +337,37 @@ class Engine:
                     for whole in (True, False):
                         self._call_prefill([], length, batch, whole)
             self._call_decode([])
+
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> list[TokenLogprobs | None]:
+        """The log-probability of each token of ``prompt`` given the ones before it (None for the first),
+        with the ``top`` likeliest alternatives: scoring a text (OpenAI's ``echo`` with ``logprobs``).
+        One forward of the whole prompt, outside the cache (its length padded to a power of two).
+
+        Raises:
+          ValueError: an empty prompt, ids outside the vocabulary, more than ``max_seq_len`` tokens, or
+            ``top`` above ``max_logprobs``.
+        """
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+        vocab = self.model.config.vocab_size
+        if not ids or len(ids) > self.max_seq_len or min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"Engine.prompt_logprobs: expected 1 .. {self.max_seq_len} token ids in [0, {vocab})")
+        if not isinstance(top, int) or not 0 <= top <= self.max_logprobs:
+            raise ValueError(f"Engine.prompt_logprobs: top={top!r}; expected 0 .. max_logprobs={self.max_logprobs}")
+        length = min(self.max_seq_len, 1 << max(len(ids) - 1, 31).bit_length())  # a power of two >= 32
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, :len(ids)] = ids
+        with self._lock:
+            chosen, top_ids, top_logprobs = (np.asarray(x) for x in self._score(self.params, tokens))
+        entries: list[TokenLogprobs | None] = [None]
+        for i in range(1, len(ids)):  # position i - 1's logits predict token i
+            alternatives = tuple((int(t), float(v)) for t, v in zip(top_ids[i - 1, :top], top_logprobs[i - 1, :top]))
+            entries.append(TokenLogprobs(float(chosen[i - 1]), alternatives))
+        return entries
+
+    def _score_fn(self, params, tokens):
+        self.compilations["score"] += 1
+        logits = self.model.apply({"params": params}, tokens)[0]
+        return token_logprobs(logits[:-1], tokens[0, 1:], max(self.max_logprobs, 1))
 
     def set_kv_scales(self, k_scale: Any, v_scale: Any) -> None:
         """Float8 dequantization scales of every layer's pages (floats or ``[kv_heads]``)."""

@@ -6,8 +6,8 @@
 
 Endpoints:
 - ``POST /v1/completions``: OpenAI's completions request (``prompt`` text or token ids, one or a list;
-  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``n``, ``logprobs``; extensions ``top_k``,
-  ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent events with ``"stream": true`` (one
+  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``n``, ``logprobs``, ``echo``;
+  extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent events with ``"stream": true`` (one
   ``data:`` chunk per batch of new tokens, then ``data: [DONE]``). Each choice also carries the
   ``token_ids`` it produced. Bad requests get HTTP 400 with OpenAI's error object.
 - ``POST /v1/chat/completions``: OpenAI's chat request (``messages`` rendered by the model's chat
@@ -206,6 +206,8 @@ class Completion:
         self.finish_reason: str | None = None
         self.request_id: int | None = None
         self.logprobs: list[Any] | None = None  # the engine's TokenLogprobs per token, if asked for
+        self.echo_text = ""  # with echo: the prompt's text, then its TokenLogprobs (None for the first)
+        self.prompt_logprobs: list[Any] | None = None
 
     def update(self, output: RequestOutput) -> bool:
         """Takes the request's new tokens; True once it is done (a stop string may end it early)."""
@@ -237,6 +239,28 @@ class Completion:
         piece = self.text[self.emitted:end]
         self.emitted = max(self.emitted, end)
         return piece
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks for besides its prompts.
+
+    Attributes:
+      params: the engine's `SamplingParams` (``max_tokens`` at least 1 even when ``generate`` is False).
+      stop: stop strings; stop_ids: stop token ids (the tokenizer's end of text included).
+      stream: answer with server-sent events.
+      n: choices per prompt.
+      echo: completions: each choice's text (and log-probabilities) starts with its prompt's.
+      generate: False for ``max_tokens: 0`` with ``echo`` (scoring a text): nothing is generated.
+    """
+
+    params: Any
+    stop: list[str]
+    stop_ids: frozenset[int]
+    stream: bool
+    n: int = 1
+    echo: bool = False
+    generate: bool = True
 
 
 class CompletionServer:
@@ -395,13 +419,16 @@ class CompletionServer:
             raise RequestError("the rendered conversation is empty", "messages")
         return ids
 
-    def _sampling(self, body: dict[str, Any], prompts: list[list[int]], *, chat: bool
-                  ) -> tuple[Any, list[str], frozenset[int], bool, int]:
-        """``(SamplingParams, stop strings, stop token ids, stream, choices per prompt)`` of a request body."""
+    def _sampling(self, body: dict[str, Any], prompts: list[list[int]], *, chat: bool) -> RequestOptions:
+        """The `RequestOptions` of a request body."""
         from mtjax.inference.sampling import SamplingParams
 
-        unsupported = {"best_of": lambda v: _is_int(v) and v == body.get("n", 1),
-                       "echo": lambda v: v is False, "suffix": lambda v: v == ""}
+        unsupported = {"best_of": lambda v: _is_int(v) and v == body.get("n", 1), "suffix": lambda v: v == ""}
+        if chat:
+            unsupported["echo"] = lambda v: v is False
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise RequestError("'echo' must be a boolean", "echo")
         for name, accepted in unsupported.items():
             value = body.get(name)
             if value is not None and not accepted(value):
@@ -414,7 +441,8 @@ class CompletionServer:
                                    "messages" if chat else "prompt")
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         # OpenAI's completions default to 16 new tokens; a chat answer may fill the context.
-        max_tokens = _integer(body, name, max_len - max(len(p) for p in prompts) if chat else 16, 1)
+        # max_tokens 0 with echo scores the prompt alone.
+        max_tokens = _integer(body, name, max_len - max(len(p) for p in prompts) if chat else 16, 0 if echo else 1)
         temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
         top_k = _integer(body, "top_k", 0, 0)
@@ -441,16 +469,19 @@ class CompletionServer:
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be a boolean", "stream")
         logprobs = self._logprobs(body, chat)
+        if echo and stream:
+            raise RequestError("'echo' with 'stream' is not supported by this server", "echo")
         for ids in prompts:
             if len(ids) + max_tokens > max_len:
                 raise RequestError(f"the prompt ({len(ids)} tokens) plus {name}={max_tokens} exceed the model's "
                                    f"{max_len} tokens: ask for at most {max_len - len(ids)}", name)
         try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=seed, stop=tuple(stop_ids), logprobs=logprobs)
         except ValueError as err:
             raise RequestError(str(err)) from None
-        return params, stop, frozenset(stop_ids), stream, _integer(body, "n", 1, 1, MAX_CHOICES)
+        return RequestOptions(params, stop, frozenset(stop_ids), stream, _integer(body, "n", 1, 1, MAX_CHOICES),
+                              echo, max_tokens > 0)
 
     def _logprobs(self, body: dict[str, Any], chat: bool) -> int | None:
         """The alternatives a request wants per token (None: no log-probabilities): completions'
@@ -477,7 +508,9 @@ class CompletionServer:
         """OpenAI's ``logprobs`` of ``c``'s tokens from ``start`` on (None if the request asked for none)."""
         if c.logprobs is None:
             return None
-        tokens, entries = c.token_ids[start:], c.logprobs[start:]
+        tokens, entries = c.token_ids[start:], list(c.logprobs[start:])
+        if c.prompt_logprobs is not None:  # echo (never streamed: start is 0)
+            tokens, entries = c.prompt + tokens, c.prompt_logprobs + entries
         if chat:
             def item(token, logprob):
                 text = self._token_text(token)
@@ -488,8 +521,8 @@ class CompletionServer:
         texts = [self._token_text(t) for t in tokens]
         offset = len(c.tokenizer.decode(c.token_ids[:start])) if start and c.tokenizer is not None else 0
         offsets = list(itertools.accumulate([len(t) for t in texts[:-1]], initial=offset)) if texts else []
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token_text(a): v for a, v in e.top} for e in entries],
+        return {"tokens": texts, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {self._token_text(a): v for a, v in e.top} for e in entries],
                 "text_offset": offsets}
 
     @staticmethod
@@ -504,21 +537,23 @@ class CompletionServer:
         if "prompt" not in body:
             raise RequestError("'prompt' is required", "prompt")
         prompts = parse_prompts(body["prompt"], self.tokenizer)
-        return await self._generate(request, prompts, *self._sampling(body, prompts, chat=False), chat=False)
+        return await self._generate(request, prompts, self._sampling(body, prompts, chat=False), chat=False)
 
     async def chat_completions(self, request):
         body = self._json_body(await self._read_json(request))
         prompts = [self._chat_prompt(body)]
-        return await self._generate(request, prompts, *self._sampling(body, prompts, chat=True), chat=True)
+        return await self._generate(request, prompts, self._sampling(body, prompts, chat=True), chat=True)
 
-    async def _generate(self, request, prompts: list[list[int]], params: Any, stop: list[str],
-                        stop_ids: frozenset[int], stream: bool, n: int, *, chat: bool):
+    async def _generate(self, request, prompts: list[list[int]], options: RequestOptions, *, chat: bool):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        params, n = options.params, options.n
         # Choice i * n + j is prompt i's j-th, drawn with the request's seed + j.
-        completions = [Completion(i * n + j, p, stop, stop_ids, self.tokenizer) for i, p in enumerate(prompts)
-                       for j in range(n)]
+        completions = [Completion(i * n + j, p, options.stop, options.stop_ids, self.tokenizer)
+                       for i, p in enumerate(prompts) for j in range(n)]
         seeds = [(params.seed + j) % 2**32 for j in range(n)]
+        if options.echo:
+            await self._echo(completions, n, params.logprobs)
 
         def on_output(index):
             def deliver(output, error):
@@ -527,15 +562,18 @@ class CompletionServer:
 
         self.active += 1
         try:
-            for c in completions:
+            for c in completions if options.generate else ():
                 try:
                     c.request_id = self.loop.submit(c.prompt, dataclasses.replace(params, seed=seeds[c.index % n]),
                                                     on_output(c.index))
                 except ValueError as err:
                     raise RequestError(str(err), "messages" if chat else "prompt") from None
+            if not options.generate:  # max_tokens 0: the echo is the answer
+                for c in completions:
+                    c.finish_reason, c.logprobs = "length", None if params.logprobs is None else []
             created = int(time.time())
             completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            if stream:
+            if options.stream:
                 return await self._stream(request, completions, queue, completion_id, created, chat, n)
             await self._drain(completions, queue)
             self._count(200)
@@ -547,6 +585,21 @@ class CompletionServer:
             for c in completions:  # the client left, or a stop string ended it: free the slot (no-op if done)
                 if c.request_id is not None:
                     self.loop.abort(c.request_id)
+
+    async def _echo(self, completions: list[Completion], n: int, top: int | None) -> None:
+        """Gives each completion its prompt's text and, if asked, the prompt's log-probabilities (one
+        scoring forward per prompt, on the engine's device)."""
+        loop = asyncio.get_running_loop()
+        for first in completions[::n]:
+            scored = None
+            if top is not None:
+                try:
+                    scored = await loop.run_in_executor(None, self.engine.prompt_logprobs, first.prompt, top)
+                except ValueError as err:
+                    raise RequestError(str(err), "prompt") from None
+            for c in completions[first.index:first.index + n]:
+                c.prompt_logprobs = scored
+                c.echo_text = self.tokenizer.decode(c.prompt) if self.tokenizer is not None else ""
 
     async def _next(self, completions: list[Completion], queue: asyncio.Queue) -> Completion:
         index, output, error = await queue.get()
@@ -569,7 +622,7 @@ class CompletionServer:
                         "token_ids": c.token_ids, "logprobs": self._logprobs_body(c, 0, chat),
                         "finish_reason": c.finish_reason} for c in completions]
         else:
-            choices = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+            choices = [{"index": c.index, "text": c.echo_text + c.text, "token_ids": c.token_ids,
                         "logprobs": self._logprobs_body(c, 0, chat), "finish_reason": c.finish_reason}
                        for c in completions]
         return {

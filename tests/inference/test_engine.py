@@ -177,6 +177,17 @@ def test_logprobs_are_the_full_forwards_log_softmax():
             np.testing.assert_allclose([v for _, v in entry.top], np.sort(row)[::-1][:top], rtol=1e-4, atol=1e-4)
         if request_id == ids[0]:  # greedy: the token is the likeliest
             assert all(entry.top[0][0] == token for token, entry in zip(output.token_ids, output.logprobs))
+    # A prompt's own tokens, scored in one forward (OpenAI's echo).
+    scored = engine.prompt_logprobs(prompts[1], top=3)
+    logp = np.asarray(jax.nn.log_softmax(model.apply({"params": params}, np.asarray([prompts[1]]))[0], axis=-1))
+    assert scored[0] is None and len(scored) == len(prompts[1])
+    for i, entry in enumerate(scored[1:], start=1):
+        np.testing.assert_allclose(entry.logprob, logp[i - 1, prompts[1][i]], rtol=1e-4, atol=1e-4)
+        assert [t for t, _ in entry.top] == list(np.argsort(-logp[i - 1])[:3])
+    with pytest.raises(ValueError, match="top=4"):
+        engine.prompt_logprobs(prompts[1], top=4)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.prompt_logprobs([], top=1)
     with pytest.raises(ValueError, match="at most 3 alternatives"):
         engine.add_request([1, 2], SamplingParams(logprobs=4))
     with pytest.raises(ValueError, match="max_logprobs > 0"):

@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -273,12 +274,43 @@ def test_logprobs_of_completions_and_chat_streamed_or_not(server):
     assert [x["logprob"] for x in streamed] == [x["logprob"] for x in content]
 
 
+def test_echo_scores_the_prompt(server, reference):
+    """lm-eval-harness' log-likelihood request: ``echo`` with ``logprobs`` and ``max_tokens: 0``."""
+    engine, tokenizer = reference
+    text = "The quick brown"
+    ids = [int(t) for t in tokenizer.encode(text)]
+    want = engine.prompt_logprobs(ids)
+    greedy = engine.generate([ids], SamplingParams(max_tokens=3, temperature=0.0, stop=(EOS,)))[0]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return (await post(session, server, {"prompt": text, "echo": True, "logprobs": 1, "max_tokens": 0}),
+                    await post(session, server, {"prompt": text, "echo": True, "max_tokens": 3, "temperature": 0}))
+
+    (status, scored), (status_2, echoed) = asyncio.run(main())
+    assert status == 200 and status_2 == 200, (scored, echoed)
+    [choice] = scored["choices"]
+    assert choice["text"] == text and choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None and all(len(t) == 1 for t in logprobs["top_logprobs"][1:])
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:], [e.logprob for e in want[1:]], rtol=1e-4, atol=1e-4)
+    assert logprobs["text_offset"] == list(range(len(ids)))  # one byte per token
+    assert scored["usage"]["completion_tokens"] == 0
+    assert echoed["choices"][0]["text"] == text + tokenizer.decode([t for t in greedy if t != EOS])
+    assert echoed["choices"][0]["logprobs"] is None
+
+
 @pytest.mark.parametrize("route,body,param", [
     ("/v1/completions", {"prompt": [1], "logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": [1], "echo": True, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": [1], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1], "echo": "yes"}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
 ])
-def test_bad_logprobs_get_400(server, route, body, param):
+def test_bad_logprobs_and_echo_get_400(server, route, body, param):
     async def main():
         async with aiohttp.ClientSession() as session:
             return await post(session, server, body, route=route)
