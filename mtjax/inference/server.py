@@ -423,7 +423,12 @@ class CompletionServer:
         """The `RequestOptions` of a request body."""
         from mtjax.inference.sampling import SamplingParams
 
-        unsupported = {"best_of": lambda v: _is_int(v) and v == body.get("n", 1), "suffix": lambda v: v == ""}
+        # Options this server does not implement are refused unless they ask for the default: ignoring
+        # a penalty or a logit bias would answer another question than the one asked.
+        unsupported = {"best_of": lambda v: _is_int(v) and v == body.get("n", 1), "suffix": lambda v: v == "",
+                       "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
+                       "repetition_penalty": lambda v: v == 1, "logit_bias": lambda v: v == {},
+                       "min_tokens": lambda v: v == 0, "tool_choice": lambda v: v == "none"}
         if chat:
             unsupported["echo"] = lambda v: v is False
         echo = body.get("echo", False)

@@ -196,6 +196,8 @@ def test_text_prompts_batches_and_stop_strings(server, reference):
     ({"prompt": [1], "n": 0}, None, "n"),
     ({"prompt": [1], "n": 17}, None, "n"),
     ({"prompt": [1], "n": 2, "best_of": 3}, None, "best_of"),
+    ({"prompt": [1], "presence_penalty": 0.5}, None, "presence_penalty"),
+    ({"prompt": [1], "logit_bias": {"5": 10}}, None, "logit_bias"),
     ({"prompt": [1], "stream": "yes"}, None, "stream"),
     ({"prompt": [1], "stop": [""]}, None, "stop"),
 ])
