@@ -237,13 +237,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Engine.add_request: params must be a SamplingParams; got {type(params).__name__}")
-        prompt = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError("Engine.add_request: the prompt is empty; expected at least one token id")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"Engine.add_request: prompt token ids must be in [0, {vocab}); got "
-                             f"{min(prompt)}..{max(prompt)}")
+        prompt = self._token_ids("Engine.add_request", prompt)
         if len(prompt) + params.max_tokens > self.max_seq_len:
             raise ValueError(f"Engine.add_request: the prompt ({len(prompt)} tokens) plus "
                              f"max_tokens={params.max_tokens} exceed max_seq_len={self.max_seq_len}: ask for at most "
@@ -347,10 +341,10 @@ class Engine:
           ValueError: an empty prompt, ids outside the vocabulary, more than ``max_seq_len`` tokens, or
             ``top`` above ``max_logprobs``.
         """
-        ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-        vocab = self.model.config.vocab_size
-        if not ids or len(ids) > self.max_seq_len or min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"Engine.prompt_logprobs: expected 1 .. {self.max_seq_len} token ids in [0, {vocab})")
+        ids = self._token_ids("Engine.prompt_logprobs", prompt)
+        if len(ids) > self.max_seq_len:
+            raise ValueError(f"Engine.prompt_logprobs: the prompt has {len(ids)} tokens; at most max_seq_len="
+                             f"{self.max_seq_len}")
         if not isinstance(top, int) or not 0 <= top <= self.max_logprobs:
             raise ValueError(f"Engine.prompt_logprobs: top={top!r}; expected 0 .. max_logprobs={self.max_logprobs}")
         length = min(self.max_seq_len, 1 << max(len(ids) - 1, 31).bit_length())  # a power of two >= 32
@@ -358,11 +352,19 @@ class Engine:
         tokens[0, :len(ids)] = ids
         with self._lock:
             chosen, top_ids, top_logprobs = (np.asarray(x) for x in self._score(self.params, tokens))
-        entries: list[TokenLogprobs | None] = [None]
-        for i in range(1, len(ids)):  # position i - 1's logits predict token i
-            alternatives = tuple((int(t), float(v)) for t, v in zip(top_ids[i - 1, :top], top_logprobs[i - 1, :top]))
-            entries.append(TokenLogprobs(float(chosen[i - 1]), alternatives))
-        return entries
+        # Position i's logits predict token i + 1.
+        return [None] + [TokenLogprobs.from_arrays(chosen[i], top_ids[i], top_logprobs[i], top)
+                         for i in range(len(ids) - 1)]
+
+    def _token_ids(self, op: str, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` as a list of ints; ValueError when it is empty or leaves the vocabulary."""
+        ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError(f"{op}: the prompt is empty; expected token ids")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"{op}: prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        return ids
 
     def _score_fn(self, params, tokens):
         self.compilations["score"] += 1
@@ -514,10 +516,7 @@ class Engine:
     def _append(self, request: Request, token: int, changed: dict[int, list[int]], logprobs: list[Any]) -> None:
         """Adds a new token (with its ``[logprob, top ids, top logprobs]`` when the engine computes them)."""
         if request.params.logprobs is not None:
-            logprob, top_ids, top_logprobs = logprobs
-            top = tuple((int(t), float(v)) for t, v in zip(top_ids[:request.params.logprobs],
-                                                           top_logprobs[:request.params.logprobs]))
-            request.logprobs.append(TokenLogprobs(float(logprob), top))
+            request.logprobs.append(TokenLogprobs.from_arrays(*logprobs, request.params.logprobs))
         request.output.append(token)
         changed.setdefault(request.request_id, []).append(token)
         if token in request.params.stop:

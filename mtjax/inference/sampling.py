@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,12 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_arrays(cls, logprob: Any, top_ids: Any, top_logprobs: Any, count: int) -> TokenLogprobs:
+        """From one row of `token_logprobs`' outputs, keeping the ``count`` likeliest alternatives."""
+        top = tuple((int(t), float(v)) for t, v in zip(top_ids[:count], top_logprobs[:count]))
+        return cls(float(logprob), top)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -391,11 +391,6 @@ class CompletionServer:
         self._count(200)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
-    def _json_body(self, body: Any) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
-
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         from mtjax.inference.chat import ChatTemplateError
 
@@ -531,21 +526,25 @@ class CompletionServer:
                 "text_offset": offsets}
 
     @staticmethod
-    async def _read_json(request) -> Any:
+    async def _read_json(request) -> dict[str, Any]:
+        """The request's body, which must be a JSON object."""
         try:
-            return await request.json()
+            body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             raise RequestError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
 
     async def completions(self, request):
-        body = self._json_body(await self._read_json(request))
+        body = await self._read_json(request)
         if "prompt" not in body:
             raise RequestError("'prompt' is required", "prompt")
         prompts = parse_prompts(body["prompt"], self.tokenizer)
         return await self._generate(request, prompts, self._sampling(body, prompts, chat=False), chat=False)
 
     async def chat_completions(self, request):
-        body = self._json_body(await self._read_json(request))
+        body = await self._read_json(request)
         prompts = [self._chat_prompt(body)]
         return await self._generate(request, prompts, self._sampling(body, prompts, chat=True), chat=True)
 
@@ -602,9 +601,9 @@ class CompletionServer:
                     scored = await loop.run_in_executor(None, self.engine.prompt_logprobs, first.prompt, top)
                 except ValueError as err:
                     raise RequestError(str(err), "prompt") from None
+            text = self.tokenizer.decode(first.prompt) if self.tokenizer is not None else ""
             for c in completions[first.index:first.index + n]:
-                c.prompt_logprobs = scored
-                c.echo_text = self.tokenizer.decode(c.prompt) if self.tokenizer is not None else ""
+                c.prompt_logprobs, c.echo_text = scored, text
 
     async def _next(self, completions: list[Completion], queue: asyncio.Queue) -> Completion:
         index, output, error = await queue.get()

@@ -267,6 +267,8 @@ def test_bad_engine_options_raise():
         Engine(model, params, max_seq_len=MAX_SEQ + 1)
     with pytest.raises(ValueError, match="weights"):
         Engine(model, params, weights="int4")
+    with pytest.raises(ValueError, match="max_logprobs"):
+        Engine(model, params, max_logprobs=-1)
     with pytest.raises(TypeError, match="GPT"):
         Engine(object(), params)
     with pytest.raises(ValueError, match="tp"):
