@@ -100,15 +100,20 @@ def _gemm_variants(tiles: GemmTiles | None, m: int, k: int, n: int, g: int) -> d
         "mtjax fp8": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, block_sizes=blocks),
         "mtjax fp8 block": lambda x, w, s: ops.grouped_gemm_block_fp8(x, w, s, block_sizes=blocks),
     }
-    if backend.get_implementation("grouped_gemm", "mosaic_gpu").runs_on(backend.platform()) is None:
-        out["mtjax [mosaic_gpu]"] = lambda x, w, s: ops.grouped_gemm(x, w, s, implementation="mosaic_gpu")
-        out["mtjax fp8 [mosaic_gpu]"] = lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, implementation="mosaic_gpu")
-        out["mtjax fp8 block [mosaic_gpu]"] = lambda x, w, s: ops.grouped_gemm_block_fp8(
-            x, w, s, implementation="mosaic_gpu")
+    for kernel in ("triton", "mosaic_gpu"):  # each kernel family beside the default selection
+        if backend.get_implementation("grouped_gemm", kernel).runs_on(backend.platform()) is None:
+            out[f"mtjax [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm, kernel)
+            out[f"mtjax fp8 [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm_fp8, kernel)
+            out[f"mtjax fp8 block [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm_block_fp8, kernel)
     tokamax_ragged_dot = _tokamax_ragged_dot()
     if tokamax_ragged_dot is not None:
         out["tokamax"] = lambda x, w, s: tokamax_ragged_dot(x, w, s, preferred_element_type=x.dtype)
     return out
+
+
+def _grouped_gemm(op: Callable[..., jax.Array], implementation: str, x: jax.Array, w: jax.Array,
+                  sizes: jax.Array) -> jax.Array:
+    return op(x, w, sizes, implementation=implementation)
 
 
 def _dense(x: jax.Array, w: jax.Array, _sizes: jax.Array) -> jax.Array:
