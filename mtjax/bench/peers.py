@@ -30,9 +30,12 @@ HAS_FLAX_FP8 = hasattr(fp8_ops, "Fp8DirectDotGeneralOp")
 FP8_PEER = "flax fp8" if HAS_FLAX_FP8 else "flax"
 
 
-def _attention_implementation(dtype: Any) -> str:
-    """cuDNN flash attention where it runs (a GPU, 16-bit inputs), else XLA."""
-    return "cudnn" if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+def _attention_implementation(q: jax.Array, k: jax.Array) -> str:
+    """cuDNN flash attention where it runs (a GPU, 16-bit inputs, even lengths: jax's cuDNN check
+    rejects odd ones when training, e.g. a ViT's 197 tokens), else XLA."""
+    on_cudnn = (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+                and q.shape[1] % 2 == 0 and k.shape[1] % 2 == 0)
+    return "cudnn" if on_cudnn else "xla"
 
 
 _ACTIVATIONS = {"gelu": nn.gelu, "silu": nn.silu, "relu": nn.relu}
@@ -117,7 +120,7 @@ def attention_residual(x: jax.Array, heads: int, kv_heads: int, norm: Callable[.
     qkv = qkv.reshape(batch, seq, heads + 2 * kv_heads, head_dim)
     q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=2)
     attended = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                            implementation=_attention_implementation(q.dtype))
+                                            implementation=_attention_implementation(q, k))
     return x + dense(hidden, name="attention_out")(attended.reshape(batch, seq, hidden))
 
 
@@ -271,7 +274,7 @@ class FlaxT5Layer(nn.Module):
             q = dense(self.hidden_size, name=f"{name}_q")(q_in).reshape(*q_in.shape[:2], heads, head_dim)
             kv = dense(2 * self.hidden_size, name=f"{name}_kv")(kv_in).reshape(*kv_in.shape[:2], 2, heads, head_dim)
             # A bias goes through XLA, as jax.nn.dot_product_attention's default; cuDNN takes the rest.
-            implementation = None if bias is not None else _attention_implementation(q.dtype)
+            implementation = None if bias is not None else _attention_implementation(q, kv)
             out = jax.nn.dot_product_attention(q, kv[:, :, 0], kv[:, :, 1], bias=bias, is_causal=causal,
                                                implementation=implementation)
             return dense(self.hidden_size, name=f"{name}_out")(out.reshape(*q_in.shape[:2], self.hidden_size))
