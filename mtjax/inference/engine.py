@@ -230,10 +230,15 @@ class Engine:
         return carry[0], (carry[-2], *carry[-1])
 
     # -- public API ------------------------------------------------------------------------------
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most cached tokens one request can hold: its prompt plus all its new tokens but the last."""
+        return (self.cache.num_pages - 1) * self.cache.page_size
+
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues ``prompt`` (token ids); returns its request id. Raises ValueError for an empty prompt,
         token ids outside the vocabulary, a prompt + ``max_tokens`` beyond ``max_seq_len`` or the
-        cache, or more than ``max_stop_tokens`` stop tokens."""
+        cache, or more than ``max_stop_tokens`` stop tokens or stop ids outside the vocabulary."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Engine.add_request: params must be a SamplingParams; got {type(params).__name__}")
@@ -249,6 +254,9 @@ class Engine:
         if len(params.stop) > self.max_stop_tokens:
             raise ValueError(f"Engine.add_request: {len(params.stop)} stop tokens; at most max_stop_tokens="
                              f"{self.max_stop_tokens}")
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t in params.stop):
+            raise ValueError(f"Engine.add_request: stop={params.stop!r}; stop token ids must be in [0, {vocab})")
         if params.logprobs is not None and (not self.max_logprobs or params.logprobs > self.max_logprobs):
             raise ValueError(f"Engine.add_request: logprobs={params.logprobs}; this engine returns "
                              + (f"at most {self.max_logprobs} alternatives" if self.max_logprobs else
@@ -449,7 +457,9 @@ class Engine:
         for i, request in enumerate(requests):
             if request is not None:
                 p = request.params
-                temperature[i], top_k[i], top_p[i], keys[i] = p.temperature, p.top_k, p.top_p, request_key(p.seed)
+                # a top_k beyond the vocabulary keeps every token, as 0 does (and fits int32)
+                top_k[i] = min(p.top_k, self.model.config.vocab_size)
+                temperature[i], top_p[i], keys[i] = p.temperature, p.top_p, request_key(p.seed)
         return temperature, top_k, top_p, keys
 
     def _call_prefill(self, batch: list[PrefillChunk], length: int, rows: int, whole: bool) -> tuple[np.ndarray, ...]:

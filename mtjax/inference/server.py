@@ -209,20 +209,30 @@ class Completion:
         self.echo_text = ""  # with echo: the prompt's text, then its TokenLogprobs (None for the first)
         self.prompt_logprobs: list[Any] | None = None
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in token_ids if t not in self.stop_ids])
+
     def update(self, output: RequestOutput) -> bool:
-        """Takes the request's new tokens; True once it is done (a stop string may end it early)."""
+        """Takes the request's new tokens; True once it is done (a stop string may end it early: the
+        text is cut before it, the tokens and log-probabilities after the token that completes it)."""
         if self.finish_reason is not None:
             return True
+        seen = len(self.token_ids)  # the text of these held no stop string
         self.token_ids = list(output.token_ids)
         self.logprobs = output.logprobs
         if self.tokenizer is not None:
-            self.text = self.tokenizer.decode([t for t in self.token_ids if t not in self.stop_ids])
-        for s in self.stop:
-            at = self.text.find(s)
-            if at >= 0:
-                self.text = self.text[:at]
-                self.finish_reason = "stop"
-                return True
+            self.text = self._decode(self.token_ids)
+        found = [(at, s) for s in self.stop if (at := self.text.find(s)) >= 0]
+        if found:
+            at, stop = min(found)
+            kept = next(j for j in range(seen + 1, len(self.token_ids) + 1)
+                        if stop in self._decode(self.token_ids[:j]))
+            self.token_ids = self.token_ids[:kept]
+            if self.logprobs is not None:
+                self.logprobs = self.logprobs[:kept]
+            self.text = self.text[:at]
+            self.finish_reason = "stop"
+            return True
         if output.finished:
             self.finish_reason = "stop" if output.finish_reason == "stop" else output.finish_reason or "length"
         return self.finish_reason is not None
@@ -249,6 +259,7 @@ class RequestOptions:
       params: the engine's `SamplingParams` (``max_tokens`` at least 1 even when ``generate`` is False).
       stop: stop strings; stop_ids: stop token ids (the tokenizer's end of text included).
       stream: answer with server-sent events.
+      include_usage: a stream's last chunk before ``[DONE]`` holds the usage (``stream_options``).
       n: choices per prompt.
       echo: completions: each choice's text (and log-probabilities) starts with its prompt's.
       generate: False for ``max_tokens: 0`` with ``echo`` (scoring a text): nothing is generated.
@@ -258,6 +269,7 @@ class RequestOptions:
     stop: list[str]
     stop_ids: frozenset[int]
     stream: bool
+    include_usage: bool = False
     n: int = 1
     echo: bool = False
     generate: bool = True
@@ -440,9 +452,11 @@ class CompletionServer:
                                    f"in all, so at most {max_len - 1} prompt tokens",
                                    "messages" if chat else "prompt")
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        # OpenAI's completions default to 16 new tokens; a chat answer may fill the context.
-        # max_tokens 0 with echo scores the prompt alone.
-        max_tokens = _integer(body, name, max_len - max(len(p) for p in prompts) if chat else 16, 0 if echo else 1)
+        # OpenAI's completions default to 16 new tokens; a chat answer may fill the context (and the
+        # cache, when it holds less). max_tokens 0 with echo scores the prompt alone.
+        longest = max(len(p) for p in prompts)
+        room = min(max_len - longest, self.engine.max_cached_tokens + 1 - longest)
+        max_tokens = _integer(body, name, max(room, 1) if chat else 16, 0 if echo else 1)
         temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
         top_k = _integer(body, "top_k", 0, 0)
@@ -456,18 +470,26 @@ class CompletionServer:
         if stop and self.tokenizer is None:
             raise RequestError("this server has no tokenizer: use 'stop_token_ids' instead of 'stop'", "stop")
         stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-            raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        vocab = self.engine.model.config.vocab_size
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < vocab for t in stop_ids):
+            raise RequestError(f"'stop_token_ids' must be a list of token ids in [0, {vocab})", "stop_token_ids")
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise RequestError("'ignore_eos' must be a boolean", "ignore_eos")
         eos = getattr(self.tokenizer, "eos_id", None)
-        if eos is not None and not ignore_eos and eos < self.engine.model.config.vocab_size:
+        if eos is not None and not ignore_eos and eos < vocab:
             stop_ids = [*stop_ids, int(eos)]
         stop_ids = list(dict.fromkeys(stop_ids))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be a boolean", "stream")
+        stream_options = body.get("stream_options")
+        if stream_options is not None and not (stream and isinstance(stream_options, dict)
+                                               and set(stream_options) <= {"include_usage"}
+                                               and isinstance(stream_options.get("include_usage", False), bool)):
+            raise RequestError("'stream_options' must be {\"include_usage\": true|false} with 'stream': true",
+                               "stream_options")
+        include_usage = bool((stream_options or {}).get("include_usage", False))
         logprobs = self._logprobs(body, chat)
         if echo and stream:
             raise RequestError("'echo' with 'stream' is not supported by this server", "echo")
@@ -480,8 +502,8 @@ class CompletionServer:
                                     seed=seed, stop=tuple(stop_ids), logprobs=logprobs)
         except ValueError as err:
             raise RequestError(str(err)) from None
-        return RequestOptions(params, stop, frozenset(stop_ids), stream, _integer(body, "n", 1, 1, MAX_CHOICES),
-                              echo, max_tokens > 0)
+        return RequestOptions(params, stop, frozenset(stop_ids), stream, include_usage,
+                              _integer(body, "n", 1, 1, MAX_CHOICES), echo, max_tokens > 0)
 
     def _logprobs(self, body: dict[str, Any], chat: bool) -> int | None:
         """The alternatives a request wants per token (None: no log-probabilities): completions'
@@ -578,7 +600,8 @@ class CompletionServer:
             created = int(time.time())
             completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if options.stream:
-                return await self._stream(request, completions, queue, completion_id, created, chat, n)
+                return await self._stream(request, completions, queue, completion_id, created, chat, n,
+                                          options.include_usage)
             await self._drain(completions, queue)
             self._count(200)
             from aiohttp import web
@@ -605,12 +628,17 @@ class CompletionServer:
             for c in completions[first.index:first.index + n]:
                 c.prompt_logprobs, c.echo_text = scored, text
 
-    async def _next(self, completions: list[Completion], queue: asyncio.Queue) -> Completion:
+    async def _next(self, completions: list[Completion], queue: asyncio.Queue) -> Completion | None:
+        """The completion the engine's next output updated; None for an output that came after a
+        stop string had ended its completion."""
         index, output, error = await queue.get()
         if error is not None:
             raise RuntimeError(f"the engine failed: {type(error).__name__}: {error}")
         completion = completions[index]
-        completion.update(output)
+        if completion.finish_reason is not None:
+            return None
+        if completion.update(output) and not output.finished:  # a stop string: free its slot now
+            self.loop.abort(completion.request_id)
         return completion
 
     async def _drain(self, completions: list[Completion], queue: asyncio.Queue) -> None:
@@ -636,7 +664,8 @@ class CompletionServer:
                       "total_tokens": prompt_tokens + completion_tokens},
         }
 
-    async def _stream(self, request, completions, queue, completion_id: str, created: int, chat: bool, n: int):
+    async def _stream(self, request, completions, queue, completion_id: str, created: int, chat: bool, n: int,
+                      include_usage: bool):
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -653,9 +682,12 @@ class CompletionServer:
         try:
             if chat:  # OpenAI's first chunk names the role
                 await send(head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None} for c in completions]})
+                                                "logprobs": None, "finish_reason": None} for c in completions]}
+                           | ({"usage": None} if include_usage else {}))
             while any(c.finish_reason is None for c in completions):
                 c = await self._next(completions, queue)
+                if c is None:
+                    continue
                 start = sent_tokens[c.index]
                 new_ids = c.token_ids[start:]
                 sent_tokens[c.index] = len(c.token_ids)
@@ -664,14 +696,15 @@ class CompletionServer:
                           "finish_reason": c.finish_reason}
                 choice |= {"delta": {"content": text} if text or c.finish_reason is None else {}} if chat else {
                     "text": text}
-                await send(head | {"choices": [choice]})
-            await send(self._response(completion_id, created, completions, chat, n) | head | {"choices": []})
-            await send("[DONE]")
+                await send(head | {"choices": [choice]} | ({"usage": None} if include_usage else {}))
+            if include_usage:  # OpenAI's last chunk: the usage, no choices
+                await send(self._response(completion_id, created, completions, chat, n) | head | {"choices": []})
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("client of %s went away; aborting", completion_id)
             raise
         except RuntimeError as err:  # the engine failed mid-stream: tell the client in-band
             await send(error_body(str(err), kind="server_error"))
+        await send("[DONE]")
         await response.write_eof()
         return response
 

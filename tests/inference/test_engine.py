@@ -250,6 +250,8 @@ def test_bad_requests_raise_clear_errors(setup):
         engine.add_request([1] * 40, SamplingParams(max_tokens=9))
     with pytest.raises(ValueError, match="max_stop_tokens"):
         engine.add_request([1], SamplingParams(stop=tuple(range(9))))
+    with pytest.raises(ValueError, match=r"stop token ids must be in \[0, \d+\)"):
+        engine.add_request([1], SamplingParams(stop=(2**40,)))
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.add_request([1], {"max_tokens": 3})
     for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(seed=-1),

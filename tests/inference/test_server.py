@@ -117,8 +117,8 @@ def test_concurrent_requests_match_engine_generate(server, reference):
             plain = [post(session, server, {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True})
                      for p, n in zip(PROMPTS[:4], max_tokens[:4])]
             streamed = [post_stream(session, server, {"prompt": p, "max_tokens": n, "temperature": 0,
-                                                      "ignore_eos": True})
-                        for p, n in zip(PROMPTS[4:], max_tokens[4:])]
+                                                      "ignore_eos": True, "stream_options": {"include_usage": usage}})
+                        for p, n, usage in zip(PROMPTS[4:], max_tokens[4:], (True, False))]
             return await asyncio.gather(*plain, *streamed)
 
     results = asyncio.run(main())  # 6 clients at once on 4 slots: some wait for a slot
@@ -134,8 +134,13 @@ def test_concurrent_requests_match_engine_generate(server, reference):
     for i, chunks in enumerate(results[4:], start=4):
         tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
         assert tokens == want[i]
-        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == max_tokens[i]
+        if i == 4:  # include_usage: every chunk has "usage", null but in the last, which has no choices
+            assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+            assert chunks[-1]["usage"]["completion_tokens"] == max_tokens[i]
+            chunks = chunks[:-1]
+        else:
+            assert all("usage" not in c and c["choices"] for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_n_choices_per_prompt_draw_with_consecutive_seeds(server, reference):
@@ -200,6 +205,9 @@ def test_text_prompts_batches_and_stop_strings(server, reference):
     ({"prompt": [1], "logit_bias": {"5": 10}}, None, "logit_bias"),
     ({"prompt": [1], "stream": "yes"}, None, "stream"),
     ({"prompt": [1], "stop": [""]}, None, "stop"),
+    ({"prompt": [1], "stop_token_ids": [2**40]}, None, "stop_token_ids"),  # outside the vocabulary
+    ({"prompt": [1], "stream_options": {"include_usage": True}}, None, "stream_options"),  # without stream
+    ({"prompt": [1], "stream": True, "stream_options": {"include_usage": 1}}, None, "stream_options"),
 ])
 def test_bad_requests_get_400_and_the_server_lives(server, body, raw, param):
     async def main():
@@ -241,7 +249,7 @@ def test_chat_completions_render_the_template_and_match_engine_generate(server, 
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert streamed == choice["message"]["content"]
-    assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
 
 
 def test_logprobs_of_completions_and_chat_streamed_or_not(server):
@@ -348,6 +356,40 @@ def test_too_long_prompt_says_how_long(server):
     assert "200 tokens" in answer["error"]["message"] and "at most 127" in answer["error"]["message"]
 
 
+def test_top_k_beyond_the_vocabulary_keeps_every_token(server):
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await post(session, server, {"prompt": [1], "max_tokens": 2, "top_k": 2**31, "seed": 1})
+
+    status, answer = asyncio.run(main())
+    assert status == 200, answer
+
+
+def test_a_stop_string_ends_one_streamed_choice_once(server, reference):
+    _, tokenizer = reference
+    body = {"prompt": "The quick", "n": 2, "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+
+    async def main(extra, stream):
+        async with aiohttp.ClientSession() as session:
+            if stream:
+                return await post_stream(session, server, body | extra)
+            return await post(session, server, body | extra)
+
+    status, free = asyncio.run(main({}, False))
+    assert status == 200, free
+    text = free["choices"][0]["text"]
+    if len(text) < 3:
+        pytest.skip("the sampled answer is too short to take a stop string from")
+    stop = text[1:3]
+    chunks = asyncio.run(main({"stop": [stop]}, True))
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert [ch["finish_reason"] is not None for ch in mine].count(True) == 1  # one final chunk, the last
+        assert mine[-1]["finish_reason"] is not None
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == 0)
+    assert streamed == text[:text.find(stop)]
+
+
 def test_health_metrics_and_unknown_routes(server):
     async def main():
         async with aiohttp.ClientSession() as session:
@@ -382,3 +424,22 @@ def test_completion_streams_text_but_holds_back_a_possible_stop():
     assert c.delta() == "ab"  # the last len("xyz") - 1 characters may begin the stop string
     c.update(Output([ord(ch) for ch in "abcxyzq"]))
     assert c.finish_reason == "stop" and c.text == "abc" and c.delta() == "c"
+    assert c.token_ids == [ord(ch) for ch in "abcxyz"]  # up to the token that completes the stop string
+
+
+def test_the_earliest_stop_string_ends_a_completion_and_cuts_its_tokens():
+    class Chars:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    class Output:
+        def __init__(self, text):
+            self.token_ids, self.finished, self.finish_reason = [ord(ch) for ch in text], False, None
+            self.logprobs = list(range(len(text)))
+
+    c = Completion(0, [1], ["zz", "b"], frozenset(), Chars())
+    c.update(Output("a"))
+    assert c.finish_reason is None
+    c.update(Output("abczzb"))  # "b" comes first though listed second
+    assert c.finish_reason == "stop" and c.text == "a"
+    assert c.token_ids == [ord("a"), ord("b")] and c.logprobs == [0, 1]
