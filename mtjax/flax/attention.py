@@ -543,6 +543,10 @@ class MultiHeadAttention(nn.Module):
             kv_inputs = ln_out if self_attention else inputs_kv
             if cross_cached:
                 key, value = (self.get_variable(CACHE_COLLECTION, name) for name in CROSS_CACHE_NAMES)
+                if inputs_kv.shape[:2] != key.shape[:2]:
+                    raise ValueError(f"MultiHeadAttention: decoding with the cross-attention keys cached from an "
+                                     f"input of [batch, kv_len] = {tuple(key.shape[:2])}; inputs_kv is "
+                                     f"{tuple(inputs_kv.shape[:2])} (a new input needs a new cache)")
             elif self.fuse_qkv_params:
                 kv = DenseGeneral(
                     features=(2, groups, self.head_dim), kernel_init=self.kernel_init,
@@ -695,6 +699,8 @@ class MultiHeadAttention(nn.Module):
         cached_key = self.get_variable(CACHE_COLLECTION, "cached_key")
         cached_value = self.get_variable(CACHE_COLLECTION, "cached_value")
         step, max_length = key.shape[1], cached_key.shape[1]
+        if step > max_length:
+            raise ValueError(f"MultiHeadAttention: {step} tokens in one decode call; the cache holds {max_length}")
         start = index.value
         cached_key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), (0, start, 0, 0))
         cached_value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), (0, start, 0, 0))

@@ -68,9 +68,11 @@ def t5_generate(model: T5, variables: Any, encoder_tokens: jax.Array, *, max_new
     in `T5`).
 
     Raises:
-      ValueError: ``encoder_tokens`` is not ``[batch, length]``, or ``max_new_tokens`` < 1.
+      ValueError: ``encoder_tokens`` is not ``[batch, length]``, ``max_new_tokens`` < 1, or ``start_id``
+        or ``eos_id`` outside the vocabulary.
     """
     _check_generate("t5_generate", "encoder_tokens", encoder_tokens, max_new_tokens)
+    _check_token_ids("t5_generate", model.config.vocab_size, start_id=start_id, eos_id=eos_id)
     encoded = model.apply(variables, encoder_tokens, encoder_segment_ids=encoder_segment_ids, method=T5.encode)
     batch = encoder_tokens.shape[0]
 
@@ -93,9 +95,11 @@ def vlm_generate(model: VLM, variables: Any, images: jax.Array, prompt: jax.Arra
     token alone) about ``images``: captions. ``variables`` as `t5_generate`'s.
 
     Raises:
-      ValueError: ``prompt`` is not ``[batch, prompt_len]`` with ``prompt_len`` >= 1, or ``max_new_tokens`` < 1.
+      ValueError: ``prompt`` is not ``[batch, prompt_len]`` with ``prompt_len`` >= 1, ``max_new_tokens`` < 1,
+        or ``eos_id`` outside the vocabulary.
     """
     _check_generate("vlm_generate", "prompt", prompt, max_new_tokens)
+    _check_token_ids("vlm_generate", model.config.text.vocab_size, eos_id=eos_id)
     image_tokens = model.apply(variables, images, method=VLM.encode_images)
     prefix = model.config.fusion == "prefix"
 
@@ -121,6 +125,8 @@ jitted_vlm_generate = jax.jit(vlm_generate, static_argnums=0, static_argnames=("
 def until_eos(ids: Any, eos_id: int) -> np.ndarray:
     """The tokens of one row of greedy output ``ids`` up to (not including) its first ``eos_id``."""
     ids = np.asarray(ids)
+    if ids.ndim != 1:
+        raise ValueError(f"until_eos: ids has shape {ids.shape}; expected one row [length]")
     ends = np.flatnonzero(ids == eos_id)
     return ids[:ends[0]] if len(ends) else ids
 
@@ -131,6 +137,12 @@ def _check_generate(fn: str, name: str, tokens: Any, max_new_tokens: Any) -> Non
     shape = getattr(tokens, "shape", None)
     if shape is None or len(shape) != 2 or shape[1] < 1:
         raise ValueError(f"{fn}: {name} has shape {shape}; expected [batch, length] with length >= 1")
+
+
+def _check_token_ids(fn: str, vocab_size: int, **ids: int | None) -> None:
+    for name, token in ids.items():
+        if token is not None and not 0 <= token < vocab_size:
+            raise ValueError(f"{fn}: {name}={token!r}; expected a token id in [0, {vocab_size})")
 
 
 def _new_cache(model: Any, variables: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

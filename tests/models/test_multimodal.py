@@ -32,6 +32,7 @@ from mtjax.models import (
     jitted_vlm_generate,
     model_config,
     t5_generate,
+    until_eos,
     vlm_generate,
 )
 from mtjax.models.vit import patchify, sincos_2d_positions
@@ -187,6 +188,22 @@ def test_t5_bad_input():
         t5_generate(model, {}, tokens(0, (7,)), max_new_tokens=3, start_id=1)
     with pytest.raises(ValueError, match="t5_generate: max_new_tokens=0; expected an int >= 1"):
         t5_generate(model, {}, tokens(0, (2, 7)), max_new_tokens=0, start_id=1)
+    for ids in (dict(start_id=40), dict(start_id=1, eos_id=-1)):
+        with pytest.raises(ValueError, match=rf"t5_generate: {list(ids)[-1]}=-?\d+; expected a token id in \[0, 40\)"):
+            t5_generate(model, {}, tokens(0, (2, 7)), max_new_tokens=3, **ids)
+    with pytest.raises(ValueError, match=r"until_eos: ids has shape \(2, 3\); expected one row"):
+        until_eos(np.zeros((2, 3), int), 0)
+    # Decoding on a cache: another encoder length than the cached keys', or more tokens than it holds.
+    enc, dec = tokens(2, (2, 7)), tokens(3, (2, 4))
+    variables = random_params(model, enc, dec)
+    encoded = model.apply(variables, enc, method=T5.encode)
+    step = functools.partial(model.apply, decode=True, method=T5.decode, mutable=["cache"])
+    _, cache = step(variables, dec, encoded)
+    with pytest.raises(ValueError, match=r"keys cached from an input of \[batch, kv_len\] = \(2, 7\); inputs_kv is "
+                                         r"\(2, 5\)"):
+        step({**variables, **cache}, dec[:, :1], encoded[:, :5])
+    with pytest.raises(ValueError, match="5 tokens in one decode call; the cache holds 4"):
+        step({**variables, **cache}, tokens(4, (2, 5)), encoded)
 
 
 def test_vlm_reads_the_image_never_future_text_and_decodes_with_a_cache():
@@ -232,6 +249,8 @@ def test_vlm_and_gpt_bad_input():
         vlm_generate(model, {}, images(0), jnp.zeros((2, 0), jnp.int32), max_new_tokens=3)
     with pytest.raises(ValueError, match="vlm_generate: max_new_tokens=-1; expected an int >= 1"):
         vlm_generate(model, {}, images(0), tokens(0, (2, 1)), max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"vlm_generate: eos_id=40; expected a token id in \[0, 40\)"):
+        vlm_generate(model, {}, images(0), tokens(0, (2, 1)), max_new_tokens=2, eos_id=40)
     decoder = build_model(model.config.text)
     with pytest.raises(ValueError, match="Engine: a GPT with cross_attention"):
         Engine(decoder, {}, max_slots=1)
