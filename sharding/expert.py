@@ -63,7 +63,7 @@ def capacity(rows: int, ep: int, capacity_factor: float | None = None) -> int:
         return rows
     if not capacity_factor > 0:
         raise ValueError(f"capacity(capacity_factor={capacity_factor!r}): expected None or a positive number")
-    return min(rows, -(-math.ceil(capacity_factor * rows / ep) // 8) * 8)
+    return min(rows, -(-math.ceil(round(capacity_factor * rows / ep, 9)) // 8) * 8)
 
 
 def dispatch(x_sorted: jax.Array, group_sizes: jax.Array, *, axis_name: str, capacity: int,

@@ -727,11 +727,10 @@ def _train(args: argparse.Namespace, setup: _Setup, watcher: Any, peers: Any) ->
     state_sharding = tree_shardings(abstract)
     options = fp8.compiler_options() if run_config.fp8 else None
     skip_nonfinite = args.on_nonfinite == "skip"
-    bias_rate = config.expert_bias_update_rate if getattr(config, "use_expert_bias", False) else 0.0
     train_step = make_train_step(model, optimizer, task.loss_fn, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                  grad_accum_steps=run_config.grad_accum, learning_rate=schedule,
                                  compiler_options=options, skip_nonfinite=skip_nonfinite,
-                                 expert_bias_update_rate=bias_rate, model_inputs=task.model_inputs)
+                                 model_inputs=task.model_inputs)
     eval_step = make_eval_step(model, task.loss_fn, mesh=mesh, rules=rules, state_sharding=state_sharding,
                                compiler_options=options, model_inputs=task.model_inputs, metrics_fn=task.metrics_fn)
 

@@ -148,7 +148,7 @@ def make_train_step(
     learning_rate: optax.ScalarOrSchedule | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
-    expert_bias_update_rate: float = 0.0,
+    expert_bias_update_rate: float | None = None,
     skip_nonfinite: bool = False,
     vocab_size: int | None = None,
     debug_checks: bool | None = None,
@@ -172,7 +172,8 @@ def make_train_step(
       expert_bias_update_rate: after each step, every `mtjax.flax.MoEBlock`'s ``expert_bias`` moves
         by this much towards balance: ``+rate`` for experts with less than an even share of the
         step's routed tokens, ``-rate`` for those with more (DeepSeek-V3's auxiliary-loss-free
-        balancing); 0: left alone.
+        balancing); 0: left alone. Default: the model config's ``expert_bias_update_rate`` when its
+        ``use_expert_bias`` is set, else 0.
 
     The model's auxiliary losses (the ``MOE_LOSSES`` collection a `mtjax.flax.MoEBlock` sows,
     already weighted) are added to ``loss_fn``'s loss before differentiating.
@@ -190,6 +191,10 @@ def make_train_step(
     Raises (from the returned step):
       ValueError: a token id outside ``[0, vocab_size)``.
     """
+    if expert_bias_update_rate is None:
+        config = getattr(model, "config", None)
+        expert_bias_update_rate = (getattr(config, "expert_bias_update_rate", 0.0)
+                                   if getattr(config, "use_expert_bias", False) else 0.0)
     if not expert_bias_update_rate >= 0:
         raise ValueError(f"make_train_step(expert_bias_update_rate={expert_bias_update_rate!r}): expected >= 0")
     if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:

@@ -241,6 +241,10 @@ class MoEBlock(nn.Module):
         if self.score_function not in ops.SCORE_FUNCTIONS:
             raise ValueError(f"{owner}: score_function={self.score_function!r}; accepted: "
                              f"{', '.join(ops.SCORE_FUNCTIONS)}")
+        for name in ("num_expert_groups", "expert_group_top_k"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{owner}: {name}={value!r}; expected None or a positive int")
         if (self.num_expert_groups is None) != (self.expert_group_top_k is None):
             raise ValueError(f"{owner}: set num_expert_groups and expert_group_top_k together (or neither)")
         groups, group_top_k = self.num_expert_groups, self.expert_group_top_k
@@ -248,10 +252,13 @@ class MoEBlock(nn.Module):
             raise ValueError(f"{owner}: num_expert_groups={self.num_expert_groups} must divide num_experts="
                              f"{self.num_experts} and 1 <= expert_group_top_k={self.expert_group_top_k} <= it")
         for name in ("load_balancing_loss_weight", "router_z_loss_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{owner}: {name}={getattr(self, name)!r}; expected a number >= 0")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"{owner}: capacity_factor={self.capacity_factor!r}; expected None or a number > 0")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int | float) and 0 <= value < math.inf):
+                raise ValueError(f"{owner}: {name}={value!r}; expected a finite number >= 0")
+        capacity = self.capacity_factor
+        if capacity is not None and (isinstance(capacity, bool) or not (isinstance(capacity, int | float)
+                                                                        and 0 < capacity < math.inf)):
+            raise ValueError(f"{owner}: capacity_factor={capacity!r}; expected None or a finite number > 0")
         if self.dispatch_dtype is not None:
             check_fp8_dtype(owner, self.dispatch_dtype, "dispatch_dtype")
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:

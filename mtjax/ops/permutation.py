@@ -46,7 +46,8 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     """Assignments per expert for a capacity factor: ``ceil(capacity_factor * tokens * top_k / experts)``."""
     if not capacity_factor > 0:
         raise ValueError(f"expert_capacity: capacity_factor={capacity_factor!r}; expected a positive float")
-    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    # Rounded before the ceiling: 1.1 * 100 / 10 is 11.000000000000002 in floating point.
+    return max(1, math.ceil(round(capacity_factor * num_tokens * top_k / num_experts, 9)))
 
 
 def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -84,7 +85,8 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
 
     Args:
       x: ``[tokens, hidden]``.
-      experts: int ``[tokens, top_k]`` expert ids in ``0 .. num_experts - 1`` (`RouterOutput.experts`).
+      experts: int ``[tokens, top_k]`` expert ids in ``0 .. num_experts - 1`` (`RouterOutput.experts`);
+        another id sends its assignment to no expert (dropped, counted in ``num_dropped``).
       num_experts: the number of experts.
       capacity: at most this many assignments per expert (`expert_capacity` derives it from a
         capacity factor); ``None``: dropless.
@@ -106,24 +108,28 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
     tokens, top_k = experts.shape
     assignments = tokens * top_k
     flat = experts.reshape(-1).astype(jnp.int32)
+    # An id outside 0 .. num_experts - 1 goes to no expert: it sorts last and counts as dropped.
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # assignments sorted by expert
     counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    position = jnp.arange(assignments, dtype=jnp.int32)
     if capacity is None:
-        row_assignment = order
-        assignment_row = jnp.zeros((assignments,), jnp.int32).at[order].set(jnp.arange(assignments, dtype=jnp.int32))
-        group_sizes, num_dropped = counts, jnp.int32(0)
+        rows = assignments
+        destination = jnp.where(position < jnp.sum(counts), position, rows)  # rows: dropped
+        row_assignment = jnp.where(destination < rows, order, assignments)
+        group_sizes = counts
     else:
         rows = min(assignments, num_experts * capacity)
         group_sizes = jnp.minimum(counts, capacity)
         sorted_expert = flat[order]
         starts = jnp.cumsum(counts) - counts
         kept_starts = jnp.cumsum(group_sizes) - group_sizes
-        rank = jnp.arange(assignments, dtype=jnp.int32) - starts[sorted_expert]
-        kept = rank < capacity
-        destination = jnp.where(kept, kept_starts[sorted_expert] + rank, rows)  # rows: dropped
+        rank = position - starts[jnp.minimum(sorted_expert, num_experts - 1)]
+        kept = (rank < capacity) & (sorted_expert < num_experts)
+        destination = jnp.where(kept, kept_starts[jnp.minimum(sorted_expert, num_experts - 1)] + rank, rows)
         row_assignment = jnp.full((rows,), assignments, jnp.int32).at[destination].set(order, mode="drop")
-        assignment_row = jnp.zeros((assignments,), jnp.int32).at[order].set(destination)
-        num_dropped = assignments - jnp.sum(group_sizes)
+    assignment_row = jnp.zeros((assignments,), jnp.int32).at[order].set(destination)
+    num_dropped = assignments - jnp.sum(group_sizes)
     state = PermuteState(row_assignment, assignment_row, jnp.asarray(num_dropped, jnp.int32))
     return _permute_rows(x, state, top_k), group_sizes, state
 

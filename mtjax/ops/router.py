@@ -22,6 +22,7 @@ jax.numpy (XLA fuses it; the router is a small fraction of an MoE layer).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -107,6 +108,9 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax", num
         check_shape(op, "expert_bias", expert_bias, (experts,))
     if not isinstance(normalize_weights, bool):
         raise TypeError(f"{op}: normalize_weights={normalize_weights!r}; expected True or False")
+    if isinstance(scaling_factor, bool) or not (isinstance(scaling_factor, int | float)
+                                                and 0 < scaling_factor < math.inf):
+        raise ValueError(f"{op}: scaling_factor={scaling_factor!r}; expected a finite number > 0")
 
     logits = logits.astype(jnp.float32)
     if score_function == "softmax":
@@ -129,7 +133,9 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax", num
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
     """int32 ``[num_experts]``: how many (token, choice) assignments each expert received."""
-    return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(1, mode="drop")
+    ids = experts.reshape(-1)
+    # mode="drop" alone would wrap a negative id onto the last experts
+    return jnp.zeros((num_experts,), jnp.int32).at[jnp.where(ids >= 0, ids, num_experts)].add(1, mode="drop")
 
 
 def update_expert_bias(expert_bias: jax.Array, counts: jax.Array, update_rate: float) -> jax.Array:

@@ -168,6 +168,10 @@ def test_expert_kernel_init_uses_one_experts_fan_in():
     (dict(num_expert_groups=3, expert_group_top_k=1), "num_expert_groups=3 must divide"),
     (dict(num_expert_groups=2), "together"),
     (dict(capacity_factor=0.0), "capacity_factor"),
+    (dict(capacity_factor=True), "capacity_factor=True"),
+    (dict(load_balancing_loss_weight=float("inf")), "load_balancing_loss_weight=inf"),
+    (dict(num_expert_groups=0, expert_group_top_k=1), "num_expert_groups=0; expected None or a positive int"),
+    (dict(routed_scaling_factor=float("nan")), "scaling_factor=nan"),
     (dict(expert_dim=0), "expert_dim=0"),
 ])
 def test_bad_settings_raise(kwargs, match):

@@ -127,8 +127,8 @@ def test_train_step_reports_aux_losses_and_expert_load(one_device):
 
 
 def test_expert_bias_moves_towards_balance():
-    cfg = dataclasses.replace(MOE, use_expert_bias=True)
-    state, metrics = _train(cfg, 1, expert_bias_update_rate=0.01)
+    cfg = dataclasses.replace(MOE, use_expert_bias=True, expert_bias_update_rate=0.01)
+    state, metrics = _train(cfg, 1)  # make_train_step takes the config's rate
     bias = np.asarray(state.params["moe_layers"]["mlp"]["expert_bias"])    # [moe layers, experts]
     assert bias.shape == (cfg.num_moe_layers, cfg.num_experts)
     # sign(even share - load) * rate: the optimizer adds nothing (no gradient reaches the bias).
@@ -175,7 +175,7 @@ def test_large_preset_trains_on_one_gpu_at_sequence_2048(preset):
     optimizer, _ = make_optimizer(3e-4, total_steps=10, warmup_steps=1)
     state = init_train_state(model, optimizer, jax.random.PRNGKey(0), (8, 2048),
                              compute_dtype=compute_dtype_for(cfg.dtype, cfg.param_dtype))
-    step = make_train_step(model, optimizer, expert_bias_update_rate=cfg.expert_bias_update_rate)
+    step = make_train_step(model, optimizer)  # the preset's expert_bias_update_rate by default
     tokens = jax.random.randint(jax.random.key(0), (8, 2049), 0, cfg.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     for _ in range(2):

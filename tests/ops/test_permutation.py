@@ -17,7 +17,8 @@ def np_permute(x, experts, num_experts, capacity=None):
     per_expert = [[] for _ in range(num_experts)]
     for t in range(tokens):
         for j in range(top_k):
-            per_expert[experts[t, j]].append(t * top_k + j)
+            if 0 <= experts[t, j] < num_experts:  # another id: dropped
+                per_expert[experts[t, j]].append(t * top_k + j)
     kept = [a if capacity is None else a[:capacity] for a in per_expert]
     rows = tokens * top_k if capacity is None else min(tokens * top_k, num_experts * capacity)
     x_sorted = np.zeros((rows, x.shape[1]), x.dtype)
@@ -110,9 +111,28 @@ def test_permute_hypothesis(tokens, top_k, num_experts, capacity, seed):
                                np.einsum("tk,tkr,rh->th", weights, d, exp_sorted), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_expert_ids_outside_the_experts_are_dropped(capacity):
+    """An id < 0 or >= num_experts reaches no expert (not the last one, as negative indices would wrap)."""
+    experts = np.array([[0], [1], [-1], [2], [3], [1], [4]], np.int32)
+    x = np.random.default_rng(0).normal(size=(7, 3)).astype(np.float32)
+    x_sorted, sizes, state = ops.permute(jnp.asarray(x), jnp.asarray(experts), 4, capacity=capacity)
+    want_sorted, want_sizes, row_of, dropped = np_permute(x, experts, 4, capacity)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    np.testing.assert_array_equal(sizes, [1, 2, 1, 1])
+    np.testing.assert_allclose(x_sorted[:5], want_sorted[:5])
+    assert int(state.num_dropped) == dropped == 2
+    weights = jnp.ones((7, 1))
+    out = np.asarray(ops.unpermute(x_sorted, weights, state))
+    np.testing.assert_allclose(out[[2, 6]], 0.0)  # the dropped tokens get nothing back
+    np.testing.assert_allclose(out[[0, 1, 3, 4, 5]], x[[0, 1, 3, 4, 5]], rtol=1e-6)
+    np.testing.assert_array_equal(ops.expert_counts(jnp.asarray(experts), 4), [1, 2, 1, 1])
+
+
 def test_expert_capacity():
     assert ops.expert_capacity(100, 2, 8, 1.0) == 25
     assert ops.expert_capacity(100, 2, 8, 1.25) == 32
+    assert ops.expert_capacity(100, 1, 10, 1.1) == 11  # not 12 from 11.000000000000002
     with pytest.raises(ValueError, match="capacity_factor"):
         ops.expert_capacity(100, 2, 8, 0.0)
 

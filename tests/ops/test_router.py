@@ -168,6 +168,9 @@ def test_argument_errors():
         ops.route(logits, top_k=2, expert_bias=jnp.zeros(7))
     with pytest.raises(TypeError, match="logits"):
         ops.route(logits.astype(jnp.int32), top_k=2)
+    for factor in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="scaling_factor"):
+            ops.route(logits, top_k=2, scaling_factor=factor)
     with pytest.raises(ValueError, match="probs"):
         ops.load_balancing_loss(jnp.zeros((4, 7)), jnp.zeros((4, 2), jnp.int32), 8)
     with pytest.raises(ValueError, match="experts"):
