@@ -269,9 +269,9 @@ ATTENTION_CASES = {
     "window-unseen-keys": (1, 128, 512, 1, 1, 64, {"mask_type": "causal", "window_size": (16, 0)}),
     # batch and kv head > 0, so every term of dropout's row counter counts (one query block: the
     # cases above have the tails)
-    "softcap-dropout-gqa": (2, 128, 128, 4, 2, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
+    "softcap-dropout-gqa": (2, 128, 128, 2, 1, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
     # head_dim 256: fixed tiles, and dK/dV with the head dimension split between the warpgroups
-    "d256-gqa-segments-dropout": (1, 130, 200, 4, 2, 256, {"mask_type": "causal", "segments": True, "dropout": 0.2}),
+    "d256-gqa-segments-dropout": (1, 130, 200, 2, 1, 256, {"mask_type": "causal", "segments": True, "dropout": 0.2}),
 }
 
 
