@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
                         help="layer, train and decode suites: also run mtjax with these kernel choices (OP=IMPL) and "
                              "XLA options (xla_...=VALUE); repeatable, one extra pair of rows each")
+    parser.add_argument("--train-rows", nargs="+", metavar="LABEL",
+                        help="train suite: run only these rows, by label (mtjax, flax, 'mtjax fp8', 'flax fp8', "
+                             "'mtjax fp8 [recipe=block]', ...), e.g. to fit a time-limited GPU call")
     parser.add_argument("--sweep", action="store_true",
                         help="gemm suite: also time each candidate tile of the block-scaled FP8 GEMM kernel")
     parser.add_argument("--profile", metavar="DIR",
@@ -66,7 +69,8 @@ def _available(name: str) -> bool:
 def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Setting]) -> list[dict]:
     module = importlib.import_module(SUITES[name])
     if name == "train":
-        return module.run(args.quick, presets=args.presets, profile_dir=args.profile, settings=settings)
+        return module.run(args.quick, presets=args.presets, profile_dir=args.profile, settings=settings,
+                          only=args.train_rows)
     if name == "layer":
         return module.run(args.quick, settings=settings)
     if name == "decode":

@@ -249,20 +249,35 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,
-        settings: Sequence[Setting] = ()) -> list[dict]:
-    """Rows for each preset and variant (see the module docstring); ``settings``: `mtjax.bench.variants`."""
+        settings: Sequence[Setting] = (), only: Sequence[str] | None = None) -> list[dict]:
+    """Rows for each preset and variant (see the module docstring); ``settings``: `mtjax.bench.variants`;
+    ``only``: the labels of the variants to run (e.g. ``["mtjax", "mtjax fp8 [recipe=block]"]``; None:
+    all). A variant that fails to compile or run gives an error row and the next one runs."""
     presets = list(presets or (["tiny"] if quick else ["gpt-1.3b"]))
     rows = []
     for preset in presets:
         work = workload(preset, quick)
         batches, name = work.batches, work.name
         times = {}
-        for variant in variants(work, settings):
-            step, compile_s = _compile(variant, batches[0])
-            with variant.context():
-                state = variant.init()
-            t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 6,
-                                                      steps_per_sample=1 if quick else 3)
+        candidates = variants(work, settings)
+        if only is not None:
+            unknown = set(only) - {v.implementation for v in candidates}
+            if unknown:
+                raise ValueError(f"train suite: rows {sorted(unknown)} are not among "
+                                 f"{[v.implementation for v in candidates]}")
+            candidates = [v for v in candidates if v.implementation in only]
+        for variant in candidates:
+            try:
+                step, compile_s = _compile(variant, batches[0])
+                with variant.context():
+                    state = variant.init()
+                t, (state, metrics) = timing.measure_steps(step, state, batches, warmup=2, runs=3 if quick else 6,
+                                                          steps_per_sample=1 if quick else 3)
+            except Exception as err:  # noqa: BLE001 - a failing variant becomes a row; the next one runs
+                print(f"mtjax bench: train {name} {variant.implementation}: failed: {err!r}"[:2000], file=sys.stderr,
+                      flush=True)
+                rows.append(timing.error_row("train", name, variant.implementation, err, **work.extra))
+                continue
             times[variant.implementation] = t.median
             extra = {"tokens_per_s": work.tokens_per_step / t.median, **work.extra,
                      "params": work.config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,

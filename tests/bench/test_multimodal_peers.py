@@ -40,3 +40,19 @@ def test_relative_position_buckets_of_the_peer():
     buckets = np.asarray(jax.jit(peers.relative_position_buckets, static_argnums=(0, 1, 2, 3, 4))(3, 40, True, 32, 128))
     assert buckets[0, 0] == 0 and buckets[0, 1] == 17 and buckets[2, 0] == 2  # after: second half; before: first
     assert buckets.max() < 32 and (np.diff(buckets[0, 16:]) >= 0).all()
+
+
+def test_train_rows_are_selectable_and_a_failing_row_lets_the_next_run(monkeypatch):
+    with pytest.raises(ValueError, match=r"rows \['nope'\] are not among"):
+        train.run(True, ["vit-tiny"], only=["mtjax", "nope"])
+    compile_step = train._compile
+
+    def failing_for_flax(variant, *args, **kwargs):
+        if variant.implementation == "flax":
+            raise RuntimeError("no memory")
+        return compile_step(variant, *args, **kwargs)
+
+    monkeypatch.setattr(train, "_compile", failing_for_flax)
+    rows = train.run(True, ["vit-tiny"], only=["flax", "mtjax"])
+    assert [r["implementation"] for r in rows] == ["mtjax", "flax FAILED: RuntimeError: no memory"]
+    assert rows[0]["time_ms"] > 0 and rows[1]["time_ms"] is None
