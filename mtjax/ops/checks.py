@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -51,6 +52,8 @@ def check_tile_options(op: str, dtype: Any, power_of_two: Any, amax_epsilon: Any
     for name, value in (("power_of_two", power_of_two), ("transpose", transpose)):
         if not isinstance(value, bool):
             raise TypeError(f"{op}({name}={value!r}): expected True or False")
-    if not (isinstance(amax_epsilon, (int, float)) and amax_epsilon >= 0 and amax_epsilon != float("inf")):
+    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, numbers.Real):
+        raise TypeError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
+    if not (amax_epsilon >= 0 and amax_epsilon != float("inf")):
         raise ValueError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
     return check_fp8_dtype(op, dtype, dtype_name)

@@ -235,6 +235,9 @@ def test_errors_name_the_argument():
         ops.tile_quantize(jnp.ones((2, 4, 4)), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="amax_epsilon"):
         ops.block_quantize(jnp.ones((4, 4)), jnp.float8_e4m3fn, amax_epsilon=-1.0)
+    with pytest.raises(TypeError, match="amax_epsilon=True"):
+        ops.tile_quantize(jnp.ones((4, 4)), jnp.float8_e4m3fn, amax_epsilon=True)
+    ops.tile_quantize(jnp.ones((4, 4)), jnp.float8_e4m3fn, amax_epsilon=np.float32(0.1))  # any real number
     with pytest.raises(ValueError, match="block_m"):
         gemm_kernel.GemmConfig(block_m=48)
     assert "rank 3" in quantize_kernels.unsupported((2, 3, 4), jnp.bfloat16, jnp.float8_e4m3fn)
