@@ -19,6 +19,7 @@ from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.flax.transformer import TransformerLayer
+from mtjax.ops.checks import is_finite_number
 from mtjax.sharding import expert as expert_parallel
 
 # Flax collections the block sows into (``model.apply(..., mutable=[MOE_LOSSES, MOE_METRICS])``):
@@ -252,12 +253,10 @@ class MoEBlock(nn.Module):
             raise ValueError(f"{owner}: num_expert_groups={self.num_expert_groups} must divide num_experts="
                              f"{self.num_experts} and 1 <= expert_group_top_k={self.expert_group_top_k} <= it")
         for name in ("load_balancing_loss_weight", "router_z_loss_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int | float) and 0 <= value < math.inf):
-                raise ValueError(f"{owner}: {name}={value!r}; expected a finite number >= 0")
+            if not is_finite_number(getattr(self, name), 0.0):
+                raise ValueError(f"{owner}: {name}={getattr(self, name)!r}; expected a finite number >= 0")
         capacity = self.capacity_factor
-        if capacity is not None and (isinstance(capacity, bool) or not (isinstance(capacity, int | float)
-                                                                        and 0 < capacity < math.inf)):
+        if capacity is not None and not is_finite_number(capacity, 0.0, exclusive=True):
             raise ValueError(f"{owner}: capacity_factor={capacity!r}; expected None or a finite number > 0")
         if self.dispatch_dtype is not None:
             check_fp8_dtype(owner, self.dispatch_dtype, "dispatch_dtype")

@@ -647,8 +647,6 @@ class CompletionServer:
 
     def _response(self, completion_id: str, created: int, completions: list[Completion], chat: bool, n: int
                   ) -> dict[str, Any]:
-        prompt_tokens = sum(len(c.prompt) for c in completions[::n])  # each prompt once, as OpenAI counts
-        completion_tokens = sum(len(c.token_ids) for c in completions)
         if chat:
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "token_ids": c.token_ids, "logprobs": self._logprobs_body(c, 0, chat),
@@ -659,10 +657,15 @@ class CompletionServer:
                        for c in completions]
         return {
             "id": completion_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": self.model_name, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "model": self.model_name, "choices": choices, "usage": self._usage(completions, n),
         }
+
+    @staticmethod
+    def _usage(completions: list[Completion], n: int) -> dict[str, int]:
+        prompt_tokens = sum(len(c.prompt) for c in completions[::n])  # each prompt once, as OpenAI counts
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     async def _stream(self, request, completions, queue, completion_id: str, created: int, chat: bool, n: int,
                       include_usage: bool):
@@ -671,8 +674,9 @@ class CompletionServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         self._count(200)
+        # With include_usage every chunk has "usage": null but the last, which has the usage and no choices.
         head = {"id": completion_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.model_name}
+                "created": created, "model": self.model_name} | ({"usage": None} if include_usage else {})
 
         async def send(payload: Any) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
@@ -682,8 +686,7 @@ class CompletionServer:
         try:
             if chat:  # OpenAI's first chunk names the role
                 await send(head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None} for c in completions]}
-                           | ({"usage": None} if include_usage else {}))
+                                                "logprobs": None, "finish_reason": None} for c in completions]})
             while any(c.finish_reason is None for c in completions):
                 c = await self._next(completions, queue)
                 if c is None:
@@ -696,9 +699,9 @@ class CompletionServer:
                           "finish_reason": c.finish_reason}
                 choice |= {"delta": {"content": text} if text or c.finish_reason is None else {}} if chat else {
                     "text": text}
-                await send(head | {"choices": [choice]} | ({"usage": None} if include_usage else {}))
-            if include_usage:  # OpenAI's last chunk: the usage, no choices
-                await send(self._response(completion_id, created, completions, chat, n) | head | {"choices": []})
+                await send(head | {"choices": [choice]})
+            if include_usage:
+                await send(head | {"choices": [], "usage": self._usage(completions, n)})
         except (ConnectionResetError, asyncio.CancelledError):
             logger.info("client of %s went away; aborting", completion_id)
             raise

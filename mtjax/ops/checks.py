@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -45,6 +46,14 @@ def check_fp8_output(op: str, scale: Any, out_dtype: Any) -> None:
     check_choice(op, "out_dtype", jnp.dtype(out_dtype), FP8_DTYPES)
 
 
+def is_finite_number(value: Any, minimum: float, *, exclusive: bool = False) -> bool:
+    """Whether ``value`` is a real number (not a bool), finite, and at least ``minimum`` (above it
+    with ``exclusive``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return False
+    return value > minimum if exclusive else value >= minimum
+
+
 def check_tile_options(op: str, dtype: Any, power_of_two: Any, amax_epsilon: Any, transpose: Any = False,
                        dtype_name: str = "out_dtype") -> Any:
     """The options of the 1x128-tile casts (`mtjax.ops.tile_quantize` and the ops fused with one);
@@ -54,6 +63,6 @@ def check_tile_options(op: str, dtype: Any, power_of_two: Any, amax_epsilon: Any
             raise TypeError(f"{op}({name}={value!r}): expected True or False")
     if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, numbers.Real):
         raise TypeError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
-    if not (amax_epsilon >= 0 and amax_epsilon != float("inf")):
+    if not is_finite_number(amax_epsilon, 0.0):
         raise ValueError(f"{op}(amax_epsilon={amax_epsilon!r}): expected a finite float >= 0")
     return check_fp8_dtype(op, dtype, dtype_name)

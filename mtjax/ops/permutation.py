@@ -122,11 +122,12 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
         rows = min(assignments, num_experts * capacity)
         group_sizes = jnp.minimum(counts, capacity)
         sorted_expert = flat[order]
+        expert = jnp.minimum(sorted_expert, num_experts - 1)  # an index for the dropped ones too
         starts = jnp.cumsum(counts) - counts
         kept_starts = jnp.cumsum(group_sizes) - group_sizes
-        rank = position - starts[jnp.minimum(sorted_expert, num_experts - 1)]
+        rank = position - starts[expert]
         kept = (rank < capacity) & (sorted_expert < num_experts)
-        destination = jnp.where(kept, kept_starts[jnp.minimum(sorted_expert, num_experts - 1)] + rank, rows)
+        destination = jnp.where(kept, kept_starts[expert] + rank, rows)
         row_assignment = jnp.full((rows,), assignments, jnp.int32).at[destination].set(order, mode="drop")
     assignment_row = jnp.zeros((assignments,), jnp.int32).at[order].set(destination)
     num_dropped = assignments - jnp.sum(group_sizes)

@@ -22,14 +22,13 @@ jax.numpy (XLA fuses it; the router is a small fraction of an MoE layer).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax.ops.checks import check_choice, check_float, check_rank, check_shape
+from mtjax.ops.checks import check_choice, check_float, check_rank, check_shape, is_finite_number
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -108,8 +107,7 @@ def route(logits: jax.Array, *, top_k: int, score_function: str = "softmax", num
         check_shape(op, "expert_bias", expert_bias, (experts,))
     if not isinstance(normalize_weights, bool):
         raise TypeError(f"{op}: normalize_weights={normalize_weights!r}; expected True or False")
-    if isinstance(scaling_factor, bool) or not (isinstance(scaling_factor, int | float)
-                                                and 0 < scaling_factor < math.inf):
+    if not is_finite_number(scaling_factor, 0.0, exclusive=True):
         raise ValueError(f"{op}: scaling_factor={scaling_factor!r}; expected a finite number > 0")
 
     logits = logits.astype(jnp.float32)
