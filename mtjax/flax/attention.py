@@ -766,9 +766,34 @@ class RelativePositionBiases(nn.Module):
         if self.num_buckets < 4 or self.max_distance <= self.num_buckets // 2:
             raise ValueError(f"RelativePositionBiases: num_buckets={self.num_buckets} must be >= 4 and "
                              f"max_distance={self.max_distance} > num_buckets // 2")
-        relative = jnp.arange(k_seqlen)[None, :] - (q_offset + jnp.arange(q_seqlen)[:, None])
-        bucket = self._bucket(relative, bidirectional)
         table = param_with_axes(self, "rel_embedding", self.embedding_init,
                                 (self.num_attention_heads, self.num_buckets), self.param_dtype, self.embedding_axes)
-        values = jnp.take(table.astype(self.dtype), bucket, axis=1)  # [heads, q, k]
-        return values[None]
+        # The bias depends on the distance j - i only. One value per distance (d = j - i + q_seqlen - 1
+        # in [0, q_seqlen + k_seqlen - 1)) comes from a one-hot product with the table, and the
+        # [q, k] matrix is laid out from those diagonals by reshapes and slices. Their gradients are
+        # a GEMM and a sum over diagonals; a gather from the table would train through a scatter-add
+        # of q * k values into a few buckets, which serializes on GPUs.
+        width = q_seqlen + k_seqlen - 1
+        relative = jnp.arange(width) - (q_seqlen - 1) - q_offset
+        one_hot = jax.nn.one_hot(self._bucket(relative, bidirectional), self.num_buckets, dtype=table.dtype)
+        per_distance = (table @ one_hot.T).astype(self.dtype)  # [heads, width]
+        return diagonals_to_matrix(per_distance, q_seqlen, k_seqlen)[None]
+
+
+def diagonals_to_matrix(per_distance: jax.Array, q_seqlen: int, k_seqlen: int) -> jax.Array:
+    """``out[..., i, j] = per_distance[..., j - i + q_seqlen - 1]`` (a Toeplitz matrix) by reshapes.
+
+    Row ``i`` of ``[..., q, width]`` copies of ``per_distance`` read from flat offset ``i * (width -
+    1) + q - 1`` holds the diagonals in order, so slicing the flattened copies with row stride
+    ``width - 1`` gives the matrix; the gradient is a sum of the same layout, with no scatter.
+    """
+    width = q_seqlen + k_seqlen - 1
+    if per_distance.shape[-1] != width:
+        raise ValueError(f"diagonals_to_matrix: per_distance has {per_distance.shape[-1]} values, "
+                         f"needs q_seqlen + k_seqlen - 1 = {width}")
+    if q_seqlen == 1:
+        return per_distance[..., None, :]
+    lead = per_distance.shape[:-1]
+    tiled = jnp.broadcast_to(per_distance[..., None, :], (*lead, q_seqlen, width)).reshape(*lead, q_seqlen * width)
+    rows = tiled[..., q_seqlen - 1:q_seqlen - 1 + q_seqlen * (width - 1)].reshape(*lead, q_seqlen, width - 1)
+    return rows[..., :k_seqlen]

@@ -22,6 +22,7 @@ from mtjax.flax import (
     TransformerLayer,
     TransformerLayerType,
 )
+from mtjax.flax.attention import diagonals_to_matrix
 
 RTOL = ATOL = 1e-5
 
@@ -284,6 +285,34 @@ def test_relative_position_biases_buckets():
     out = rpb.apply({"params": p}, 2, 30, False, q_offset=jnp.int32(7))
     expected = np.array([[t5_bucket(j - (7 + i), False, 8, 20) for j in range(30)] for i in range(2)])
     close(out[0], p["rel_embedding"][:, expected])
+
+
+@pytest.mark.parametrize("q_len,k_len,bidirectional,offset", [(9, 9, True, 0), (1, 12, False, 5), (4, 11, False, 3),
+                                                              (16, 5, True, 0)])
+def test_relative_position_biases_gradient_is_the_gathers(q_len, k_len, bidirectional, offset):
+    """The diagonal layout gives the table the gradient of a plain gather of its buckets."""
+    rpb = RelativePositionBiases(num_buckets=8, max_distance=20, num_attention_heads=3)
+    table = init_params(rpb, q_len, k_len)["rel_embedding"]
+    relative = jnp.arange(k_len)[None, :] - (offset + jnp.arange(q_len)[:, None])
+    bucket = rpb._bucket(relative, bidirectional)
+    cotangent = rand(1, (1, 3, q_len, k_len))
+
+    def loss(table, gather):
+        out = (jnp.take(table, bucket, axis=1)[None] if gather else
+               rpb.apply({"params": {"rel_embedding": table}}, q_len, k_len, bidirectional, q_offset=offset))
+        return (out * cotangent).sum()
+
+    close(loss(table, False), loss(table, True))
+    close(jax.grad(loss)(table, False), jax.grad(loss)(table, True))
+
+
+def test_diagonals_to_matrix():
+    per_distance = jnp.arange(2 * 6, dtype=jnp.float32).reshape(2, 6)  # q=3, k=4
+    out = diagonals_to_matrix(per_distance, 3, 4)
+    expected = np.array([[[per_distance[h, j - i + 2] for j in range(4)] for i in range(3)] for h in range(2)])
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="q_seqlen \\+ k_seqlen - 1"):
+        diagonals_to_matrix(per_distance, 3, 3)
 
 
 # ---------------------------------------------------------------------------- Transformer layer
