@@ -54,7 +54,9 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_p
     with Checkpointer(tmp_path / "two") as two, Checkpointer(tmp_path / "one") as one:
         (from_two, meta), (from_one, _) = two.restore(abstract), one.restore(abstract)
     assert meta == {"data": {"position": multiprocess_worker.STEPS}}
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+    # The gradients' all-reduce adds in another order across two processes; Adam divides by the root
+    # of the second moment, which makes those last-bit differences of near-zero entries larger.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6),
                  jax.device_get(from_two), jax.device_get(from_one))
 
 
