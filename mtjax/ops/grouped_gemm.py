@@ -36,7 +36,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mtjax import backend
-from mtjax.dtypes import check_fp8_dtype
+from mtjax.dtypes import check_fp8_dtype, is_fp8
 from mtjax.kernels import grouped_gemm as gg_kernels
 from mtjax.kernels.common import interpret as kernel_interpret
 from mtjax.kernels.common import saturate_cast
@@ -163,7 +163,16 @@ def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype
                            interpret=kernel_interpret())
 
 
-_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 9}
+def _triton_not_preferred(lhs, other, *_, **__) -> str | None:
+    if is_fp8(jnp.result_type(lhs)) or is_fp8(jnp.result_type(other)):
+        return ("its FP8 path disagreed with the reference on an H100 (mtjax.bench.kernels_triton's "
+                "grouped_gemm_fp8 check, docs/performance.md); the Pallas kernel takes FP8 operands")
+    return None
+
+
+# The native Triton kernels first on bf16 operands (faster than the Pallas ones on an H100, forward
+# and backward: docs/performance.md); FP8 operands go to the Mosaic GPU or Pallas kernels.
+_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 11, "prefer": _triton_not_preferred}
 
 
 @backend.register("grouped_gemm", "triton", unsupported=_kernel_unsupported_gmm, **_NATIVE)
@@ -189,10 +198,16 @@ def _mosaic_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs
                               transpose_rhs)
 
 
+def _mosaic_not_preferred(lhs, rhs, *_, **__) -> str | None:
+    if not is_fp8(jnp.result_type(lhs)):
+        return "the Triton kernels are faster on bf16 operands (docs/performance.md)"
+    return None
+
+
 # Warp-specialised Mosaic GPU kernel for Hopper (one dtype for both operands; FP8 with K-major rhs):
-# below the Triton kernels until the MoE benchmark has compared them on the GPU.
-@backend.register("grouped_gemm", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=8,
-                  single_device=True, unsupported=_mosaic_unsupported_gmm)
+# first for FP8 operands, where it is the fastest grouped GEMM on an H100 (docs/performance.md).
+@backend.register("grouped_gemm", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=12,
+                  single_device=True, unsupported=_mosaic_unsupported_gmm, prefer=_mosaic_not_preferred)
 def _grouped_gemm_mosaic(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
     from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
 

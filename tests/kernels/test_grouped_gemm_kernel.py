@@ -276,6 +276,27 @@ def test_selection_per_platform():
     assert impl.name == "xla" and "int32" in why
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
+def test_selection_per_operand_dtype(monkeypatch):
+    """With jax-triton: the native Triton kernels take bf16 operands, the Mosaic GPU kernel FP8 ones of
+    one dtype with K-major rhs, the Pallas kernel the mixed-FP8 backward."""
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: None)
+    bf16 = (S((4096, 1024), jnp.bfloat16), S((8, 1024, 512), jnp.bfloat16), S((8,), jnp.int32), None)
+    static = {"transpose_rhs": False, "out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
+    assert backend.select("grouped_gemm", platform_name="cuda", args=bf16, static=static)[0].name == "triton"
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    forward = (S((4096, 1024), e4m3), S((8, 512, 1024), e4m3), S((8,), jnp.int32), S((8,), jnp.float32))
+    transposed = {**static, "transpose_rhs": True}
+    assert backend.select("grouped_gemm", platform_name="cuda", args=forward, static=transposed)[0].name == "mosaic_gpu"
+    dgrad = (S((4096, 512), e5m2), S((8, 512, 1024), e4m3), S((8,), jnp.int32), S((8,), jnp.float32))
+    impl, why = backend.select("grouped_gemm", platform_name="cuda", args=dgrad, static=static)
+    assert impl.name == "pallas_triton"
+    wgrad = (S((4096, 1024), e4m3), S((4096, 512), e5m2), S((8,), jnp.int32), S((8,), jnp.float32))
+    wgrad_static = {"out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
+    assert backend.select("grouped_gemm_wgrad", platform_name="cuda", args=wgrad,
+                          static=wgrad_static)[0].name == "pallas_triton"
+
+
 def test_kernel_argument_errors():
     lhs, rhs, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([3, 5], jnp.int32)
     with pytest.raises(ValueError, match="disagree on K"):
