@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

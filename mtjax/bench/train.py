@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -248,6 +249,13 @@ def _profile(step: Callable[..., Any], state: Any, batch: dict[str, jax.Array], 
                              "profile_by_source_ms": summary["by_source_ms"]}
 
 
+def custom_call_targets(hlo_text: str) -> list[str]:
+    """The custom-call targets of a compiled program's HLO, sorted: which kernels a step runs
+    (``mtjax_cublaslt_block_fp8_gemm``, ``mosaic_gpu``, ``triton_kernel_call``, cuDNN's attention,
+    ``__cublas$lt$matmul$f8``...)."""
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo_text)))
+
+
 def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | None = None,
         settings: Sequence[Setting] = (), only: Sequence[str] | None = None) -> list[dict]:
     """Rows for each preset and variant (see the module docstring); ``settings``: `mtjax.bench.variants`;
@@ -282,12 +290,13 @@ def run(quick: bool, presets: Sequence[str] | None = None, profile_dir: str | No
             extra = {"tokens_per_s": work.tokens_per_step / t.median, **work.extra,
                      "params": work.config.num_params(), "loss": float(metrics["loss"]), "compile_s": compile_s,
                      "temp_memory_gb": step.memory_analysis().temp_size_in_bytes / 1e9,
-                     "xla_options": {k: str(v) for k, v in variant.xla_options.items()}}
+                     "xla_options": {k: str(v) for k, v in variant.xla_options.items()},
+                     "custom_calls": custom_call_targets(step.as_text())}
             if variant.bf16 in times:
                 extra["speedup_vs_mtjax_bf16"] = times[variant.bf16] / t.median
             print(f"mtjax bench: train {name} {variant.implementation}: {t.median * 1e3:.1f} ms/step, "
-                  f"{extra['tokens_per_s']:.0f} tokens/s, loss {extra['loss']:.3f}, compiled in {compile_s:.0f} s",
-                  file=sys.stderr, flush=True)
+                  f"{extra['tokens_per_s']:.0f} tokens/s, loss {extra['loss']:.3f}, compiled in {compile_s:.0f} s; "
+                  f"custom calls: {', '.join(extra['custom_calls']) or 'none'}", file=sys.stderr, flush=True)
             if profile_dir is not None and variant.profiled:
                 profiled_step, _ = _compile(variant, batches[0], PROFILE_XLA_OPTIONS)
                 state, profiled = _profile(profiled_step, state, batches[0], profile_dir,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from mtjax.bench import cli, peers, profile, report, timing, variants
+from mtjax.bench import cli, peers, profile, report, timing, train, variants
 
 # The suites this test runs end to end (the kernel suites are tested by their owners).
 OWN_SUITES = ["layer", "train"]
@@ -67,11 +67,20 @@ def test_train_rows_report_throughput_and_finite_loss(quick_run):
         assert extra["tokens_per_s"] > 0 and extra["params"] > 0
         assert jnp.isfinite(extra["loss"]), r["implementation"]
         assert "profile_ms" in extra, extra.get("profile_error")
+        assert isinstance(extra["custom_calls"], list)
     fp8_row = next(r for r in data["results"] if r["suite"] == "train" and r["implementation"] == "mtjax fp8")
     assert fp8_row["extra"]["speedup_vs_mtjax_bf16"] > 0
     assert fp8_row["extra"]["xla_options"] == {}  # mtjax.fp8.compiler_options(): none on the CPU
     assert (out / "b.png").stat().st_size > 0
     assert any(p.name.endswith(".trace.json.gz") for p in (out / "profile").iterdir())
+
+
+def test_custom_call_targets():
+    hlo = ('%a = f32[2] custom-call(%x), custom_call_target="mosaic_gpu", api_version=API_VERSION_TYPED_FFI\n'
+           '%b = f32[2] custom-call(%a), custom_call_target="__cublas$lt$matmul$f8"\n'
+           '%c = f32[2] custom-call(%b), custom_call_target="mosaic_gpu"')
+    assert train.custom_call_targets(hlo) == ["__cublas$lt$matmul$f8", "mosaic_gpu"]
+    assert train.custom_call_targets("%d = f32[2] add(%a, %b)") == []
 
 
 def test_cli_rejects_unknown_suite(capsys):

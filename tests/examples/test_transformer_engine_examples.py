@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 

@@ -25,6 +25,8 @@ from mtjax.sharding import (
     shard_variables,
 )
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 MLP = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), use_bias=True, intermediate_dropout_rate=0.0)
 X = jax.random.normal(jax.random.key(0), (4, 8, 16))
 COTANGENT = jax.random.normal(jax.random.key(1), (4, 8, 16))

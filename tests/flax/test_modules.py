@@ -24,6 +24,8 @@ from mtjax.flax import (
 )
 from mtjax.flax.attention import diagonals_to_matrix
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 RTOL = ATOL = 1e-5
 
 

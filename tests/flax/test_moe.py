@@ -10,6 +10,8 @@ from mtjax import fp8
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock, MoETransformerLayer, moe_aux_loss, moe_metrics
 from mtjax.flax.moe import expert_kernel_init
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 ACTIVATIONS = {("silu", "linear"): lambda h: jax.nn.silu(h[..., 0, :]) * h[..., 1, :],
                ("gelu",): lambda h: jax.nn.gelu(h[..., 0, :])}
 

@@ -5,6 +5,7 @@ compile once per shape, so examples that share shapes share compilations."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax.core import meta
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 from mtjax import ops
 from mtjax.flax import LayerNormMLP, MultiHeadAttention, apply_rotary_pos_emb
 from mtjax.flax.attention import _rotate_pairs
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def rand(seed, shape, scale=1.0):

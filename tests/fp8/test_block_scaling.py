@@ -24,6 +24,8 @@ from mtjax import fp8, ops
 from mtjax.fp8 import block_scaling
 from tests.fp8.mlp import MLP, Dense
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 DENSE = (((1,), (0,)), ((), ()))
 BLOCK = fp8.BlockScaling()
 

@@ -14,6 +14,8 @@ from mtjax import fp8, ops
 from mtjax.config import override
 from mtjax.flax import LayerNormMLP
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 activation_ops = importlib.import_module("mtjax.ops.activation")
 DENSE = (((1,), (0,)), ((), ()))
 DELAYED = fp8.DelayedScaling(amax_history_len=4)

@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 from mtjax import fp8
 from tests.fp8.mlp import MLP, Dense
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 HISTORY = 4
 DELAYED = fp8.DelayedScaling(amax_history_len=HISTORY)
 X = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16), np.float32))

@@ -15,6 +15,8 @@ from mtjax.flax import LayerNormDenseGeneral, LayerNormMLP
 from mtjax.fp8 import dot_general
 from mtjax.ops import normalization
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 activation_ops = importlib.import_module("mtjax.ops.activation")  # the module (mtjax.ops.activation is also a function)
 
 DENSE = (((1,), (0,)), ((), ()))

@@ -9,6 +9,8 @@ from jax.sharding import PartitionSpec as P
 from mtjax import fp8
 from mtjax.sharding import MeshResource, current_mesh_resource
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def test_format_dtypes():
     assert fp8.Format.HYBRID.dtypes() == (jnp.float8_e4m3fn, jnp.float8_e5m2)

@@ -12,6 +12,8 @@ from jax import lax
 from mtjax import fp8
 from tests.fp8.mlp import MLP
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 HISTORY = 16
 DELAYED = fp8.DelayedScaling(amax_history_len=HISTORY)
 

@@ -9,6 +9,8 @@ pytest.importorskip("jinja2")
 
 from mtjax.inference.chat import ChatTemplate, ChatTemplateError  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 # Llama 3's template, shortened to its structure.
 LLAMA3 = ("{{ bos_token }}{% for message in messages %}"
           "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "

@@ -14,6 +14,8 @@ import pytest
 from mtjax.inference import Engine, SamplingParams
 from mtjax.models import GPT, gpt_config
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 MAX_SEQ = 48
 CONFIGS = {
     "rope-gqa-tied-scan": dict(),

@@ -11,6 +11,8 @@ import pytest
 from mtjax.inference import fp8_weights
 from mtjax.models import GPT, gpt_config
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def tiny(scan_layers=False, **overrides):
     model = GPT(gpt_config("tiny", scan_layers=scan_layers, **overrides))

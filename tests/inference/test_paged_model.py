@@ -14,6 +14,8 @@ from mtjax.flax import PAGED_KV_COLLECTION
 from mtjax.inference import KVCache
 from mtjax.models import GPT, gpt_config
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 CONFIGS = {
     "rope-gqa-tied-scan": dict(),
     "learned-mha-untied-unrolled": dict(position_embedding="learned", num_kv_heads=None, tie_embeddings=False,

@@ -17,6 +17,8 @@ from mtjax.inference import (
 )
 from mtjax.models import GPT, gpt_config
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def test_allocator_hands_out_pages_once_and_never_the_scratch_page():
     allocator = PageAllocator(6)

@@ -25,6 +25,8 @@ from mtjax.train.checkpoint import Checkpointer
 from mtjax.train.cli import RunConfig
 from mtjax.train.state import init_train_state
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 aiohttp = pytest.importorskip("aiohttp")
 
 MAX_SLOTS, DECODE_STEPS, EOS = 4, 2, 256  # the byte tokenizer's end of document

@@ -28,6 +28,8 @@ from mtjax.train.checkpoint import Checkpointer  # noqa: E402
 from mtjax.train.pretrained import copy_tokenizer, open_pretrained  # noqa: E402
 from tests.train.tiny_tokenizers import CORPUS, write_bpe_tokenizer, write_sentencepiece  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "hf"
 
 

@@ -15,6 +15,8 @@ from mtjax.config import override
 from mtjax.flax import RopeScaling
 from mtjax.models import GPT, BertConfig, BertEncoder, GPTConfig, gpt_config
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 TINY = gpt_config("tiny", num_layers=2, vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=64)
 
 

@@ -19,6 +19,8 @@ from mtjax.sharding import MeshConfig, logical_axis_rules
 from mtjax.train.state import abstract_train_state, init_train_state
 from mtjax.train.step import make_train_step
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 MOE = gpt_config("moe-tiny", vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, mlp_dim=48, moe_mlp_dim=16,
                  num_experts=4, experts_per_token=2, num_shared_experts=1, first_k_dense=1, num_layers=3)
 BATCH, SEQ = 8, 8

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from mtjax import ops
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 @settings(deadline=None, max_examples=10)
 @given(batch=st.integers(1, 3), length=st.integers(1, 5), vocab=st.integers(2, 70),

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from mtjax import ops
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def np_permute(x, experts, num_experts, capacity=None):
     """``(x_sorted, group_sizes, row_of_assignment or -1, num_dropped)``, assignment by assignment."""

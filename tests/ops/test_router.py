@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from mtjax import ops
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def np_route(logits, top_k, score_function="softmax", num_groups=None, group_top_k=None, bias=None,
              normalize=True, scaling=1.0):

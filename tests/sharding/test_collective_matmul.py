@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from mtjax import ops
 from mtjax.sharding import MeshConfig
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 BATCH, SEQ, HIDDEN, MLP = 4, 16, 8, 32
 
 

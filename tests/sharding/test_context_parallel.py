@@ -28,6 +28,8 @@ from mtjax.sharding import (
     use_mesh,
 )
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 B, S, H, KH, D = 2, 16, 4, 2, 16
 SEGMENTS = jnp.array([[1] * 5 + [2] * 9 + [0] * 2, [3] * 16], jnp.int32)
 

@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock, moe_aux_loss
 from mtjax.sharding import MeshConfig, expert, logical_axis_rules, shard_variables, use_mesh
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def test_rules_split_experts_and_batch_over_ep():
     rules = dict(logical_axis_rules(MeshConfig(dp=2, ep=4)))

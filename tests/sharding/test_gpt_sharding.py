@@ -22,6 +22,8 @@ from mtjax.sharding import (
     shard_variables,
 )
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 CONFIG = gpt_config("tiny", vocab_size=64, hidden_size=32, mlp_dim=64, max_seq_len=16)  # 4 heads, 2 kv heads
 MODEL = GPT(CONFIG)
 TOKENS = jax.random.randint(jax.random.key(1), (8, 9), 0, CONFIG.vocab_size)

@@ -20,6 +20,8 @@ from mtjax.sharding import (
     shard_variables,
 )
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def test_mesh_axes_order_and_mode():
     mesh = MeshConfig(dp=2, fsdp=2, tp=2).make_mesh()

@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 from mtjax.sharding import Circular, DualPipeV, GPipe, MeshConfig, OneFOneB, Schedule, ZeroBubbleH1, pipeline_loss
 from mtjax.sharding.pipeline import Action
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 LAYERS, WIDTH, BATCH, CLASSES = 8, 16, 16, 4
 
 

@@ -20,6 +20,8 @@ from mtjax.train.state import abstract_train_state, init_train_state
 from mtjax.train.step import make_optimizer, make_train_step
 from tests.train.tiny_lm import TinyLM
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 BATCH, SEQ = 8, 16
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

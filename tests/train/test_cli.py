@@ -12,6 +12,8 @@ import pytest
 from mtjax.cli import main
 from tests.train import tensorboard_events
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 SMALL = ["--seq-len", "32", "--batch-size", "8", "--eval-batches", "1", "--no-progress"]
 
 

@@ -15,6 +15,8 @@ from mtjax.train.state import abstract_train_state, init_train_state
 from mtjax.train.step import decays, make_eval_step, make_optimizer, make_train_step, throughput
 from tests.train.tiny_lm import TinyLM
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 BATCH, SEQ = 8, 16
 
 
