@@ -52,14 +52,15 @@ def block_fp8_gemm_reference(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     return lax.fori_loop(1, kb, lambda i, acc: acc + block(i), block(0)).astype(out_dtype)
 
 
-@backend.register("block_fp8_gemm", "pallas_triton", requires=(backend.PALLAS_TRITON,), priority=10,
+@backend.register("block_fp8_gemm", "pallas_triton", requires=(backend.PALLAS_TRITON,), priority=9,
                   single_device=True,
                   unsupported=lambda a, sa, b, sb, **_: gemm_kernel.unsupported(a.shape, a.dtype, b.shape, b.dtype))
 def _block_fp8_gemm_pallas(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     return gemm_kernel.block_fp8_gemm(a, a_scale_inv, b, _row_scales(b_scale_inv, b.shape[0]), out_dtype)
 
 
-@backend.register("block_fp8_gemm", "triton", requires=(backend.TRITON,), priority=9, single_device=True,
+# The native Triton kernel ahead of its Pallas twin (faster on an H100: docs/performance.md).
+@backend.register("block_fp8_gemm", "triton", requires=(backend.TRITON,), priority=10, single_device=True,
                   unsupported=lambda a, sa, b, sb, **_: gemm_kernel.unsupported(a.shape, a.dtype, b.shape, b.dtype))
 def _block_fp8_gemm_triton(a, a_scale_inv, b, b_scale_inv, *, out_dtype):
     from mtjax.kernels.triton import block_fp8 as native

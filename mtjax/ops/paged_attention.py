@@ -196,8 +196,10 @@ def _paged_attention_pallas_triton(q, k_pages, v_pages, block_tables, lengths, k
         window_left=left, interpret=kernel_interpret())
 
 
+# The native Triton kernel ahead of its Pallas twin where jax-triton is installed (faster on an H100:
+# docs/performance.md).
 @backend.register("paged_attention", "triton", requires=(backend.TRITON,), unsupported=_pallas_triton_unsupported,
-                  priority=9, single_device=True)
+                  priority=11, single_device=True)
 def _paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *, scale, logits_soft_cap,
                             window_size):
     from mtjax.kernels.triton import paged_attention as native

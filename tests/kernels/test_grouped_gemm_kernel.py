@@ -261,7 +261,8 @@ def test_lowers_for_cuda_inside_shard_map():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
-def test_selection_per_platform():
+def test_selection_per_platform(monkeypatch):
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: "jax_triton cannot be imported")
     args = (S((4096, 1024), jnp.bfloat16), S((8, 1024, 512), jnp.bfloat16), S((8,), jnp.int32), None)
     static = {"transpose_rhs": False, "out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
     assert backend.select("grouped_gemm", platform_name="cuda", args=args, static=static)[0].name == "pallas_triton"

@@ -260,7 +260,8 @@ def test_lowers_for_cuda(q_len, groups, page_dtype, page_size, head_dim, options
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
-def test_selection_on_cuda():
+def test_selection_on_cuda(monkeypatch):
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: "jax_triton cannot be imported")
     q = jax.ShapeDtypeStruct((8, 1, 32, 64), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((8, 100, 16, 64), jnp.bfloat16)
     tables, lengths = jax.ShapeDtypeStruct((8, 10), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)
@@ -271,6 +272,9 @@ def test_selection_on_cuda():
     args = (odd[0], odd[1], odd[1]) + args[3:]
     assert backend.select("paged_attention", platform_name="cuda", args=args, static=static)[0].name == "xla"
     assert backend.select("paged_attention", platform_name="cpu", args=args, static=static)[0].name == "xla"
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: None)  # with jax-triton: the native kernel
+    args = (q, pages, pages) + args[3:]
+    assert backend.select("paged_attention", platform_name="cuda", args=args, static=static)[0].name == "triton"
 
 
 @pytest.mark.gpu
@@ -297,7 +301,8 @@ def test_gpu_real_sizes(batch, context, page_dtype):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
-def test_cudnn_is_explicit_only():
+def test_cudnn_is_explicit_only(monkeypatch):
+    monkeypatch.setattr(backend, "native_triton_problem", lambda: "jax_triton cannot be imported")
     batch, pages_per_seq = 4, 8
     q = jax.ShapeDtypeStruct((batch, 1, 16, 128), jnp.bfloat16)
     pages = jax.ShapeDtypeStruct((4, batch * pages_per_seq, 16, 128), jnp.bfloat16)
