@@ -261,12 +261,10 @@ def _out_and_grads(implementation, q, k, v, do, **options):
 ATTENTION_CASES = {
     "full": (1, 128, 128, 1, 1, 64, {}),
     "causal-gqa-tails": (1, 200, 300, 2, 1, 64, {"mask_type": "causal"}),
-    "causal-window-d128": (1, 256, 256, 1, 1, 128, {"mask_type": "causal", "window_size": (100, 0)}),
     "window-both-sides": (1, 130, 250, 1, 1, 64, {"window_size": (50, 20)}),
-    "segments-causal": (1, 200, 200, 1, 1, 64, {"mask_type": "causal", "segments": True}),
     # the first queries see no key (bottom-right alignment); in dK/dV, key blocks no query sees
     "causal-more-queries": (1, 300, 130, 1, 1, 64, {"mask_type": "causal"}),
-    "window-unseen-keys": (1, 128, 512, 1, 1, 64, {"mask_type": "causal", "window_size": (16, 0)}),
+    "window-unseen-keys-d128": (1, 128, 512, 1, 1, 128, {"mask_type": "causal", "window_size": (16, 0)}),
     # batch and kv head > 0, so every term of dropout's row counter counts (one query block: the
     # cases above have the tails)
     "softcap-dropout-gqa": (2, 128, 128, 2, 1, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
