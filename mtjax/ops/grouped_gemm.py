@@ -437,26 +437,72 @@ def _group_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Arr
     return jax.vmap(lambda q, s: block_dequantize(q, s, dtype))(q, scale_inv)
 
 
-def _block_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
-    """``a @ rhs[g]^T`` per group for block-scaled FP8 ``a [M, C]`` (1x128 tiles along C) and
-    ``rhs_q [G, D, C]`` (its 128x128 block scales ``rhs_scale_inv [G, ceil(C/128), ceil(D/128)]``,
-    contraction blocks first): ``[M, D]`` in ``dtype``. With ``implementation="mosaic_gpu"``, FP8
-    tensor cores through the Mosaic GPU kernel where it takes the operands; otherwise the grouped
-    GEMM on the dequantized operands."""
-    if implementation == "mosaic_gpu":
-        from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
+# `grouped_gemm_block_scaled`: ``a @ rhs[g]^T`` per group for block-scaled FP8 ``a [M, C]`` (1x128 tiles
+# along C, ``a_scale_inv [M, ceil(C/128)]``) and ``rhs_q [G, D, C]`` (128x128 blocks, ``rhs_scale_inv
+# [G, ceil(C/128), ceil(D/128)]``, contraction blocks first), ``[M, D]`` in ``out_dtype``: the forward and
+# ``d lhs`` GEMMs of `grouped_gemm_block_fp8`. The Mosaic GPU kernel runs it on FP8 tensor cores with the
+# scales applied per K block; the other implementations dequantize and run the grouped GEMM.
 
-        if mosaic.unsupported(a_q.shape, rhs_q.shape, a_q.dtype, rhs_q.dtype, True) is None:
-            # A GPU that cannot run it is an error; a CPU host may still lower it for one (an export).
-            reason = backend.get_implementation("grouped_gemm", implementation).runs_on(backend.platform())
-            if reason is not None and backend.platform() != "cpu":
-                raise ValueError(f"grouped_gemm_block_fp8(implementation={implementation!r}) cannot run here: {reason}")
-            # one scale per output column and contraction block: the blocks' scales repeated over their columns
-            columns = jnp.repeat(rhs_scale_inv, TILE, axis=2)[:, :, :rhs_q.shape[1]]
-            return mosaic.gmm(a_q, rhs_q, group_sizes, transpose_rhs=True, out_dtype=dtype,
-                              block_scales=(a_scale_inv, columns))
-    rhs = _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, dtype)  # [G, C, D]: the scales' layout
-    return _gmm(tile_dequantize(a_q, a_scale_inv, dtype), rhs, group_sizes, False, dtype, tiles, implementation)
+
+def _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, dtype):
+    """``(a [M, C], rhs [G, C, D])`` in ``dtype``: rhs in its scales' layout, contraction first."""
+    return (tile_dequantize(a_q, a_scale_inv, dtype),
+            _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, dtype))
+
+
+@backend.register("grouped_gemm_block_scaled", backend.REFERENCE)
+def _block_scaled_reference(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    a, rhs = _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
+    return grouped_gemm_reference(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+
+
+def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    g, d, c = jnp.shape(rhs_q)
+    return gg_kernels.unsupported(jnp.shape(a_q), (g, c, d), out_dtype, out_dtype)
+
+
+@backend.register("grouped_gemm_block_scaled", "pallas_triton", unsupported=_dequantized_kernel_unsupported,
+                  **_KERNEL)
+def _block_scaled_pallas(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    a, rhs = _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
+    return _grouped_gemm_pallas(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+
+
+@backend.register("grouped_gemm_block_scaled", "triton", unsupported=_dequantized_kernel_unsupported,
+                  **{**_NATIVE, "prefer": None})
+def _block_scaled_triton(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    a, rhs = _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
+    return _grouped_gemm_triton(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+
+
+def _block_scaled_mosaic_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype,
+                                     tiles) -> str | None:
+    from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
+
+    return mosaic.unsupported(jnp.shape(a_q), jnp.shape(rhs_q), jnp.result_type(a_q), jnp.result_type(rhs_q), True)
+
+
+# FP8 tensor cores on Hopper: first wherever it takes the operands (faster than the dequantized
+# grouped GEMM forward and backward on an H100: docs/performance.md).
+@backend.register("grouped_gemm_block_scaled", "mosaic_gpu", requires=(backend.PALLAS_MOSAIC_GPU,), priority=12,
+                  single_device=True, unsupported=_block_scaled_mosaic_unsupported)
+def _block_scaled_mosaic(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    from mtjax.kernels.mosaic_gpu import grouped_gemm as mosaic
+
+    del tiles  # the Triton kernels' tiles
+    # one scale per output column and contraction block: the blocks' scales repeated over their columns
+    columns = jnp.repeat(rhs_scale_inv, TILE, axis=2)[:, :, :rhs_q.shape[1]]
+    return mosaic.gmm(a_q, rhs_q, group_sizes, transpose_rhs=True, out_dtype=out_dtype,
+                      block_scales=(a_scale_inv, columns))
+
+
+def _block_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
+    """`grouped_gemm_block_scaled` through `mtjax.backend` (``implementation``: an explicit choice; the
+    Mosaic GPU kernel asked for where it cannot take the operands leaves the choice to selection)."""
+    static = dict(out_dtype=jnp.dtype(dtype), tiles=tiles)
+    args = (a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
+    op = "grouped_gemm_block_scaled"
+    return backend.dispatch(op, *args, implementation=_choice(op, implementation, *args, **static), **static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
@@ -518,13 +564,13 @@ def grouped_gemm_block_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
     covers rows of both). Every scale comes from its tile's amax in this step (`mtjax.ops.tile_quantize`,
     `mtjax.ops.block_quantize`); only FP8 values and scales are kept for the backward pass.
 
-    By default the three GEMMs take the dequantized operands in ``lhs.dtype`` through `grouped_gemm`
-    (its kernels, float32 accumulation): the rounding is block-scaled FP8's (a float32 ``lhs`` gives it
-    exactly; bfloat16 adds at most 2^-9 relative to each dequantized value), the speed is the bf16
-    grouped GEMM's plus the casts. ``implementation="mosaic_gpu"`` (Hopper) runs the forward and
-    ``d lhs`` GEMMs on FP8 tensor cores with the scales applied per 128-wide K block
-    (`mtjax.kernels.mosaic_gpu.grouped_gemm`, one FP8 dtype for both operands); the weight gradient
-    stays dequantized.
+    On Hopper the forward and ``d lhs`` GEMMs run on FP8 tensor cores with the scales applied per
+    128-wide K block (`mtjax.kernels.mosaic_gpu.grouped_gemm`, implementation ``mosaic_gpu``, chosen
+    automatically where it takes the operands: one FP8 dtype for both, whole tiles). Elsewhere, and for
+    the weight gradient, the GEMMs take the dequantized operands in ``lhs.dtype`` through the grouped
+    GEMM's kernels (float32 accumulation): the rounding is block-scaled FP8's (a float32 ``lhs`` gives
+    it exactly; bfloat16 adds at most 2^-9 relative to each dequantized value), the speed is the bf16
+    grouped GEMM's plus the casts.
 
     Args:
       lhs: ``[M, K]`` float, rows sorted by group; rhs: ``[G, K, N]`` of the same dtype.

@@ -173,8 +173,8 @@ def test_grouped_gemm_ops_take_it_where_it_applies(interpret, monkeypatch):
 
 def test_block_scaled_grouped_gemm(interpret, monkeypatch):
     """`grouped_gemm_block_fp8(implementation="mosaic_gpu")`: forward and ``d lhs`` on FP8 tensor cores
-    with per-K-block promotion, equal to the default (the same FP8 values dequantized, then a bf16
-    grouped GEMM) up to bf16 rounding; the weight gradient is the default's own."""
+    with per-K-block promotion, equal to the reference (the same FP8 values dequantized, then a bf16
+    grouped GEMM) up to bf16 rounding; the weight gradient is the dequantized one in both."""
     lhs, rhs, sizes = _grouped_operands(7, 264, 256, 256, [60, 0, 130, 40], jnp.bfloat16, False)
     dy = jax.random.normal(jax.random.key(8), (264, 256)).astype(jnp.bfloat16)
     calls = []
@@ -182,12 +182,12 @@ def test_block_scaled_grouped_gemm(interpret, monkeypatch):
     monkeypatch.setattr(mosaic_grouped, "gmm", lambda *a, **kw: calls.append(kw["block_scales"] is not None)
                         or original(*a, **kw))
     results = {}
-    for implementation in ("mosaic_gpu", None):
+    for implementation in ("mosaic_gpu", "xla"):
         out, vjp = jax.vjp(lambda x, w, impl=implementation: ops.grouped_gemm_block_fp8(x, w, sizes,
                                                                                          implementation=impl), lhs, rhs)
         results[implementation] = (out, *vjp(dy))
     assert calls == [True, True], calls  # forward and d lhs
-    for got, want in zip(results["mosaic_gpu"], results[None]):
+    for got, want in zip(results["mosaic_gpu"], results["xla"]):
         want = np.asarray(want, np.float32)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=1e-2 * np.abs(want).max())
 
