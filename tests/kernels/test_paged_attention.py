@@ -186,7 +186,7 @@ def test_kernel_bfloat16():
 
 def test_dispatch_uses_kernel_in_interpret_mode(interpret):
     args = make_case(8, lengths=[9, 30], page_size=8)
-    got = ops.paged_attention(*args)  # automatic selection: the Pallas kernel in interpret mode
+    got = ops.paged_attention(*args)  # automatic selection: a kernel (Pallas or native Triton) in interpret mode
     want = ops.paged_attention(*args, implementation="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     got = ops.paged_attention(*args, implementation="pallas_triton")
