@@ -253,8 +253,9 @@ class MoEBlock(nn.Module):
             raise ValueError(f"{owner}: num_expert_groups={self.num_expert_groups} must divide num_experts="
                              f"{self.num_experts} and 1 <= expert_group_top_k={self.expert_group_top_k} <= it")
         for name in ("load_balancing_loss_weight", "router_z_loss_weight"):
-            if not is_finite_number(getattr(self, name), 0.0):
-                raise ValueError(f"{owner}: {name}={getattr(self, name)!r}; expected a finite number >= 0")
+            value = getattr(self, name)
+            if not is_finite_number(value, 0.0):
+                raise ValueError(f"{owner}: {name}={value!r}; expected a finite number >= 0")
         capacity = self.capacity_factor
         if capacity is not None and not is_finite_number(capacity, 0.0, exclusive=True):
             raise ValueError(f"{owner}: capacity_factor={capacity!r}; expected None or a finite number > 0")

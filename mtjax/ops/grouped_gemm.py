@@ -444,16 +444,17 @@ def _group_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Arr
 # scales applied per K block; the other implementations dequantize and run the grouped GEMM.
 
 
-def _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, dtype):
-    """``(a [M, C], rhs [G, C, D])`` in ``dtype``: rhs in its scales' layout, contraction first."""
-    return (tile_dequantize(a_q, a_scale_inv, dtype),
-            _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, dtype))
+def _on_dequantized(gemm, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, out_dtype, tiles):
+    """``gemm`` (a `grouped_gemm` implementation) on the operands dequantized to ``out_dtype``: ``a [M,
+    C]`` and ``rhs [G, C, D]`` (rhs in its scales' layout, contraction first)."""
+    a = tile_dequantize(a_q, a_scale_inv, out_dtype)
+    rhs = _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, out_dtype)
+    return gemm(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
 
 
 @backend.register("grouped_gemm_block_scaled", backend.REFERENCE)
-def _block_scaled_reference(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
-    a, rhs = _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
-    return grouped_gemm_reference(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+def _block_scaled_reference(*args, out_dtype, tiles):
+    return _on_dequantized(grouped_gemm_reference, *args, out_dtype, tiles)
 
 
 def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
@@ -463,16 +464,16 @@ def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, grou
 
 @backend.register("grouped_gemm_block_scaled", "pallas_triton", unsupported=_dequantized_kernel_unsupported,
                   **_KERNEL)
-def _block_scaled_pallas(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
-    a, rhs = _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
-    return _grouped_gemm_pallas(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+def _block_scaled_pallas(*args, out_dtype, tiles):
+    return _on_dequantized(_grouped_gemm_pallas, *args, out_dtype, tiles)
 
 
+# The kernel gets the dequantized operands (not FP8), so the grouped GEMM's decline of FP8 operands
+# (`_triton_not_preferred`) does not apply.
 @backend.register("grouped_gemm_block_scaled", "triton", unsupported=_dequantized_kernel_unsupported,
                   **{**_NATIVE, "prefer": None})
-def _block_scaled_triton(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
-    a, rhs = _dequantized(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
-    return _grouped_gemm_triton(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+def _block_scaled_triton(*args, out_dtype, tiles):
+    return _on_dequantized(_grouped_gemm_triton, *args, out_dtype, tiles)
 
 
 def _block_scaled_mosaic_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype,
