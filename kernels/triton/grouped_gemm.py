@@ -21,11 +21,15 @@ from mtjax.kernels.triton.runtime import launch, stand_in
 
 
 @triton.jit
-def _accumulate(a, b, acc, scale, SCALED: tl.constexpr, PRECISION: tl.constexpr):
+def _accumulate(a, b, acc, scale, SCALED: tl.constexpr, MIXED: tl.constexpr, PRECISION: tl.constexpr):
     """`mtjax.kernels.grouped_gemm._accumulate`: ``acc + dot(a, b) [* scale]``. With a scale (FP8
     operands) each K step's product is scaled and added outside the tensor core ("promotion"): Hopper's
     FP8 MMA accumulates with fewer mantissa bits than float32. Two FP8 formats (E5M2 gradients against
-    E4M3 weights) go to the tensor core as they are: Hopper's FP8 MMA takes either format per operand."""
+    E4M3 weights) multiply as bfloat16, which holds every E4M3 and E5M2 value exactly: Hopper's FP8 MMA
+    takes the two formats as they are, but Triton's pipeline for them measured slower (docs/performance.md)."""
+    if MIXED:
+        a = a.to(tl.bfloat16)
+        b = b.to(tl.bfloat16)
     if SCALED:
         acc += tl.dot(a, b, input_precision=PRECISION) * scale
     else:
@@ -36,7 +40,7 @@ def _accumulate(a, b, acc, scale, SCALED: tl.constexpr, PRECISION: tl.constexpr)
 @triton.jit
 def _gmm_tile(pid, group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_ptr, out_ptr, M: tl.constexpr,
               K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, NUM_VISITS: tl.constexpr,
-              TRANSPOSE_RHS: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+              TRANSPOSE_RHS: tl.constexpr, SCALED: tl.constexpr, MIXED: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Output tile ``pid`` of the grouped order: one visit's rows, ``BLOCK_N`` columns."""
     n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -67,7 +71,7 @@ def _gmm_tile(pid, group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_
             else:
                 b = tl.load(rhs_base + k[:, None] * N + cols[None, :], mask=(k[:, None] < K) & (cols[None, :] < N),
                             other=0.0)
-            acc = _accumulate(a, b, acc, scale, SCALED, PRECISION)
+            acc = _accumulate(a, b, acc, scale, SCALED, MIXED, PRECISION)
         keep = (rows[:, None] >= lo) & (rows[:, None] < hi) & (cols[None, :] < N)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
 
@@ -75,17 +79,17 @@ def _gmm_tile(pid, group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_
 @triton.jit
 def _gmm_kernel(group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_ptr, out_ptr, M: tl.constexpr,
                 K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, NUM_VISITS: tl.constexpr,
-                TRANSPOSE_RHS: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+                TRANSPOSE_RHS: tl.constexpr, SCALED: tl.constexpr, MIXED: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 NUM_PROGRAMS: tl.constexpr):
     if NUM_PROGRAMS == 0:
         _gmm_tile(tl.program_id(0), group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_ptr, out_ptr, M, K, N,
-                  G, NUM_VISITS, TRANSPOSE_RHS, SCALED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                  G, NUM_VISITS, TRANSPOSE_RHS, SCALED, MIXED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:  # persistent: program p computes tiles p, p + NUM_PROGRAMS, ... of the grouped order
         total: tl.constexpr = NUM_VISITS * ((N + BLOCK_N - 1) // BLOCK_N)
         for pid in tl.range(tl.program_id(0), total, NUM_PROGRAMS):
             _gmm_tile(pid, group_ptr, tile_ptr, lo_ptr, hi_ptr, lhs_ptr, rhs_ptr, scale_ptr, out_ptr, M, K, N, G,
-                      NUM_VISITS, TRANSPOSE_RHS, SCALED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                      NUM_VISITS, TRANSPOSE_RHS, SCALED, MIXED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 def _precision(*dtypes) -> str:
@@ -105,7 +109,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
         grid=(num_tiles if tiles.num_programs is None else min(tiles.num_programs, num_tiles),),
         name="mtjax_triton_grouped_gemm", num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         M=m, K=k, N=n, G=g, NUM_VISITS=visits, TRANSPOSE_RHS=bool(transpose_rhs), SCALED=group_scale is not None,
-        PRECISION=_precision(lhs.dtype, rhs.dtype),
+        MIXED=jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype), PRECISION=_precision(lhs.dtype, rhs.dtype),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_PROGRAMS=tiles.num_programs or 0,
     )
@@ -114,7 +118,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax
 
 @triton.jit
 def _tgmm_kernel(offsets_ptr, lhs_ptr, dy_ptr, scale_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr,
-                 N: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+                 N: tl.constexpr, SCALED: tl.constexpr, MIXED: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -130,7 +134,7 @@ def _tgmm_kernel(offsets_ptr, lhs_ptr, dy_ptr, scale_ptr, out_ptr, M: tl.constex
                     other=0.0)
         b = tl.load(dy_ptr + rows[:, None] * N + cols[None, :], mask=(rows[:, None] < end) & (cols[None, :] < N),
                     other=0.0)
-        acc = _accumulate(tl.trans(a), b, acc, scale, SCALED, PRECISION)
+        acc = _accumulate(tl.trans(a), b, acc, scale, SCALED, MIXED, PRECISION)
     out = out_ptr + g.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
 
@@ -144,7 +148,7 @@ def tgmm(lhs: jax.Array, dy: jax.Array, group_sizes: jax.Array, group_scale: jax
         out_shape=[jax.ShapeDtypeStruct((g, k, n), out_dtype)],
         grid=(triton.cdiv(n, tiles.block_n), triton.cdiv(k, tiles.block_k), g), name="mtjax_triton_grouped_gemm_wgrad",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        M=m, K=k, N=n, SCALED=group_scale is not None,
+        M=m, K=k, N=n, SCALED=group_scale is not None, MIXED=jnp.dtype(lhs.dtype) != jnp.dtype(dy.dtype),
         PRECISION=_precision(lhs.dtype, dy.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
     )

@@ -68,6 +68,20 @@ def assert_same_tiles(got, want):
         assert np.mean(g != w) <= 0.01 or g.size < 1000, np.mean(g != w)  # scales: a few ulps apart at most
 
 
+def assert_same_dequantized(got, want):
+    """Tile casts ``(q, scale_inv, q_t, scale_inv_t)`` against their reference, compared as the values
+    they stand for: one FP8 step, or 2**-9 of the largest value. Where a whole tile is about 0 (a GELU
+    gradient far in the negative tail: Triton's exp-built tanh leaves 1e-9 where XLA's gives 0), the
+    two scales differ by orders of magnitude while the values agree."""
+    assert len(got) == len(want) == 4
+    for i in (0, 2):
+        assert got[i].dtype == want[i].dtype and got[i].shape == want[i].shape
+        g, w = (np.asarray(ops.tile_dequantize(t[i], t[i + 1])) for t in (got, want))
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 1e-30))) - 2)  # one E5M2 step (E4M3's is half)
+        allowed = np.maximum(step, 2.0**-9 * np.max(np.abs(w)))
+        assert np.all(np.abs(g - w) <= allowed), np.max(np.abs(g - w) / allowed)
+
+
 def _norm_inputs(seed, m, k, dtype=jnp.bfloat16):
     """Rows spanning decades with a non-zero mean, and a gamma and beta away from 1 and 0."""
     x = _x(seed, (m, k), jnp.float32) + 10.0 ** jax.random.uniform(jax.random.key(seed + 1), (m, 1), minval=-2,
@@ -372,9 +386,7 @@ def test_quantize_kernels_on_gpu(shape):
         dy = _x(1, (shape[0], h.shape[-1]), jnp.bfloat16)
         got = grad_tiles(quantize_kernels.activation_grad_tile_quantize, h, dy, act, out_dtype=out_dtype)
         want = ops.activation_grad_tile_fp8(h, dy, act, out_dtype=out_dtype, implementation="xla")
-        assert_same_tiles(got[0:4:2], want[0:4:2])
-        for g, w in zip(got[1:4:2], want[1:4:2]):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5)
+        assert_same_dequantized(got[:4], want[:4])
 
 
 @pytest.mark.gpu
