@@ -163,16 +163,9 @@ def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype
                            interpret=kernel_interpret())
 
 
-def _triton_not_preferred(lhs, other, *_, **__) -> str | None:
-    if is_fp8(jnp.result_type(lhs)) or is_fp8(jnp.result_type(other)):
-        return ("its FP8 path disagreed with the reference on an H100 (mtjax.bench.kernels_triton's "
-                "grouped_gemm_fp8 check, docs/performance.md); the Pallas kernel takes FP8 operands")
-    return None
-
-
-# The native Triton kernels first on bf16 operands (faster than the Pallas ones on an H100, forward
-# and backward: docs/performance.md); FP8 operands go to the Mosaic GPU or Pallas kernels.
-_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 11, "prefer": _triton_not_preferred}
+# The native Triton kernels above the Pallas ones (faster on an H100 with bf16 operands and with the
+# mixed-FP8 backward: docs/performance.md); FP8 operands of one dtype go to the Mosaic GPU kernel first.
+_NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 11}
 
 
 @backend.register("grouped_gemm", "triton", unsupported=_kernel_unsupported_gmm, **_NATIVE)
@@ -468,10 +461,7 @@ def _block_scaled_pallas(*args, out_dtype, tiles):
     return _on_dequantized(_grouped_gemm_pallas, *args, out_dtype, tiles)
 
 
-# The kernel gets the dequantized operands (not FP8), so the grouped GEMM's decline of FP8 operands
-# (`_triton_not_preferred`) does not apply.
-@backend.register("grouped_gemm_block_scaled", "triton", unsupported=_dequantized_kernel_unsupported,
-                  **{**_NATIVE, "prefer": None})
+@backend.register("grouped_gemm_block_scaled", "triton", unsupported=_dequantized_kernel_unsupported, **_NATIVE)
 def _block_scaled_triton(*args, out_dtype, tiles):
     return _on_dequantized(_grouped_gemm_triton, *args, out_dtype, tiles)
 

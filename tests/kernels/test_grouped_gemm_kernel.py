@@ -284,7 +284,7 @@ def test_selection_per_platform(monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
 def test_selection_per_operand_dtype(monkeypatch):
     """With jax-triton: the native Triton kernels take bf16 operands, the Mosaic GPU kernel FP8 ones of
-    one dtype with K-major rhs (block-scaled too), the Pallas kernel the mixed-FP8 backward."""
+    one dtype with K-major rhs (block-scaled too); the native Triton kernels the mixed-FP8 backward."""
     monkeypatch.setattr(backend, "native_triton_problem", lambda: None)
     bf16 = (S((4096, 1024), jnp.bfloat16), S((8, 1024, 512), jnp.bfloat16), S((8,), jnp.int32), None)
     static = {"transpose_rhs": False, "out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
@@ -294,8 +294,7 @@ def test_selection_per_operand_dtype(monkeypatch):
     transposed = {**static, "transpose_rhs": True}
     assert backend.select("grouped_gemm", platform_name="cuda", args=forward, static=transposed)[0].name == "mosaic_gpu"
     dgrad = (S((4096, 512), e5m2), S((8, 512, 1024), e4m3), S((8,), jnp.int32), S((8,), jnp.float32))
-    impl, why = backend.select("grouped_gemm", platform_name="cuda", args=dgrad, static=static)
-    assert impl.name == "pallas_triton"
+    assert backend.select("grouped_gemm", platform_name="cuda", args=dgrad, static=static)[0].name == "triton"
     block = (S((4096, 1024), e4m3), S((4096, 8), jnp.float32), S((8, 512, 1024), e4m3), S((8, 8, 4), jnp.float32),
              S((8,), jnp.int32))
     block_static = {"out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
@@ -307,7 +306,7 @@ def test_selection_per_operand_dtype(monkeypatch):
     wgrad = (S((4096, 1024), e4m3), S((4096, 512), e5m2), S((8,), jnp.int32), S((8,), jnp.float32))
     wgrad_static = {"out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
     assert backend.select("grouped_gemm_wgrad", platform_name="cuda", args=wgrad,
-                          static=wgrad_static)[0].name == "pallas_triton"
+                          static=wgrad_static)[0].name == "triton"
 
 
 def test_kernel_argument_errors():
