@@ -5,10 +5,12 @@ Three parts, every row timed in one process (``--quick``: tiny shapes for the CP
 - ``grouped gemm``: forward and forward+backward of one expert GEMM ``[tokens * top_k, hidden] x
   [experts, hidden, ffn]`` at the issue's three shapes (8 experts, 64 fine-grained experts, 128
   experts), with balanced and skewed (Zipf: expert ``g`` gets a share proportional to ``1 / (g + 1)``)
-  group sizes. Implementations: ``mtjax`` (`mtjax.ops.grouped_gemm`, the Pallas kernel on a GPU;
+  group sizes. Implementations: ``mtjax`` (`mtjax.ops.grouped_gemm`, automatic kernel selection;
   ``--block-m`` ... set its forward tiles), ``mtjax fp8`` (`mtjax.ops.grouped_gemm_fp8`, current
-  scaling), ``mtjax fp8 block`` (`mtjax.ops.grouped_gemm_block_fp8`: the casts of `BlockScaling` and
-  bf16 grouped GEMMs of the dequantized operands; measured against the bf16 ceiling), ``ragged_dot``
+  scaling, E5M2 gradients), ``mtjax fp8 e4m3`` (the same with E4M3 gradients, DeepSeek-V3's choice:
+  every GEMM takes one FP8 format), ``mtjax fp8 block`` (`mtjax.ops.grouped_gemm_block_fp8`: the
+  casts of `BlockScaling`, block-scaled FP8 GEMMs on Hopper, grouped GEMMs of the dequantized operands
+  elsewhere; measured against the bf16 ceiling), ``ragged_dot``
   (`jax.lax.ragged_dot`, the peer), ``tokamax`` (``tokamax.ragged_dot`` where importable) and
   ``dense`` (one ``[tokens * top_k, hidden] x [hidden, ffn]`` GEMM: the same FLOPs, the rate a
   grouped GEMM aims for; each row's ``extra.fraction_of_dense`` is the dense time over its time).
@@ -98,6 +100,8 @@ def _gemm_variants(tiles: GemmTiles | None, m: int, k: int, n: int, g: int) -> d
         "mtjax": lambda x, w, s: ops.grouped_gemm(x, w, s, block_sizes=blocks),
         "ragged_dot": lambda x, w, s: lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32).astype(x.dtype),
         "mtjax fp8": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, block_sizes=blocks),
+        "mtjax fp8 e4m3": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, gradient_dtype=jnp.float8_e4m3fn,
+                                                              block_sizes=blocks),
         "mtjax fp8 block": lambda x, w, s: ops.grouped_gemm_block_fp8(x, w, s, block_sizes=blocks),
     }
     for kernel in ("triton", "mosaic_gpu"):  # each kernel family beside the default selection
@@ -177,7 +181,7 @@ def run_gemm(quick: bool, tiles: GemmTiles | None = None, experts: Sequence[int]
                         shape_rows.append(_failed(name, implementation, err, shape=[m, k, n, g]))
                         continue
                     times[implementation] = t.median
-                    is_fp8 = implementation.endswith("fp8")
+                    is_fp8 = implementation.startswith("mtjax fp8") and "block" not in implementation
                     shape_rows.append(timing.row(
                         SUITE, name, implementation, t, flops=flops,
                         peer=None if implementation in ("ragged_dot", "dense") else "ragged_dot",

@@ -260,8 +260,8 @@ def _out_and_grads(implementation, q, k, v, do, **options):
 # right side, q_len != kv_len (bottom-right alignment) and lengths off the 64/128-row tiles.
 ATTENTION_CASES = {
     "full": (1, 128, 128, 1, 1, 64, {}),
-    "causal-gqa-tails": (1, 200, 300, 2, 1, 64, {"mask_type": "causal"}),
-    "window-both-sides": (1, 130, 250, 1, 1, 64, {"window_size": (50, 20)}),
+    "causal-gqa-tails": (1, 136, 200, 2, 1, 64, {"mask_type": "causal"}),
+    "window-both-sides": (1, 130, 200, 1, 1, 64, {"window_size": (50, 20)}),
     # the first queries see no key (bottom-right alignment); in dK/dV, key blocks no query sees
     "causal-more-queries": (1, 300, 130, 1, 1, 64, {"mask_type": "causal"}),
     "window-unseen-keys-d128": (1, 128, 512, 1, 1, 128, {"mask_type": "causal", "window_size": (16, 0)}),
@@ -269,7 +269,7 @@ ATTENTION_CASES = {
     # cases above have the tails)
     "softcap-dropout-gqa": (2, 128, 128, 2, 1, 64, {"mask_type": "causal", "logits_soft_cap": 5.0, "dropout": 0.2}),
     # head_dim 256: fixed tiles, and dK/dV with the head dimension split between the warpgroups
-    "d256-gqa-segments-dropout": (1, 130, 200, 2, 1, 256, {"mask_type": "causal", "segments": True, "dropout": 0.2}),
+    "d256-gqa-segments-dropout": (1, 80, 140, 2, 1, 256, {"mask_type": "causal", "segments": True, "dropout": 0.2}),
 }
 
 
