@@ -79,7 +79,7 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
                           profile_dir=args.profile)
     if name == "moe":
         return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
-                          parts=args.moe_parts, gemm_experts=args.moe_gemm_experts)
+                          parts=args.moe_parts, gemm_experts=args.moe_gemm_experts, train_batch=args.moe_train_batch)
     if name == "gemm":
         return module.run(args.quick, sweep=args.sweep)
     return module.run(args.quick)

@@ -421,13 +421,15 @@ def _flax_moe_variant(config: Any, batch_shape: tuple[int, int]) -> train_suite.
     return train_suite.Variant("flax moe", None, "bf16_gemm_tflops", init, flax_moe_train_step(model, opt))
 
 
-def run_train(quick: bool, presets: Sequence[str] | None = None) -> list[dict]:
-    """The train-step rows (module docstring): mtjax bf16 and FP8 against `FlaxMoEGPT`."""
+def run_train(quick: bool, presets: Sequence[str] | None = None, batch_size: int | None = None) -> list[dict]:
+    """The train-step rows (module docstring): mtjax bf16 and FP8 against `FlaxMoEGPT`, ``batch_size``
+    sequences a step (default 8; 2 with ``quick``)."""
     from mtjax.models import gpt_config
 
     presets = list(presets or (QUICK_TRAIN_PRESETS if quick else TRAIN_PRESETS))
-    batch_size, seq = ((train_suite.QUICK_BATCH, train_suite.QUICK_SEQ_LEN) if quick
-                       else (train_suite.BATCH, train_suite.SEQ_LEN))
+    default_batch, seq = ((train_suite.QUICK_BATCH, train_suite.QUICK_SEQ_LEN) if quick
+                          else (train_suite.BATCH, train_suite.SEQ_LEN))
+    batch_size = batch_size or default_batch
     rows = []
     for preset in presets:
         config = gpt_config(preset)
@@ -472,7 +474,8 @@ def run_train(quick: bool, presets: Sequence[str] | None = None) -> list[dict]:
 
 
 def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | None = None,
-        parts: Sequence[str] = ("gemm", "layer", "train"), gemm_experts: Sequence[int] | None = None) -> list[dict]:
+        parts: Sequence[str] = ("gemm", "layer", "train"), gemm_experts: Sequence[int] | None = None,
+        train_batch: int | None = None) -> list[dict]:
     """Rows of the parts asked for (``"gemm"``, ``"layer"``, ``"train"``), in that order.
 
     Args:
@@ -483,7 +486,10 @@ def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | No
       parts: which parts to run.
       gemm_experts: the grouped GEMM shapes to run, by their number of experts (default: all of
         `GEMM_SHAPES`).
+      train_batch: sequences per train step (default 8, 2 with ``quick``): fewer fit a smaller GPU.
     """
+    if train_batch is not None and train_batch < 1:
+        raise ValueError(f"mtjax bench moe: train_batch={train_batch}; expected an int >= 1")
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"mtjax bench moe: parts={unknown}; accepted: {list(PARTS)}")
@@ -496,7 +502,7 @@ def run(quick: bool, presets: Sequence[str] | None = None, tiles: GemmTiles | No
         elif part == "layer":
             rows += run_layer(quick)
         else:
-            rows += run_train(quick, presets)
+            rows += run_train(quick, presets, train_batch)
     return rows
 
 
@@ -519,6 +525,8 @@ def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument("--moe-presets", nargs="+", metavar="NAME",
                         help="moe suite: MoE presets to train (default: moe-mixtral-1b moe-deepseek-1b; "
                              "moe-tiny with --quick)")
+    parser.add_argument("--moe-train-batch", type=int, metavar="N",
+                        help="moe suite: sequences per train step (default 8; fewer fit an 80 GB GPU)")
 
 
 def main() -> None:
@@ -529,7 +537,8 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     rows = report.complete(run(args.quick, presets=args.moe_presets, tiles=tiles_from_args(args),
-                               parts=args.moe_parts, gemm_experts=args.moe_gemm_experts), {},
+                               parts=args.moe_parts, gemm_experts=args.moe_gemm_experts,
+                               train_batch=args.moe_train_batch), {},
                            report.H200_BF16_PEAK_TFLOPS)
     print(report.table(rows))
 

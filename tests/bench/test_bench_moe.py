@@ -62,6 +62,11 @@ def test_failing_row_records_its_error(monkeypatch):
     assert all("error" not in r["extra"] for r in rows if r["implementation"] != "dense")
 
 
+def test_train_batch_is_checked():
+    with pytest.raises(ValueError, match="train_batch=0"):
+        moe.run(quick=True, parts=("train",), train_batch=0)
+
+
 def test_group_sizes():
     assert moe.group_sizes(100, 4, skewed=False).tolist() == [25, 25, 25, 25]
     skewed = moe.group_sizes(100, 4, skewed=True)
