@@ -5,10 +5,11 @@ Rows (suite ``decode``; every one that fails records its error in the table and 
 - ``prefill <model> 8x2048``: the whole-prompt forward the engine's prefill runs (flash attention,
   pages written), tokens/s in ``extra`` and MFU from the forward FLOPs.
 - ``decode <model> b<batch> ctx<context>``: ms per decoded token of the whole batch, for
-  ``mtjax bf16`` (the peer of the case), ``mtjax fp8 weights``, ``mtjax fp8 kv``; the decode loop the
-  engine runs (greedy, ``DECODE_STEPS`` tokens per dispatch, the cache donated) on a cache filled to
-  ``context`` tokens per sequence (and ``mtjax fp8 weights dequantize``, weight-only FP8, at batch 1
-  and 8). ``bytes`` counts the weights plus the KV-cache read per step, so
+  ``mtjax bf16`` (the peer of the case), ``mtjax fp8 weights`` (the default ``mode="auto"``:
+  weight-only at small batches), ``mtjax fp8 kv``; the decode loop the engine runs (greedy,
+  ``DECODE_STEPS`` tokens per dispatch, the cache donated) on a cache filled to ``context`` tokens per
+  sequence (and ``mtjax fp8 weights fp8_gemm``, the FP8 GEMMs, where the default runs weight-only).
+  ``bytes`` counts the weights plus the KV-cache read per step, so
   ``of ceiling`` is the fraction of the memory roofline (the measured copy bandwidth). Also the old
   token-at-a-time loop (one jitted call per token over a dense cache, batch 1) and HF transformers +
   torch eager with its dynamic cache (same shapes, random weights, no downloads) where installed.
@@ -214,7 +215,7 @@ def _profiled(call, state, compiled, steps: int, profile_dir: str, label: str) -
 
 def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setting] = (),
                 profile_dir: str | None = None) -> list[dict]:
-    from mtjax.inference.fp8_weights import quantize_weights
+    from mtjax.inference.fp8_weights import WEIGHT_ONLY_MAX_ROWS, quantize_weights
 
     rows: list[dict] = []
     memory = timing.device_memory_bytes()
@@ -232,14 +233,14 @@ def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setti
         return made[mode]
 
     cases = [("mtjax bf16", lambda: (model, params), cfg.dtype, variants.DEFAULT),
-             ("mtjax fp8 weights", lambda: fp8_model("fp8_gemm"), cfg.dtype, variants.DEFAULT),
-             ("mtjax fp8 weights dequantize", lambda: fp8_model("dequantize"), cfg.dtype, variants.DEFAULT),
+             ("mtjax fp8 weights", lambda: fp8_model("auto"), cfg.dtype, variants.DEFAULT),
+             ("mtjax fp8 weights fp8_gemm", lambda: fp8_model("fp8_gemm"), cfg.dtype, variants.DEFAULT),
              ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn, variants.DEFAULT)]
     cases += [(f"mtjax bf16 [{s.label()}]", lambda: (model, params), cfg.dtype, s) for s in settings]
     for batch in sizes.batches:
         for label, make, kv_dtype, setting in cases:
-            if label.endswith("dequantize") and batch > 8:
-                continue  # weight-only FP8 is a small-batch option: larger batches are compute-bound
+            if label.endswith("fp8_gemm") and batch > WEIGHT_ONLY_MAX_ROWS:
+                continue  # the default row runs the FP8 GEMMs there already
             per_token = (2 * cfg.num_layers * cfg.resolved_num_kv_heads * cfg.resolved_head_dim
                          * jnp.dtype(kv_dtype).itemsize)
             fits = [c for c in sizes.contexts if not memory or per_token * batch * c <= CACHE_MEMORY_FRACTION * memory]

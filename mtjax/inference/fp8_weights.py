@@ -6,12 +6,15 @@ and the kernel parameter it multiplies), replaces each kernel by its FP8 E4M3 va
 float32 dequantization scale beside it (in the ``params`` collection, as ``weight_scale`` of the GEMM's
 ``DotGeneral`` submodule), and returns a model whose ``apply`` runs those GEMMs on the FP8 kernels:
 
-- ``mode="fp8_gemm"`` (default): the GEMM's input is quantized to E4M3 with a current scale per row
-  (its absolute maximum over the contracted axes, computed in the step) and ``lax.dot_general`` on the
-  two FP8 operands runs the FP8 tensor-core GEMM; the row and channel scales multiply its float32
-  output.
+- ``mode="fp8_gemm"``: the GEMM's input is quantized to E4M3 with a current scale per row (its
+  absolute maximum over the contracted axes, computed in the step) and ``lax.dot_general`` on the two
+  FP8 operands runs the FP8 tensor-core GEMM; the row and channel scales multiply its float32 output.
 - ``mode="dequantize"``: weight-only; the FP8 kernel is widened to the compute dtype inside the dot
   (what XLA does with that, a fused convert or a widened copy, depends on its GEMM emitter).
+- ``mode="auto"`` (default): per GEMM, from its static shape: weight-only for at most
+  `WEIGHT_ONLY_MAX_ROWS` input rows (a decode step of a few sequences: the GEMM reads the same FP8
+  bytes either way, and quantizing the input adds small kernels to a step bound by launches), the
+  FP8 GEMM above that (prefill and large batches, where the tensor-core rate counts).
 
 The FP8 kernels are stored transposed, output axes first (``[*layers, *out, *in]``): the FP8
 tensor-core GEMM (cuBLASLt's, and Hopper's FP8 MMA) takes both operands with the contracted axis
@@ -47,7 +50,10 @@ WEIGHT_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(WEIGHT_DTYPE).max)
 SCALE_NAME = "weight_scale"
 GRANULARITIES = ("channel", "tensor")
-MODES = ("fp8_gemm", "dequantize")
+MODES = ("auto", "fp8_gemm", "dequantize")
+# `mode="auto"`: GEMMs of at most this many input rows run weight-only (docs/performance.md: decode at
+# batch 1 measured faster weight-only than with FP8 GEMMs).
+WEIGHT_ONLY_MAX_ROWS = 8
 # The name of the GEMM submodule beside a kernel parameter: "kernel" -> "dot_general", "wi_kernel" -> "wi_dot_general".
 _KERNEL_SUFFIX, _DOT_SUFFIX = "kernel", "dot_general"
 
@@ -212,7 +218,7 @@ def model_layout(params: Mapping[str, Any], gemms: Sequence[Gemm]) -> dict[str, 
 
 def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                            precision: Any = None, preferred_element_type: Any = None, lhs_prologue: Any = None, *,
-                           mode: str = "fp8_gemm") -> jax.Array:
+                           mode: str = "auto") -> jax.Array:
     """`mtjax.fp8.DotGeneral`'s call on a kernel holding FP8 values (``rhs``, possibly widened by the
     model's cast: narrowing it again is exact and XLA drops the pair of converts) with its
     ``weight_scale``. Returns ``lhs``'s dtype (or ``preferred_element_type``)."""
@@ -228,6 +234,8 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
     lhs_free = tuple(lhs.shape[i] for i in range(lhs.ndim) if i not in lhs_contract)
     w_scale = weight_scale.reshape(rhs_free) if weight_scale.size > 1 else weight_scale.reshape(())
     w8 = rhs.astype(WEIGHT_DTYPE)
+    if mode == "auto":
+        mode = "dequantize" if math.prod(lhs_free) <= WEIGHT_ONLY_MAX_ROWS else "fp8_gemm"
     if mode == "dequantize":
         y = lax.dot_general(lhs, w8.astype(lhs.dtype), dimension_numbers, preferred_element_type=jnp.float32)
     else:
@@ -240,7 +248,7 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
     return (y * w_scale).astype(out_dtype)
 
 
-def fp8_weights_interceptor(mode: str = "fp8_gemm"):
+def fp8_weights_interceptor(mode: str = "auto"):
     """A `flax.linen.intercept_methods` interceptor: every `mtjax.fp8.DotGeneral` that has a
     ``weight_scale`` parameter runs `fp8_weight_dot_general`; everything else runs unchanged."""
     if mode not in MODES:
@@ -268,7 +276,7 @@ def _fp8_weights_class(cls: type) -> type:
 
     return type(f"FP8Weights{cls.__name__}", (cls,), {
         "__module__": __name__, "__annotations__": {"fp8_weights_mode": str, "fp8_gemms": tuple},
-        "fp8_weights_mode": "fp8_gemm", "fp8_gemms": (),
+        "fp8_weights_mode": "auto", "fp8_gemms": (),
         "apply": nn.nowrap(apply),
         "__doc__": f"`{cls.__name__}` whose GEMMs read FP8 kernels (`mtjax.inference.fp8_weights`).",
     })
@@ -278,7 +286,7 @@ _classes: dict[type, type] = {}
 
 
 def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity: str = "channel",
-                     mode: str = "fp8_gemm", example_args: Sequence[Any] = ()) -> tuple[nn.Module, dict[str, Any]]:
+                     mode: str = "auto", example_args: Sequence[Any] = ()) -> tuple[nn.Module, dict[str, Any]]:
     """``(model_fp8, params_fp8)``: ``model`` (a subclass instance with the same fields, so it is still
     e.g. a `mtjax.models.GPT`) whose ``apply`` runs the GEMMs on FP8 kernels, and ``params`` with those
     kernels quantized and stored transposed (module docstring): use them with ``model_fp8.apply`` only.
@@ -287,7 +295,8 @@ def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity
       model: a flax module whose projections go through `mtjax.fp8.DotGeneral` (every mtjax model).
       params: its ``params`` collection (boxed or not).
       granularity: ``"channel"`` or ``"tensor"`` scales.
-      mode: ``"fp8_gemm"`` (FP8 GEMMs, inputs quantized per row) or ``"dequantize"`` (weight-only).
+      mode: ``"auto"`` (weight-only up to `WEIGHT_ONLY_MAX_ROWS` input rows, FP8 GEMMs above),
+        ``"fp8_gemm"`` (FP8 GEMMs, inputs quantized per row) or ``"dequantize"`` (weight-only).
       example_args: inputs of one call for the trace that finds the GEMMs (default ``[[0]]`` tokens).
     """
     if granularity not in GRANULARITIES:

@@ -57,6 +57,26 @@ def test_logits_error_against_unquantized(mode, granularity, scan_layers, capsys
     np.testing.assert_array_less(np.abs(np.asarray(want - got)).max(), 0.1 * np.abs(np.asarray(want)).max())
 
 
+def test_auto_mode_runs_few_rows_weight_only_and_many_on_fp8_gemms():
+    """The default ``mode="auto"``: a call of at most `WEIGHT_ONLY_MAX_ROWS` tokens gives the weight-only
+    logits exactly, a larger one the FP8 GEMMs' (which differ from weight-only: inputs rounded to E4M3)."""
+    model, params, tokens = tiny()
+    assert fp8_weights.WEIGHT_ONLY_MAX_ROWS < tokens.size
+    quantized = {mode: fp8_weights.quantize_weights(model, params, mode=mode) for mode in fp8_weights.MODES}
+    assert quantized["auto"][0].fp8_weights_mode == "auto"
+
+    def logits(mode, x):
+        model8, params8 = quantized[mode]
+        return np.asarray(jax.jit(lambda p, x: model8.apply({"params": p}, x))(params8, x))
+
+    few = tokens[:1, :fp8_weights.WEIGHT_ONLY_MAX_ROWS]
+    np.testing.assert_array_equal(logits("auto", few), logits("dequantize", few))
+    np.testing.assert_array_equal(logits("auto", tokens), logits("fp8_gemm", tokens))
+    assert not np.array_equal(logits("fp8_gemm", tokens), logits("dequantize", tokens))
+    with pytest.raises(ValueError, match="mode='fast'.*auto, fp8_gemm, dequantize"):
+        fp8_weights.quantize_weights(model, params, mode="fast")
+
+
 def test_kernels_are_fp8_and_scales_fit():
     model, params, _ = tiny()
     _, params8 = fp8_weights.quantize_weights(model, params)
