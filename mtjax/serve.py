@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most alternatives per token a request may ask for with logprobs (default 20; 0: none)")
     engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="prefill every prompt whole (default: reuse the cached pages of shared prompt prefixes)")
+    engine.add_argument("--penalties", action="store_true",
+                        help="accept presence_penalty, frequency_penalty and repetition_penalty (the engine keeps "
+                             "each slot's token counts on the device)")
     engine.add_argument("--no-warmup", action="store_true", help="compile on first use instead of before serving")
 
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(model, params, max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                         max_seq_len=args.max_seq_len, kv_dtype=args.kv_dtype, weights=args.weights,
                         decode_steps=args.decode_steps, max_logprobs=args.max_logprobs,
-                        prefix_caching=args.prefix_caching)
+                        prefix_caching=args.prefix_caching, penalties=args.penalties)
         chat_template = find_chat_template(args.chat_template, tokenizer, args.checkpoint)
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"mtjax serve: error: {err}", file=sys.stderr)

@@ -26,7 +26,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mtjax.flax import PAGED_KV_COLLECTION, PagedKV
 from mtjax.flax.attention import E4M3_MAX
 from mtjax.inference.kv_cache import SCRATCH_PAGE, KVCache, resolve_kv_dtype
-from mtjax.inference.sampling import SamplingParams, TokenLogprobs, request_key, sample, token_logprobs
+from mtjax.inference.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    apply_penalties,
+    request_key,
+    sample,
+    token_logprobs,
+)
 from mtjax.inference.scheduler import PrefillChunk, Request, RequestStatus, Scheduler
 from mtjax.models import GPT, unstack_layers
 
@@ -95,6 +102,9 @@ class Engine:
       prefix_caching: a prompt that starts with the tokens of full pages another sequence computed
         reads their keys and values from those pages (shared, reference-counted) and prefills only
         the rest; finished sequences' pages stay cached until the pages are needed (`KVCache`).
+      penalties: requests may ask for `SamplingParams`' presence, frequency and repetition
+        penalties; the steps then keep each slot's token counts and prompt tokens on the device
+        (``2 * max_slots * vocab_size`` words: off by default).
     """
 
     def __init__(self, model: GPT, params: Any, *, max_slots: int = 8, page_size: int = 16,
@@ -102,7 +112,7 @@ class Engine:
                  weights: str | None = None, mesh: Mesh | None = None, tp_axis: str = "tp", decode_steps: int = 8,
                  prefill_chunk: int | None = None, prefill_buckets: Sequence[int] | None = None,
                  max_prefill_tokens: int | None = None, max_stop_tokens: int = 8, max_logprobs: int = 0,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, penalties: bool = False):
         if not isinstance(model, GPT):
             raise TypeError(f"Engine: model must be a mtjax.models.GPT; got {type(model).__name__}")
         cfg = model.config
@@ -150,6 +160,10 @@ class Engine:
         self.max_seq_len, self.max_slots, self.decode_steps = max_seq_len, max_slots, decode_steps
         self.prefill_chunk, self.prefill_buckets, self.max_stop_tokens = prefill_chunk, tuple(buckets), max_stop_tokens
         self.max_logprobs = max_logprobs
+        self.penalties = bool(penalties)
+        # Per slot: how often each token was generated, and the prompt's tokens (penalties only).
+        self._token_counts = (jnp.zeros((max_slots, cfg.vocab_size), jnp.int32),
+                              jnp.zeros((max_slots, cfg.vocab_size), jnp.bool_)) if self.penalties else None
         self.kv_dtype = resolve_kv_dtype(kv_dtype, cfg.dtype)
         self.cache = KVCache(model, params, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                              max_seq_len=max_seq_len, dtype=self.kv_dtype, mesh=mesh, tp_axis=tp_axis,
@@ -186,48 +200,70 @@ class Engine:
                        page_size=self.cache.page_size, dtype=self.kv_dtype, prefill=prefill)
 
     def _prefill_fn(self, params, pages, tokens, positions, slots, block_tables, lengths, last, temperature, top_k,
-                    top_p, keys, index, *, whole):
+                    top_p, keys, index, penalties, *, whole):
         self.compilations["prefill"] += 1  # runs when jax traces, i.e. on a compilation-cache miss
         view = self._view(block_tables, lengths, slots, whole)
         logits, pages = self._forward(params, pages, tokens, positions, view, logits_index=last)
-        new = sample(logits[:, 0], temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=index)
-        if not self.max_logprobs:
-            return pages, (new,)
-        return pages, (new, *token_logprobs(logits[:, 0], new, self.max_logprobs))
+        scores, counts = logits[:, 0], None
+        if penalties is not None:
+            (counts, seen), history, prompt_len, rows, emits, presence, frequency, repetition = penalties
+            # Each row's counts and prompt tokens, from its whole sequence so far (prompt + output).
+            batch, vocab = history.shape[0], counts.shape[1]
+            at = jnp.arange(history.shape[1])[None, :]
+            token = jnp.maximum(history, 0)
+            row = jnp.broadcast_to(jnp.arange(batch)[:, None], history.shape)
+            in_prompt = at < prompt_len[:, None]
+            row_counts = jnp.zeros((batch, vocab), jnp.int32).at[row, token].add(
+                ((history >= 0) & ~in_prompt).astype(jnp.int32))
+            row_seen = jnp.zeros((batch, vocab), jnp.bool_).at[row, token].max((history >= 0) & in_prompt)
+            scores = apply_penalties(scores, row_counts, row_seen, presence, frequency, repetition)
+        new = sample(scores, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=index)
+        if penalties is not None:  # the new token of a request's last chunk counts from now on
+            row_counts = row_counts.at[jnp.arange(batch), new].add(emits.astype(jnp.int32))
+            counts = (counts.at[rows].set(row_counts, mode="drop"), seen.at[rows].set(row_seen, mode="drop"))
+        out = (new,) if not self.max_logprobs else (new, *token_logprobs(logits[:, 0], new, self.max_logprobs))
+        return pages, counts, out
 
     def _decode_fn(self, params, pages, tokens, lengths, active, generated, max_tokens, temperature, top_k, top_p,
-                   keys, stop, block_tables):
+                   keys, stop, block_tables, penalties):
         self.compilations["decode"] += 1
         page_size, steps = self.cache.page_size, self.decode_steps
         last_page = block_tables.shape[1] - 1
 
         def body(i, carry):
-            pages, tokens, lengths, active, generated, out, logprobs = carry
+            pages, tokens, lengths, active, generated, counts, out, logprobs = carry
             page_index = jnp.minimum(lengths // page_size, last_page)[:, None]
             page = jnp.take_along_axis(block_tables, page_index, axis=1)[:, 0]
             slot = jnp.where(active, page * page_size + lengths % page_size, SCRATCH_PAGE * page_size)
             view = self._view(block_tables, jnp.where(active, lengths + 1, 0), slot[:, None], False)
             positions = jnp.where(active, lengths, 0)[:, None]
             logits, pages = self._forward(params, pages, tokens[:, None], positions, view)
-            new = sample(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=generated)
+            scores = logits[:, -1]
+            if penalties is not None:
+                _, seen, presence, frequency, repetition = penalties
+                scores = apply_penalties(scores, counts, seen, presence, frequency, repetition)
+            new = sample(scores, temperature=temperature, top_k=top_k, top_p=top_p, keys=keys, index=generated)
             if self.max_logprobs:
                 logprobs = tuple(x.at[:, i].set(y) for x, y in zip(
                     logprobs, token_logprobs(logits[:, -1], new, self.max_logprobs)))
             new = jnp.where(active, new, -1)
+            if penalties is not None:
+                counts = counts.at[jnp.arange(new.shape[0]), jnp.maximum(new, 0)].add(active.astype(jnp.int32))
             out = out.at[:, i].set(new)
             generated = generated + active
             finished = (generated >= max_tokens) | jnp.any(new[:, None] == stop, axis=-1)
             lengths = lengths + active
             tokens = jnp.where(active, new, tokens)
-            return pages, tokens, lengths, active & ~finished, generated, out, logprobs
+            return pages, tokens, lengths, active & ~finished, generated, counts, out, logprobs
 
         slots, top = tokens.shape[0], self.max_logprobs
         out = jnp.full((slots, steps), -1, jnp.int32)
         logprobs = () if not top else (jnp.zeros((slots, steps), jnp.float32),
                                        jnp.zeros((slots, steps, top), jnp.int32),
                                        jnp.zeros((slots, steps, top), jnp.float32))
-        carry = jax.lax.fori_loop(0, steps, body, (pages, tokens, lengths, active, generated, out, logprobs))
-        return carry[0], (carry[-2], *carry[-1])
+        counts = None if penalties is None else penalties[0]
+        carry = jax.lax.fori_loop(0, steps, body, (pages, tokens, lengths, active, generated, counts, out, logprobs))
+        return carry[0], carry[5], (carry[-2], *carry[-1])
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -261,6 +297,9 @@ class Engine:
             raise ValueError(f"Engine.add_request: logprobs={params.logprobs}; this engine returns "
                              + (f"at most {self.max_logprobs} alternatives" if self.max_logprobs else
                                 "no log-probabilities (build it with max_logprobs > 0)"))
+        if params.penalized and not self.penalties:
+            raise ValueError("Engine.add_request: presence_penalty, frequency_penalty and repetition_penalty need "
+                             "an Engine built with penalties=True")
         request_id = next(self._ids)
         self._inbox.append(("add", Request(request_id, prompt, params, arrival=request_id)))
         return request_id
@@ -462,6 +501,32 @@ class Engine:
                 temperature[i], top_p[i], keys[i] = p.temperature, p.top_p, request_key(p.seed)
         return temperature, top_k, top_p, keys
 
+    def _penalty_rows(self, requests: list[Request | None], rows: int) -> tuple[np.ndarray, ...]:
+        """``(presence, frequency, repetition)`` per row (0, 0, 1 where none)."""
+        presence, frequency = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        repetition = np.ones(rows, np.float32)
+        for i, request in enumerate(requests):
+            if request is not None:
+                p = request.params
+                presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        return presence, frequency, repetition
+
+    def _prefill_penalties(self, batch: list[PrefillChunk], rows: int) -> tuple[Any, ...] | None:
+        """The prefill's penalty state: each row's whole sequence so far (-1 padded), prompt length,
+        slot (``max_slots`` on padding rows: their results are dropped) and whether it emits a token."""
+        if not self.penalties:
+            return None
+        history = np.full((rows, self.max_seq_len), -1, np.int32)
+        prompt_len = np.zeros(rows, np.int32)
+        slots = np.full(rows, self.max_slots, np.int32)
+        emits = np.zeros(rows, bool)
+        for i, chunk in enumerate(batch):
+            sequence = chunk.request.sequence
+            history[i, :len(sequence)] = sequence
+            prompt_len[i], slots[i], emits[i] = len(chunk.request.prompt), chunk.request.slot, chunk.last
+        return (self._token_counts, history, prompt_len, slots, emits,
+                *self._penalty_rows([c.request for c in batch], rows))
+
     def _call_prefill(self, batch: list[PrefillChunk], length: int, rows: int, whole: bool) -> tuple[np.ndarray, ...]:
         cache = self.cache
         tokens = np.zeros((rows, length), np.int32)
@@ -480,8 +545,11 @@ class Engine:
             tables[i] = cache.block_tables[request.slot]
             lengths[i], last[i], index[i] = chunk.start + n, n - 1, len(request.output)
         sampling = self._sampling_rows([c.request for c in batch], rows)
-        cache.pages, new = self._prefill(self.params, cache.pages, tokens, positions, slots, tables, lengths, last,
-                                         *sampling, index, whole=whole)
+        cache.pages, counts, new = self._prefill(self.params, cache.pages, tokens, positions, slots, tables, lengths,
+                                                 last, *sampling, index, self._prefill_penalties(batch, rows),
+                                                 whole=whole)
+        if counts is not None:
+            self._token_counts = counts
         return tuple(np.asarray(x) for x in new)
 
     def _run_prefill(self, batch: list[PrefillChunk], length: int, whole: bool, changed: dict[int, list[int]]) -> None:
@@ -511,8 +579,12 @@ class Engine:
             generated[s], max_tokens[s] = len(request.output), request.params.max_tokens
             stop[s, :len(request.params.stop)] = request.params.stop
         sampling = self._sampling_rows(rows, slots)
-        self.cache.pages, out = self._decode(self.params, self.cache.pages, tokens, lengths, active, generated,
-                                             max_tokens, *sampling, stop, self.cache.block_tables)
+        penalties = None if not self.penalties else (*self._token_counts, *self._penalty_rows(rows, slots))
+        self.cache.pages, counts, out = self._decode(self.params, self.cache.pages, tokens, lengths, active,
+                                                     generated, max_tokens, *sampling, stop, self.cache.block_tables,
+                                                     penalties)
+        if counts is not None:
+            self._token_counts = (counts, self._token_counts[1])
         return tuple(np.asarray(x) for x in out)
 
     def _run_decode(self, requests: list[Request], changed: dict[int, list[int]]) -> None:

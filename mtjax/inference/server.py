@@ -7,9 +7,11 @@
 Endpoints:
 - ``POST /v1/completions``: OpenAI's completions request (``prompt`` text or token ids, one or a list;
   ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``n``, ``logprobs``, ``echo``;
-  extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent events with ``"stream": true`` (one
-  ``data:`` chunk per batch of new tokens, then ``data: [DONE]``). Each choice also carries the
-  ``token_ids`` it produced. Bad requests get HTTP 400 with OpenAI's error object.
+  ``presence_penalty`` and ``frequency_penalty`` with ``mtjax serve --penalties``; extensions ``top_k``,
+  ``repetition_penalty`` (``--penalties``), ``stop_token_ids``, ``ignore_eos``); JSON, or server-sent
+  events with ``"stream": true`` (one ``data:`` chunk per batch of new tokens, then ``data: [DONE]``).
+  Each choice also carries the ``token_ids`` it produced. Bad requests get HTTP 400 with OpenAI's
+  error object.
 - ``POST /v1/chat/completions``: OpenAI's chat request (``messages`` rendered by the model's chat
   template, `mtjax.inference.chat`; ``max_completion_tokens`` or ``max_tokens``, by default what fits
   the context; the other options as above), answered as ``chat.completion`` objects or
@@ -433,9 +435,11 @@ class CompletionServer:
         # Options this server does not implement are refused unless they ask for the default: ignoring
         # a penalty or a logit bias would answer another question than the one asked.
         unsupported = {"best_of": lambda v: _is_int(v) and v == body.get("n", 1), "suffix": lambda v: v == "",
-                       "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
-                       "repetition_penalty": lambda v: v == 1, "logit_bias": lambda v: v == {},
-                       "min_tokens": lambda v: v == 0, "tool_choice": lambda v: v == "none"}
+                       "logit_bias": lambda v: v == {}, "min_tokens": lambda v: v == 0,
+                       "tool_choice": lambda v: v == "none"}
+        if not self.engine.penalties:  # `mtjax serve --penalties`
+            unsupported.update({"frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
+                                "repetition_penalty": lambda v: v == 1})
         if chat:
             unsupported["echo"] = lambda v: v is False
         echo = body.get("echo", False)
@@ -444,7 +448,8 @@ class CompletionServer:
         for name, accepted in unsupported.items():
             value = body.get(name)
             if value is not None and not accepted(value):
-                raise RequestError(f"'{name}'={value!r} is not supported by this server", name)
+                hint = " (start it with --penalties)" if name.endswith("_penalty") else ""
+                raise RequestError(f"'{name}'={value!r} is not supported by this server{hint}", name)
         max_len = self.engine.max_seq_len
         for ids in prompts:
             if len(ids) >= max_len:
@@ -497,9 +502,12 @@ class CompletionServer:
             if len(ids) + max_tokens > max_len:
                 raise RequestError(f"the prompt ({len(ids)} tokens) plus {name}={max_tokens} exceed the model's "
                                    f"{max_len} tokens: ask for at most {max_len - len(ids)}", name)
+        penalties = dict(presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True))
         try:
             params = SamplingParams(max_tokens=max(max_tokens, 1), temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed, stop=tuple(stop_ids), logprobs=logprobs)
+                                    seed=seed, stop=tuple(stop_ids), logprobs=logprobs, **penalties)
         except ValueError as err:
             raise RequestError(str(err)) from None
         return RequestOptions(params, stop, frozenset(stop_ids), stream, include_usage,

@@ -154,6 +154,69 @@ def test_prefix_caching_reads_shared_prompt_pages_and_outputs_stay_exact():
     assert stats["free_pages"] == stats["total_pages"] and stats["cached_pages"] > 0
 
 
+def penalized_reference(model, params, prompt, max_tokens, presence, frequency, repetition):
+    """Greedy decoding with `SamplingParams`' penalties, applied in numpy to the full model's logits."""
+    forward = jax.jit(lambda t, i: model.apply({"params": params}, t)[0, i])
+    seq, out = list(prompt), []
+    while len(out) < max_tokens:
+        padded = np.zeros((1, MAX_SEQ), np.int32)
+        padded[0, :len(seq)] = seq
+        logits = np.asarray(forward(padded, len(seq) - 1), np.float32)
+        counts = np.bincount(out, minlength=logits.size)
+        seen = (counts > 0) | (np.bincount(prompt, minlength=logits.size) > 0)
+        logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+        logits = logits - frequency * counts - presence * (counts > 0)
+        out.append(int(np.argmax(logits)))
+        seq.append(out[-1])
+    return out
+
+
+def test_penalties_follow_the_full_forward_through_chunks_slot_reuse_and_preemption():
+    """Greedy decoding with presence, frequency and repetition penalties equals the full model with the
+    penalties applied in numpy: long (chunked) prompts, more requests than slots (a slot's counts are
+    those of its new request), preemption (counts rebuilt from the recomputed sequence), and a request
+    without penalties beside them; nothing compiles after warm-up."""
+    model, params = make_model("rope-gqa-tied-scan")
+
+    def shrink(path, x):  # weak attention and MLP outputs: the tied logits repeat the last token
+        names = [getattr(k, "key", None) for k in path]
+        return x * 0.02 if "wo_kernel" in names or "out" in names else x
+
+    params = jax.tree_util.tree_map_with_path(shrink, params)
+    engine = Engine(model, params, **{**ENGINE, "num_pages": 12}, penalties=True)
+    engine.warmup()
+    prompts = prompts_of([6, 13, 5, 6, 7], seed=12)
+    options = [(0.0, 0.0, 1.0), (2.0, 0.0, 1.0), (0.0, 1.5, 1.0), (0.0, 0.0, 1.8), (0.3, 0.7, 1.3)]
+    warm = dict(engine.compilations)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, presence_penalty=pr, frequency_penalty=fr,
+                                                repetition_penalty=rep))
+           for p, (pr, fr, rep) in zip(prompts, options)]
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert engine.compilations == warm
+    assert engine.stats()["preemptions"] > 0
+    for request_id, prompt, penalties in zip(ids, prompts, options):
+        assert final[request_id] == penalized_reference(model, params, prompt, 12, *penalties), penalties
+    # The penalties change what greedy decoding picks (a presence penalty of 2 alone may not beat the
+    # margin of the repeated token).
+    plain = Reference(model, params)
+    assert final[ids[0]] == plain(prompts[0], 12)
+    assert sum(final[i] != plain(p, 12) for i, p in zip(ids[1:], prompts[1:])) >= 3
+
+
+def test_penalties_need_an_engine_that_tracks_them(setup):
+    engine, _ = setup
+    with pytest.raises(ValueError, match="penalties=True"):
+        engine.add_request([1, 2], SamplingParams(frequency_penalty=0.5))
+    with pytest.raises(ValueError, match="presence_penalty=3"):
+        SamplingParams(presence_penalty=3)
+    with pytest.raises(ValueError, match="repetition_penalty=0"):
+        SamplingParams(repetition_penalty=0)
+    with pytest.raises(TypeError, match="frequency_penalty='a'"):
+        SamplingParams(frequency_penalty="a")
+
+
 def test_logprobs_are_the_full_forwards_log_softmax():
     model, params = make_model("learned-mha-untied-unrolled")
     engine = Engine(model, params, **ENGINE, max_logprobs=3)

@@ -445,3 +445,22 @@ def test_the_earliest_stop_string_ends_a_completion_and_cuts_its_tokens():
     c.update(Output("abczzb"))  # "b" comes first though listed second
     assert c.finish_reason == "stop" and c.text == "a"
     assert c.token_ids == [ord("a"), ord("b")] and c.logprobs == [0, 1]
+
+
+def test_penalties_are_parsed_where_the_engine_tracks_them(reference):
+    """`mtjax serve --penalties`: the request's presence, frequency and repetition penalties reach its
+    `SamplingParams`; without the option they get a 400 that names it; out-of-range values a 400."""
+    from mtjax.inference.server import CompletionServer, RequestError
+
+    engine, tokenizer = reference
+    body = {"prompt": [1], "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}
+    with pytest.raises(RequestError, match="--penalties") as refused:
+        CompletionServer(engine, tokenizer)._sampling(body, [[1]], chat=False)
+    assert refused.value.param.endswith("_penalty")
+    server = CompletionServer(Engine(engine.model, engine.params, max_slots=2, penalties=True), tokenizer)
+    p = server._sampling(body, [[1]], chat=False).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    for name, value in (("presence_penalty", 2.5), ("frequency_penalty", "x"), ("repetition_penalty", 0)):
+        with pytest.raises(RequestError) as refused:
+            server._sampling({"prompt": [1], name: value}, [[1]], chat=False)
+        assert refused.value.param == name
