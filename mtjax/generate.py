@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=40, help="sample among the k likeliest (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divide the positive logits of tokens already in the text (default 1: off; GPT models)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtract this times each token's count in the continuation (in [-2, 2]; GPT models)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtract this from tokens the continuation holds (in [-2, 2]; GPT models)")
     parser.add_argument("--kv-dtype", default=None, help="cache dtype: bfloat16, float16, float32 or fp8 "
                         "(default: the model's compute dtype)")
     parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per cache page (default 16)")
@@ -117,14 +123,18 @@ def _continue(args: argparse.Namespace, model: Any, params: Any, tokenizer: Any)
         return _fail("--prompt: expected some text to continue")
     try:
         sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed)
+                                  top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                                  frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
         longest = max(len(p) for p in prompts) + args.max_new_tokens
         engine = Engine(model, params, max_slots=len(prompts), page_size=args.page_size, kv_dtype=args.kv_dtype,
                         prefill_chunk=min(512, model.config.max_seq_len),
-                        num_pages=1 + len(prompts) * -(-longest // args.page_size))
+                        num_pages=1 + len(prompts) * -(-longest // args.page_size), penalties=sampling.penalized)
         outputs = engine.generate(prompts, sampling)
     except ValueError as err:
-        return _fail(str(err).replace("max_tokens", "--max-new-tokens"))
+        message = str(err).replace("max_tokens", "--max-new-tokens")
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        return _fail(message)
     for text, ids in zip(args.prompt, outputs):
         print(text + tokenizer.decode(ids))
     return 0

@@ -93,6 +93,11 @@ def test_train_sigterm_resume_on_another_mesh_and_generate(tmp_path, corpus, cap
     assert main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"]) == 2
     assert main(["generate", "--checkpoint", workdir, "--prompt", "x", "--max-new-tokens", "500"]) == 2
     assert "max_seq_len" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", workdir, "--prompt", "def f", "--max-new-tokens", "4",
+                 "--repetition-penalty", "1.3", "--frequency-penalty", "0.5"]) == 0
+    assert capsys.readouterr().out.startswith("def f")
+    assert main(["generate", "--checkpoint", workdir, "--prompt", "x", "--presence-penalty", "3"]) == 2
+    assert "--presence-penalty=3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
