@@ -162,8 +162,12 @@ class Engine:
         self.max_logprobs = max_logprobs
         self.penalties = bool(penalties)
         # Per slot: how often each token was generated, and the prompt's tokens (penalties only).
-        self._token_counts = (jnp.zeros((max_slots, cfg.vocab_size), jnp.int32),
-                              jnp.zeros((max_slots, cfg.vocab_size), jnp.bool_)) if self.penalties else None
+        self._token_counts = None
+        if self.penalties:
+            self._token_counts = (jnp.zeros((max_slots, cfg.vocab_size), jnp.int32),
+                                  jnp.zeros((max_slots, cfg.vocab_size), jnp.bool_))
+            if mesh is not None:
+                self._token_counts = jax.device_put(self._token_counts, NamedSharding(mesh, PartitionSpec()))
         self.kv_dtype = resolve_kv_dtype(kv_dtype, cfg.dtype)
         self.cache = KVCache(model, params, max_slots=max_slots, page_size=page_size, num_pages=num_pages,
                              max_seq_len=max_seq_len, dtype=self.kv_dtype, mesh=mesh, tp_axis=tp_axis,

@@ -363,9 +363,9 @@ def test_tensor_parallel_kv_heads_on_a_mesh():
     model, params = make_model("rope-gqa-tied-scan")
     reference = Reference(model, params)
     mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-    engine = Engine(model, params, **{**ENGINE, "max_slots": 2}, mesh=mesh)
+    engine = Engine(model, params, **{**ENGINE, "max_slots": 2}, mesh=mesh, penalties=True)
     leaf = jax.tree.leaves(engine.cache.pages)[0]
     assert leaf.sharding.spec[0] == "tp"  # [kv_heads, num_pages, page_size, head_dim]
     prompts = prompts_of([5, 9], seed=7)
-    out = engine.generate(prompts, SamplingParams(max_tokens=5))
-    assert out == [reference(p, 5) for p in prompts]
+    out = engine.generate(prompts, [SamplingParams(max_tokens=5), SamplingParams(max_tokens=5, frequency_penalty=1.0)])
+    assert out == [reference(prompts[0], 5), penalized_reference(model, params, prompts[1], 5, 0.0, 1.0, 1.0)]
