@@ -163,7 +163,7 @@ def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype
                            interpret=kernel_interpret())
 
 
-# The native Triton kernels above the Pallas ones (faster on an H100 with bf16 operands and with the
+# The native Triton kernels above the Pallas ones (measured faster with bf16 operands and with the
 # mixed-FP8 backward: docs/performance.md); FP8 operands of one dtype go to the Mosaic GPU kernel first.
 _NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 11}
 
