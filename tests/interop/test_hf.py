@@ -39,6 +39,8 @@ from mtjax.interop import (  # noqa: E402
 from mtjax.models import GPT, BertConfig, BertEncoder, gpt_config, unstack_layers  # noqa: E402
 from mtjax.sharding import MeshConfig, logical_axis_rules, logical_shardings  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "hf"
 FIXTURES = ("llama3", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox", "bert")
 

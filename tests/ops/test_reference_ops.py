@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from mtjax import ops
 from tests.ops import numpy_reference as npref
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 RTOL = 1e-5
 
 
