@@ -429,7 +429,7 @@ def run_train(quick: bool, presets: Sequence[str] | None = None, batch_size: int
     presets = list(presets or (QUICK_TRAIN_PRESETS if quick else TRAIN_PRESETS))
     default_batch, seq = ((train_suite.QUICK_BATCH, train_suite.QUICK_SEQ_LEN) if quick
                           else (train_suite.BATCH, train_suite.SEQ_LEN))
-    batch_size = batch_size or default_batch
+    batch_size = default_batch if batch_size is None else batch_size
     rows = []
     for preset in presets:
         config = gpt_config(preset)
