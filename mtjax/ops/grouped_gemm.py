@@ -354,18 +354,20 @@ def _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_
 def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
     lhs_q, lhs_scale_inv = _quantize_tensor(lhs, forward_dtype)
     rhs_q, rhs_scale_inv = _quantize_groups(rhs, forward_dtype)
-    # Hopper's FP8 tensor-core GEMM takes both operands K-major: the forward reads rhs as [G, N, K]
-    # (the transpose rides along in the cast's fusion), d lhs (contracting N) as it is, [G, K, N].
-    out = _gmm(lhs_q, jnp.swapaxes(rhs_q, 1, 2), group_sizes, True, out_dtype, blocks.forward, implementation,
+    # Written as [G, N, K], contraction innermost: Hopper's FP8 tensor-core GEMM takes both operands
+    # K-major (the transpose rides along in the cast's fusion). d lhs reads the same array MN-major:
+    # reading rhs [G, K, N] K-major there instead measured slower (docs/performance.md).
+    rhs_q_t = jnp.swapaxes(rhs_q, 1, 2)
+    out = _gmm(lhs_q, rhs_q_t, group_sizes, True, out_dtype, blocks.forward, implementation,
                group_scale=rhs_scale_inv * lhs_scale_inv)
-    return out, (lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
+    return out, (lhs_q, lhs_scale_inv, rhs_q_t, rhs_scale_inv, group_sizes)
 
 
 def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, implementation, residuals, grad):
-    lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes = residuals
+    lhs_q, lhs_scale_inv, rhs_q_t, rhs_scale_inv, group_sizes = residuals
     grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
-    # d lhs = grad @ rhs[g]^T: rows of group g carry rhs[g]'s scale.
-    d_lhs = _gmm(grad_q, rhs_q, group_sizes, True, out_dtype, blocks.dlhs, implementation,
+    # d lhs = grad @ rhs[g]^T (rhs_q_t [G, N, K] taken as is): rows of group g carry rhs[g]'s scale.
+    d_lhs = _gmm(grad_q, rhs_q_t, group_sizes, False, out_dtype, blocks.dlhs, implementation,
                  group_scale=rhs_scale_inv * grad_scale_inv)
     # d rhs[g] = lhs[g]^T grad[g]: both scales per tensor.
     d_rhs = _tgmm(lhs_q, grad_q, group_sizes, out_dtype, blocks.wgrad, implementation,
