@@ -27,6 +27,7 @@ and gradients, 128x128 blocks per group for ``rhs``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -163,8 +164,8 @@ def _grouped_gemm_wgrad_pallas(lhs, grad, group_sizes, group_scale, *, out_dtype
                            interpret=kernel_interpret())
 
 
-# The native Triton kernels above the Pallas ones (measured faster with bf16 operands and with the
-# mixed-FP8 backward: docs/performance.md); FP8 operands of one dtype go to the Mosaic GPU kernel first.
+# The native Triton kernels above the Pallas ones (measured faster with bf16 operands and with mixed FP8
+# operands: docs/performance.md); FP8 operands of one dtype go to the Mosaic GPU kernel first.
 _NATIVE = {**_KERNEL, "requires": (backend.TRITON,), "priority": 11}
 
 
@@ -355,8 +356,7 @@ def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, 
     lhs_q, lhs_scale_inv = _quantize_tensor(lhs, forward_dtype)
     rhs_q, rhs_scale_inv = _quantize_groups(rhs, forward_dtype)
     # Written as [G, N, K], contraction innermost: Hopper's FP8 tensor-core GEMM takes both operands
-    # K-major (the transpose rides along in the cast's fusion). d lhs reads the same array MN-major:
-    # reading rhs [G, K, N] K-major there instead measured slower (docs/performance.md).
+    # K-major (the transpose rides along in the cast's fusion).
     rhs_q_t = jnp.swapaxes(rhs_q, 1, 2)
     out = _gmm(lhs_q, rhs_q_t, group_sizes, True, out_dtype, blocks.forward, implementation,
                group_scale=rhs_scale_inv * lhs_scale_inv)
@@ -366,13 +366,28 @@ def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, 
 def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, implementation, residuals, grad):
     lhs_q, lhs_scale_inv, rhs_q_t, rhs_scale_inv, group_sizes = residuals
     grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
-    # d lhs = grad @ rhs[g]^T (rhs_q_t [G, N, K] taken as is): rows of group g carry rhs[g]'s scale.
-    d_lhs = _gmm(grad_q, rhs_q_t, group_sizes, False, out_dtype, blocks.dlhs, implementation,
-                 group_scale=rhs_scale_inv * grad_scale_inv)
-    # d rhs[g] = lhs[g]^T grad[g]: both scales per tensor.
-    d_rhs = _tgmm(lhs_q, grad_q, group_sizes, out_dtype, blocks.wgrad, implementation,
-                  group_scale=jnp.broadcast_to(lhs_scale_inv * grad_scale_inv, rhs_scale_inv.shape))
+    # The backward GEMMs take the FP8 values dequantized to the output dtype through the grouped GEMM's
+    # bf16 kernels, as block scaling's weight gradient does: their FP8 operands would come in two
+    # formats (E5M2 gradients, E4M3 weights), laid out MN-major for the weight gradient, which the FP8
+    # tensor cores do not take as they are, and the kernels' in-register widening measured far slower
+    # than the bf16 GEMMs plus the casts (docs/performance.md).
+    dequantize = _dequantizer(out_dtype)
+    grad_dq = dequantize(grad_q, grad_scale_inv)
+    # d lhs = grad @ rhs[g]^T (rhs_q_t [G, N, K] taken as is).
+    d_lhs = _gmm(grad_dq, dequantize(rhs_q_t, rhs_scale_inv[:, None, None]), group_sizes, False, out_dtype,
+                 blocks.dlhs, implementation)
+    # d rhs[g] = lhs[g]^T grad[g].
+    d_rhs = _tgmm(dequantize(lhs_q, lhs_scale_inv), grad_dq, group_sizes, out_dtype, blocks.wgrad, implementation)
     return d_lhs, d_rhs, None
+
+
+def _dequantizer(dtype: Any):
+    """``(q, scale_inv) -> q * scale_inv`` in ``dtype`` (computed in float32; exact for a float32 ``dtype``,
+    within 2^-9 relative of each value for bfloat16)."""
+    def dequantize(q: jax.Array, scale_inv: jax.Array) -> jax.Array:
+        return (q.astype(jnp.float32) * scale_inv).astype(dtype)
+
+    return dequantize
 
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
@@ -385,9 +400,12 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
     ``lhs`` is quantized with one scale (``fp8_max / amax(lhs)``), ``rhs`` with one scale per group
     (``fp8_max / amax(rhs[g])``), the output gradient with one scale, all from the tensors of this
-    step (no state: TransformerEngine's current scaling). The three GEMMs take the FP8 operands,
-    accumulate in float32 and apply the dequantization scales to the accumulator: per row (the row's
-    group's ``rhs`` scale) for the forward and ``d lhs``, per tensor for the weight gradient.
+    step (no state: TransformerEngine's current scaling). The forward GEMM takes the FP8 operands
+    (on FP8 tensor cores where a kernel takes them), accumulates in float32 and applies the
+    dequantization scales to the accumulator, per row (the row's group's ``rhs`` scale). The backward
+    GEMMs take the same quantized values, and the quantized output gradient, dequantized to
+    ``lhs.dtype`` (exact for float32, within 2^-9 of each value for bfloat16) through the grouped
+    GEMM's kernels, which are faster there than FP8 kernels on mixed formats (docs/moe-kernels.md).
     Under `mtjax.fp8.fp8_autocast` a caller picks this op and takes the dtypes from the recipe's
     ``fp8_format.dtypes()``; a `DelayedScaling` recipe is served with current scaling too here.
 
@@ -406,7 +424,12 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     forward_dtype, gradient_dtype = jnp.dtype(forward_dtype), jnp.dtype(gradient_dtype)
     check_choice(op, "forward_dtype", forward_dtype, fp8)
     check_choice(op, "gradient_dtype", gradient_dtype, fp8)
-    blocks = block_sizes or BlockSizes.default(m, k, n, g, forward_dtype)
+    if block_sizes is None:  # FP8 tiles for the forward, the output dtype's for the dequantized backward
+        backward = BlockSizes.default(m, k, n, g, lhs.dtype)
+        blocks = dataclasses.replace(BlockSizes.default(m, k, n, g, forward_dtype), dlhs=backward.dlhs,
+                                     wgrad=backward.wgrad)
+    else:
+        blocks = block_sizes
     return _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, jnp.dtype(lhs.dtype), blocks,
                              implementation)
 

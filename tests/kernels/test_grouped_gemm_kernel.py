@@ -222,7 +222,7 @@ def test_lowers_for_cuda(dtype, fp8, persistent, monkeypatch):
 
 def test_fp8_with_e4m3_gradients_lowers_for_cuda():
     """E4M3 gradients (DeepSeek-V3's format): the forward contracts K-major FP8 operands on the Mosaic GPU
-    kernel; ``d lhs`` reads the weights MN-major and the weight gradient runs, both on the Triton kernels."""
+    kernel; ``d lhs`` and the weight gradient take the dequantized operands on the Triton kernels."""
     def f(lhs, rhs, group_sizes):
         out, vjp = jax.vjp(lambda a, b: ops.grouped_gemm_fp8(a, b, group_sizes, gradient_dtype=jnp.float8_e4m3fn),
                            lhs, rhs)

@@ -152,14 +152,15 @@ def test_grouped_gemm_cases_lower_for_cuda(case):
 
 def test_grouped_gemm_ops_take_it_where_it_applies(interpret, monkeypatch):
     """``implementation="mosaic_gpu"`` for the differentiable ops: forward and ``d lhs`` on the
-    Mosaic GPU kernel, the weight gradient (and FP8's E5M2 x E4M3 ``d lhs``) on the default, the
-    results those of the Triton kernels."""
+    Mosaic GPU kernel (FP8's ``d lhs`` on the dequantized bfloat16 operands), the weight gradient on
+    the default, the results those of the Triton kernels."""
     lhs, rhs, sizes = _grouped_operands(5, 200, 128, 128, [60, 0, 100], jnp.bfloat16, False)
     dy = jax.random.normal(jax.random.key(6), (200, 128)).astype(jnp.bfloat16)
     calls = []
     original = mosaic_grouped.gmm
     monkeypatch.setattr(mosaic_grouped, "gmm", lambda lhs, *a, **kw: calls.append(lhs.dtype) or original(lhs, *a, **kw))
-    for op, mosaic_calls in ((ops.grouped_gemm, [jnp.bfloat16] * 2), (ops.grouped_gemm_fp8, [jnp.float8_e4m3fn])):
+    for op, mosaic_calls in ((ops.grouped_gemm, [jnp.bfloat16] * 2),
+                             (ops.grouped_gemm_fp8, [jnp.float8_e4m3fn, jnp.bfloat16])):
         calls.clear()
         outs = {}
         for implementation in ("mosaic_gpu", "pallas_triton"):

@@ -150,6 +150,28 @@ def test_fp8_matches_numpy_quantized_product():
     assert_close(d_rhs, np_tgmm(lhs_q, dy_q, gs))
 
 
+def test_fp8_backward_runs_the_grouped_gemm_on_dequantized_operands():
+    """bfloat16 inputs: the backward GEMMs are `grouped_gemm` / `grouped_gemm_wgrad` of the quantized
+    values dequantized to bfloat16 (the scales folded in), the same numbers to the last bit."""
+    lhs, rhs, gs, dy = random_case(5, 48, 32, 24, [10, 0, 30, 5], dtype=ml_dtypes.bfloat16)
+    _, d_lhs, d_rhs = value_and_grads(lambda a, b: ops.grouped_gemm_fp8(a, b, gs), lhs, rhs, dy)
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+    def dequantized(x, axes, dtype):
+        fp8_max = float(jnp.finfo(dtype).max)
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=axes is not None)
+        scale = jnp.float32(fp8_max) / amax
+        q = jnp.clip(x.astype(jnp.float32) * scale, -fp8_max, fp8_max).astype(dtype)
+        return (q.astype(jnp.float32) * (1.0 / scale)).astype(jnp.bfloat16)
+
+    lhs, rhs, dy = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(dy)
+    dy_dq = dequantized(dy, None, e5m2)
+    want_lhs = ops.grouped_gemm(dy_dq, dequantized(rhs, (1, 2), e4m3), gs, transpose_rhs=True)
+    want_rhs = ops.grouped_gemm_wgrad(dequantized(lhs, None, e4m3), dy_dq, gs)
+    np.testing.assert_array_equal(np.asarray(d_lhs, np.float32), np.asarray(want_lhs, np.float32))
+    np.testing.assert_array_equal(np.asarray(d_rhs, np.float32), np.asarray(want_rhs, np.float32))
+
+
 def test_fp8_close_to_full_precision():
     """Against the unquantized product. E4M3 rounds to 3 mantissa bits: a relative error of at most
     2**-4 per operand, about 2**-4 / sqrt(3) rms for uniform rounding; two operands give ~5 % of the
