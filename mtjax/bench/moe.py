@@ -7,8 +7,7 @@ Three parts, every row timed in one process (``--quick``: tiny shapes for the CP
   experts), with balanced and skewed (Zipf: expert ``g`` gets a share proportional to ``1 / (g + 1)``)
   group sizes. Implementations: ``mtjax`` (`mtjax.ops.grouped_gemm`, automatic kernel selection;
   ``--block-m`` ... set its forward tiles), ``mtjax fp8`` (`mtjax.ops.grouped_gemm_fp8`, current
-  scaling, E5M2 gradients), ``mtjax fp8 e4m3`` (the same with E4M3 gradients, DeepSeek-V3's choice:
-  every GEMM takes one FP8 format), ``mtjax fp8 block`` (`mtjax.ops.grouped_gemm_block_fp8`: the
+  scaling, E5M2 gradients), ``mtjax fp8 block`` (`mtjax.ops.grouped_gemm_block_fp8`: the
   casts of `BlockScaling`, block-scaled FP8 GEMMs on Hopper, grouped GEMMs of the dequantized operands
   elsewhere; measured against the bf16 ceiling), ``ragged_dot``
   (`jax.lax.ragged_dot`, the peer), ``tokamax`` (``tokamax.ragged_dot`` where importable) and
@@ -100,8 +99,6 @@ def _gemm_variants(tiles: GemmTiles | None, m: int, k: int, n: int, g: int) -> d
         "mtjax": lambda x, w, s: ops.grouped_gemm(x, w, s, block_sizes=blocks),
         "ragged_dot": lambda x, w, s: lax.ragged_dot(x, w, s, preferred_element_type=jnp.float32).astype(x.dtype),
         "mtjax fp8": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, block_sizes=blocks),
-        "mtjax fp8 e4m3": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, gradient_dtype=jnp.float8_e4m3fn,
-                                                              block_sizes=blocks),
         "mtjax fp8 block": lambda x, w, s: ops.grouped_gemm_block_fp8(x, w, s, block_sizes=blocks),
     }
     for kernel in ("triton", "mosaic_gpu"):  # each kernel family beside the default selection
