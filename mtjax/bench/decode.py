@@ -317,32 +317,42 @@ def prefill_row(model_name: str, sizes: Sizes) -> list[dict]:
 
 
 def engine_row(model_name: str, sizes: Sizes) -> list[dict]:
+    """``Engine.generate`` end to end on a batch of random prompts, greedy; beside it the same with
+    presence, frequency and repetition penalties (``Engine(penalties=True)``: its per-slot token counts
+    read and updated at every decoded token), against the first."""
     from mtjax.inference import Engine, SamplingParams
 
     batch = max(sizes.batches[:3])
     prompt_len, new = (sizes.contexts[0] // 2, sizes.contexts[0] // 4)
     name = f"engine generate {model_name} {batch}x({prompt_len}+{new})"
+    greedy = SamplingParams(max_tokens=new, temperature=0.0)
+    penalized = SamplingParams(max_tokens=new, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5,
+                               repetition_penalty=1.2)
+    built: list[Any] = []
 
-    def one():
-        model, params = model_and_params(model_name, sizes.contexts[0])
+    def one(implementation: str, penalties: bool, sampling: SamplingParams) -> dict:
+        if not built:
+            built.extend(model_and_params(model_name, sizes.contexts[0]))
+        model, params = built
         # The timed runs repeat the warm-up's prompts: without prefix caching they prefill them again.
         engine = Engine(model, params, max_slots=batch, page_size=PAGE_SIZE, max_seq_len=sizes.contexts[0],
-                        decode_steps=sizes.steps, prefix_caching=False)
+                        decode_steps=sizes.steps, prefix_caching=False, penalties=penalties)
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(0, model.config.vocab_size, prompt_len)] for _ in range(batch)]
-        params_ = SamplingParams(max_tokens=new, temperature=0.0)
-        engine.generate(prompts, params_)  # compiles what this workload uses
+        engine.generate(prompts, sampling)  # compiles what this workload uses
         times = []
         for _ in range(max(1, sizes.runs // 5)):
             start = time.perf_counter()
-            out = engine.generate(prompts, params_)
+            out = engine.generate(prompts, sampling)
             times.append(time.perf_counter() - start)
         produced = sum(len(o) for o in out)
         t = timing.Timing(float(np.median(times)), min(times), max(times), len(times))
-        return timing.row(SUITE, name, "mtjax engine", t, tokens_per_s=produced / t.median, batch=batch,
-                          prompt_tokens=prompt_len, new_tokens=new)
+        return timing.row(SUITE, name, implementation, t, tokens_per_s=produced / t.median, batch=batch,
+                          prompt_tokens=prompt_len, new_tokens=new,
+                          peer="mtjax engine" if penalties else None)
 
-    return guarded(name, "mtjax engine", one)
+    return (guarded(name, "mtjax engine", lambda: one("mtjax engine", False, greedy))
+            + guarded(name, "mtjax engine penalties", lambda: one("mtjax engine penalties", True, penalized)))
 
 
 # --------------------------------------------------------------------------------------------------

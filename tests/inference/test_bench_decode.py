@@ -31,10 +31,13 @@ def test_every_kind_of_row(quick_run):
     rows = [r for r in quick_run if r["suite"] == "decode"]
     assert all(set(r) == set(timing.ROW_FIELDS) for r in rows)
     timed = {(r["name"].split()[0], r["implementation"]) for r in rows if r["time_ms"] is not None}
-    for kind, impl in [("prefill", "mtjax"), ("engine", "mtjax engine"), ("decode", "mtjax bf16"),
+    for kind, impl in [("prefill", "mtjax"), ("engine", "mtjax engine"), ("engine", "mtjax engine penalties"),
+                       ("decode", "mtjax bf16"),
                        ("decode", "mtjax fp8 weights"), ("decode", "mtjax fp8 kv"), ("decode", "old loop"),
                        ("paged_attention", "pallas_triton"), ("paged_attention", "xla")]:
         assert (kind, impl) in timed, (kind, impl)
+    penalized = next(r for r in rows if r["implementation"] == "mtjax engine penalties")
+    assert penalized["peer"] == "mtjax engine" and penalized["speedup_vs_peer"] is not None
     prefill = next(r for r in rows if r["name"].startswith("prefill"))
     assert prefill["mfu"] is not None and prefill["extra"]["tokens_per_s"] > 0
     for r in rows:
