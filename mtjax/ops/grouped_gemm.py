@@ -369,25 +369,22 @@ def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, impl
     # The backward GEMMs take the FP8 values dequantized to the output dtype through the grouped GEMM's
     # bf16 kernels, as block scaling's weight gradient does: their FP8 operands would come in two
     # formats (E5M2 gradients, E4M3 weights), laid out MN-major for the weight gradient, which the FP8
-    # tensor cores do not take as they are, and the kernels' in-register widening measured far slower
-    # than the bf16 GEMMs plus the casts (docs/performance.md).
-    dequantize = _dequantizer(out_dtype)
-    grad_dq = dequantize(grad_q, grad_scale_inv)
+    # tensor cores do not take as they are, and the kernels' in-register widening ran those GEMMs about
+    # three times slower than bf16 ones (docs/performance.md).
+    grad_dq = _dequantize(grad_q, grad_scale_inv, out_dtype)
     # d lhs = grad @ rhs[g]^T (rhs_q_t [G, N, K] taken as is).
-    d_lhs = _gmm(grad_dq, dequantize(rhs_q_t, rhs_scale_inv[:, None, None]), group_sizes, False, out_dtype,
-                 blocks.dlhs, implementation)
+    d_lhs = _gmm(grad_dq, _dequantize(rhs_q_t, rhs_scale_inv[:, None, None], out_dtype), group_sizes, False,
+                 out_dtype, blocks.dlhs, implementation)
     # d rhs[g] = lhs[g]^T grad[g].
-    d_rhs = _tgmm(dequantize(lhs_q, lhs_scale_inv), grad_dq, group_sizes, out_dtype, blocks.wgrad, implementation)
+    d_rhs = _tgmm(_dequantize(lhs_q, lhs_scale_inv, out_dtype), grad_dq, group_sizes, out_dtype, blocks.wgrad,
+                  implementation)
     return d_lhs, d_rhs, None
 
 
-def _dequantizer(dtype: Any):
-    """``(q, scale_inv) -> q * scale_inv`` in ``dtype`` (computed in float32; exact for a float32 ``dtype``,
-    within 2^-9 relative of each value for bfloat16)."""
-    def dequantize(q: jax.Array, scale_inv: jax.Array) -> jax.Array:
-        return (q.astype(jnp.float32) * scale_inv).astype(dtype)
-
-    return dequantize
+def _dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
+    """``q * scale_inv`` in ``dtype``, computed in float32 (exact for float32, within 2^-9 relative of each
+    value for bfloat16)."""
+    return (q.astype(jnp.float32) * scale_inv).astype(dtype)
 
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
