@@ -48,6 +48,10 @@ PREFILL = (8, 2048)  # sequences x tokens
 HF_BATCHES = (1, 32)
 # Leave this fraction of the device's memory for weights, activations and XLA's buffers.
 CACHE_MEMORY_FRACTION = 0.7
+# `mtjax bf16 output-first small`: kernels of at most this many elements per layer stored output axes
+# first (`mtjax.inference.fp8_weights.output_first_weights`): the projections XLA turns into reductions
+# at decode (query, KV and output of the presets), not the MLP's.
+OUTPUT_FIRST_SMALL = 1 << 23
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +219,7 @@ def _profiled(call, state, compiled, steps: int, profile_dir: str, label: str) -
 
 def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setting] = (),
                 profile_dir: str | None = None) -> list[dict]:
-    from mtjax.inference.fp8_weights import WEIGHT_ONLY_MAX_ROWS, quantize_weights
+    from mtjax.inference.fp8_weights import WEIGHT_ONLY_MAX_ROWS, output_first_weights, quantize_weights
 
     rows: list[dict] = []
     memory = timing.device_memory_bytes()
@@ -232,10 +236,19 @@ def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setti
             made[mode] = quantize_weights(model, params, mode=mode)
         return made[mode]
 
+    def output_first_model(max_elements):
+        key = f"output first {max_elements}"
+        if key not in made:
+            made[key] = output_first_weights(model, params, max_elements=max_elements)
+        return made[key]
+
     cases = [("mtjax bf16", lambda: (model, params), cfg.dtype, variants.DEFAULT),
              ("mtjax fp8 weights", lambda: fp8_model("auto"), cfg.dtype, variants.DEFAULT),
              ("mtjax fp8 weights fp8_gemm", lambda: fp8_model("fp8_gemm"), cfg.dtype, variants.DEFAULT),
-             ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn, variants.DEFAULT)]
+             ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn, variants.DEFAULT),
+             ("mtjax bf16 output-first", lambda: output_first_model(None), cfg.dtype, variants.DEFAULT),
+             ("mtjax bf16 output-first small", lambda: output_first_model(OUTPUT_FIRST_SMALL), cfg.dtype,
+              variants.DEFAULT)]
     cases += [(f"mtjax bf16 [{s.label()}]", lambda: (model, params), cfg.dtype, s) for s in settings]
     for batch in sizes.batches:
         for label, make, kv_dtype, setting in cases:

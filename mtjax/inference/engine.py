@@ -145,6 +145,9 @@ class Engine:
             raise ValueError(f"Engine: num_pages={num_pages!r}; expected an int >= 2 (page 0 is scratch)")
 
         params = nn.meta.unbox(params)
+        if cfg.scan_layers and getattr(model, "stored_gemms", None) is not None:
+            raise ValueError("Engine: a scanned model with kernels stored output first (mtjax.inference.fp8_weights) "
+                             "cannot be unstacked; pass the model itself (and weights='fp8' for FP8 weights)")
         if cfg.scan_layers:  # scanned, every step would copy each layer's pages through the scan
             params = unstack_layers(params, cfg.num_layers)
             model = GPT(dataclasses.replace(cfg, scan_layers=False))

@@ -266,19 +266,23 @@ def fp8_weights_interceptor(mode: str = "auto"):
     return intercept
 
 
-def _fp8_weights_class(cls: type) -> type:
-    """A subclass of the model class whose ``apply`` runs under `fp8_weights_interceptor`."""
+def _stored_weights_class(cls: type) -> type:
+    """A subclass of the model class whose ``apply`` takes kernels stored output axes first
+    (``stored_gemms``) and, with a ``fp8_weights_mode``, runs under `fp8_weights_interceptor`."""
 
     def apply(self, variables, *args, **kwargs):
-        variables = {**variables, "params": model_layout(variables["params"], self.fp8_gemms)}
+        variables = {**variables, "params": model_layout(variables["params"], self.stored_gemms)}
+        if self.fp8_weights_mode is None:
+            return cls.apply(self, variables, *args, **kwargs)
         with nn.intercept_methods(fp8_weights_interceptor(self.fp8_weights_mode)):
             return cls.apply(self, variables, *args, **kwargs)
 
-    return type(f"FP8Weights{cls.__name__}", (cls,), {
-        "__module__": __name__, "__annotations__": {"fp8_weights_mode": str, "fp8_gemms": tuple},
-        "fp8_weights_mode": "auto", "fp8_gemms": (),
+    return type(f"StoredWeights{cls.__name__}", (cls,), {
+        "__module__": __name__, "__annotations__": {"fp8_weights_mode": str | None, "stored_gemms": tuple},
+        "fp8_weights_mode": None, "stored_gemms": (),
         "apply": nn.nowrap(apply),
-        "__doc__": f"`{cls.__name__}` whose GEMMs read FP8 kernels (`mtjax.inference.fp8_weights`).",
+        "__doc__": f"`{cls.__name__}` whose GEMM kernels are stored output axes first, FP8 or not "
+                   "(`mtjax.inference.fp8_weights`).",
     })
 
 
@@ -303,16 +307,60 @@ def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity
         raise ValueError(f"quantize_weights: granularity={granularity!r}; accepted: {', '.join(GRANULARITIES)}")
     if mode not in MODES:
         raise ValueError(f"quantize_weights: mode={mode!r}; accepted: {', '.join(MODES)}")
-    base = type(model)
-    if getattr(model, "fp8_weights_mode", None) is not None:
-        raise ValueError("quantize_weights: the model's weights are FP8 already")
+    gemms = _gemms_of("quantize_weights", model, params, example_args)
+    return (_stored_weights_model(model, gemms, fp8_weights_mode=mode),
+            quantize_params(params, gemms, granularity=granularity))
+
+
+def output_first_weights(model: nn.Module, params: Mapping[str, Any], *, max_elements: int | None = None,
+                         example_args: Sequence[Any] = ()) -> tuple[nn.Module, dict[str, Any]]:
+    """``(model_t, params_t)``: ``model``'s GEMM kernels in their own dtype but stored output axes first,
+    as FP8 weights are (``[*layers, *out, *in]``); ``model_t`` (a subclass instance with the same fields)
+    transposes them back logically in its ``apply``, which XLA folds into the GEMMs.
+
+    Why: with a few rows (a decode step) XLA computes a small GEMM as a multiply and a reduction over
+    the contracted axes. Stored output axes first, those are the innermost, contiguous axes of each
+    kernel: one fused row reduction. In the model's ``[*in, *out]`` layout they are the outer axes,
+    which XLA either transposes into place first or reduces as a separate multiply written to memory.
+
+    Args:
+      model, params, example_args: as in `quantize_weights`.
+      max_elements: only kernels of at most this many elements (per layer) are stored output first; the
+        larger GEMMs, which XLA runs as GEMMs, keep the model's layout. ``None``: every kernel.
+    """
+    if max_elements is not None and max_elements < 1:
+        raise ValueError(f"output_first_weights: max_elements={max_elements}; expected a positive count or None")
+    gemms = _gemms_of("output_first_weights", model, params, example_args)
+    if max_elements is not None:
+        gemms = [g for g in gemms if math.prod(_unbox(_get(params, g.kernel_path)).shape[g.layer_axes:])
+                 <= max_elements]
+    out = dict(params)
+
+    @functools.partial(jax.jit, static_argnames=("order",))
+    def transpose(kernel, order):
+        return jnp.transpose(kernel, order)
+
+    for gemm in gemms:
+        boxed = _get(params, gemm.kernel_path)
+        order = gemm.stored_order(_unbox(boxed).ndim)
+        out = _set(out, gemm.kernel_path, _permute_box(boxed, transpose(_unbox(boxed), order), order))
+    return _stored_weights_model(model, gemms, fp8_weights_mode=None), out
+
+
+def _gemms_of(owner: str, model: nn.Module, params: Mapping[str, Any], example_args: Sequence[Any]) -> list[Gemm]:
+    if getattr(model, "stored_gemms", None) is not None:
+        raise ValueError(f"{owner}: the model's kernels are stored output first already (FP8 or not)")
     gemms = find_gemms(model, params, *example_args)
     if not gemms:
-        raise ValueError(f"quantize_weights: found no GEMM kernels in {base.__name__} (projections must go "
+        raise ValueError(f"{owner}: found no GEMM kernels in {type(model).__name__} (projections must go "
                          "through mtjax.fp8.DotGeneral)")
+    return gemms
+
+
+def _stored_weights_model(model: nn.Module, gemms: Sequence[Gemm], *, fp8_weights_mode: str | None) -> nn.Module:
+    base = type(model)
     if base not in _classes:
-        _classes[base] = _fp8_weights_class(base)
+        _classes[base] = _stored_weights_class(base)
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
               if f.init and f.name not in ("parent", "name")}
-    model8 = _classes[base](**fields, fp8_weights_mode=mode, fp8_gemms=tuple(gemms))
-    return model8, quantize_params(params, gemms, granularity=granularity)
+    return _classes[base](**fields, fp8_weights_mode=fp8_weights_mode, stored_gemms=tuple(gemms))
