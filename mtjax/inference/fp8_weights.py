@@ -25,6 +25,9 @@ Scales (``granularity``): ``"channel"``, one per output element of the kernel (t
 over its contracted axes, the default), or ``"tensor"``, one per kernel (per layer when stacked).
 Embeddings, norms and biases stay as they are; so does a tied output projection (``Embed.attend``).
 
+`output_first_weights` stores the kernels in the same output-first layout without quantizing them:
+with a few rows XLA reduces a small GEMM over its contracted axes, contiguous in that layout.
+
 Example::
 
     model8, params8 = quantize_weights(model, params)
