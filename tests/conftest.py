@@ -84,3 +84,13 @@ def fast_compiles():
     jax.config.update("jax_disable_most_optimizations", True)
     yield
     jax.config.update("jax_disable_most_optimizations", saved)
+
+
+@pytest.fixture
+def optimized_compiles():
+    """XLA with its optimizations for one test of a `fast_compiles` module: for a tolerance measured
+    against the numbers XLA's optimized CPU code gives (its GELU rounds otherwise in the last bits)."""
+    saved = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", saved)

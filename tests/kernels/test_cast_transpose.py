@@ -14,6 +14,10 @@ from hypothesis import strategies as st
 from mtjax import backend, fp8
 from mtjax.kernels import quantize as quantize_kernels
 
+# Interpret mode and the references run as XLA programs on the CPU: their compilation dominates, and
+# XLA's optimizations (twice the compile time) matter for no assertion here unless a test says so.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 FP8 = st.sampled_from([jnp.float8_e4m3fn, jnp.float8_e5m2])
 
 

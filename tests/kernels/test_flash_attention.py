@@ -13,6 +13,10 @@ from mtjax import backend, ops
 from mtjax.config import override
 from mtjax.kernels import flash_attention as fa
 
+# Interpret mode and the references run as XLA programs on the CPU: their compilation dominates, and
+# XLA's optimizations (twice the compile time) matter for no assertion here unless a test says so.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def _inputs(seed, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32):
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)

@@ -18,6 +18,10 @@ from mtjax import backend, ops
 from mtjax.config import override
 from mtjax.kernels.activation import ACTIVATIONS as KERNEL_ACTIVATIONS
 
+# Interpret mode and the references run as XLA programs on the CPU: their compilation dominates, and
+# XLA's optimizations (twice the compile time) matter for no assertion here unless a test says so.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
 DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
 ROWS = st.sampled_from([(1,), (5,), (3, 4), (16,)])
@@ -250,10 +254,12 @@ def test_activation_fp8_matches_reference(activation):
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "clamped_swiglu"])
 @pytest.mark.parametrize("rows,hidden", [((2, 64), 128), ((3, 7), 100)])  # whole 64x64 tiles, then partial ones
-def test_activation_grad_fp8_matches_reference(activation, rows, hidden):
+def test_activation_grad_fp8_matches_reference(activation, rows, hidden, request):
     """The FP8 backward against autodiff of the reference then the cast: the kernel's float32 gradient
     formulas differ from autodiff's in the last bits, so a value on an FP8 rounding boundary may round
     the other way (>99 % identical); its transpose is exactly its own output transposed."""
+    if activation == "gelu":  # its 99 % was measured with XLA's optimizations (without them: about 98 %)
+        request.getfixturevalue("optimized_compiles")
     shape = (2, hidden) if ops.is_gated(activation) else (hidden,)
     x = _random(0, rows + shape, jnp.bfloat16, 2.0)
     bias = _random(1, shape, jnp.bfloat16)

@@ -29,6 +29,10 @@ from tests.ops.test_grouped_gemm import (
     value_and_grads,
 )
 
+# Interpret mode and the references run as XLA programs on the CPU: their compilation dominates, and
+# XLA's optimizations (twice the compile time) matter for no assertion here unless a test says so.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 SMALL = gg.GemmTiles(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1, group_m=2)
 SMALL_BLOCKS = gg.BlockSizes(forward=SMALL, dlhs=SMALL, wgrad=SMALL)
 S = jax.ShapeDtypeStruct

@@ -16,6 +16,10 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from mtjax import backend, ops
 from mtjax.kernels import paged_attention as pa
 
+# Interpret mode and the references run as XLA programs on the CPU: their compilation dominates, and
+# XLA's optimizations (twice the compile time) matter for no assertion here unless a test says so.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def make_case(seed, *, lengths, q_len=1, kv_heads=2, groups=2, head_dim=16, page_size=4, pages_per_seq=None,
               extra_pages=3, dtype=jnp.float32):

@@ -26,6 +26,10 @@ import triton.language as tl  # noqa: E402 (needs triton)
 
 from mtjax.kernels.triton import runtime  # noqa: E402
 
+# Interpret mode and the references run as XLA programs on the CPU: their compilation dominates, and
+# XLA's optimizations (twice the compile time) matter for no assertion here unless a test says so.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 # The most shared memory one program may use on an H100/H200 (227 KiB, the opt-in maximum).
 HOPPER_SHARED_MEMORY = 232448
 
