@@ -56,6 +56,15 @@ def compilation_cache(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fast_compiles_here_and_in_children(fast_compiles):
+    """`fast_compiles` in the child processes too: the runs compared with each other (the base run,
+    resumed runs, children) all compile the same way."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("corpus")
@@ -368,7 +377,7 @@ def _two_processes(corpus, workdir, *flags):
     return [subprocess.Popen(
         [sys.executable, "-m", "mtjax.cli", "train", "--data", corpus, "--workdir", str(workdir), *SMALL,
          "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
-         "--peer-timeout", "10", *flags],
+         "--peer-timeout", "5", *flags],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
