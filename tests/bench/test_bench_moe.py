@@ -16,19 +16,18 @@ from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock
 from mtjax.kernels.grouped_gemm import GemmTiles
 from mtjax.models import gpt_config
 
+# XLA's CPU optimizations double the compile time of these toy programs and matter for no assertion
+# here; the failing-row test's grouped GEMMs are then hits in the compilation cache of the quick run's.
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def quick_run(tmp_path_factory, fast_compiles):
     out = tmp_path_factory.mktemp("bench") / "moe.json"
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["moe", "--quick", "--json", str(out), "--block-m", "32"])
-    saved = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        assert cli.run(args) == 0
-    finally:
-        jax.config.update("jax_disable_most_optimizations", saved)
+    assert cli.run(args) == 0
     return json.loads(out.read_text())
 
 

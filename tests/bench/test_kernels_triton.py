@@ -6,6 +6,8 @@ import pytest
 
 from mtjax.bench import kernels_triton
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def test_compare_judges_floats_by_the_largest_entry_and_fp8_by_agreement():
     ref = jnp.asarray([100.0, 1.0])
