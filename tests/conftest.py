@@ -22,13 +22,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # executable a compilation of the same program made, so no result changes. The first process to load
 # this file (the xdist controller) makes the folder and removes it at the end; workers and child
 # processes inherit it through JAX_COMPILATION_CACHE_DIR. MTJAX_TEST_COMPILATION_CACHE=0 turns it off.
+# Programs compiled in under 0.1 s (thousands of eager ops and tiny jits) are not written: their
+# writes cost a few seconds per module, a hit on one would save less than 0.1 s.
 _created_cache = None
 if os.environ.get("MTJAX_TEST_COMPILATION_CACHE", "1") != "0":
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         _created_cache = tempfile.mkdtemp(prefix="mtjax-test-jax-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _created_cache
     for name, value in (("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"]),
-                        ("jax_persistent_cache_min_compile_time_secs", 0),
+                        ("jax_persistent_cache_min_compile_time_secs", 0.1),
                         ("jax_persistent_cache_min_entry_size_bytes", 0)):
         jax.config.update(name, value)
         os.environ[name.upper()] = str(value)
