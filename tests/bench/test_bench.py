@@ -29,7 +29,7 @@ def quick_run(tmp_path_factory, fast_compiles):
     args = parser.parse_args([*OWN_SUITES, "--quick", "--json", str(out / "b.json"), "--plot", str(out / "b.png"),
                               "--profile", str(out / "profile")])
     # The profiled steps' options (no CUDA graphs) change nothing on the CPU: without them the second
-    # compilation of each step is a hit in the persistent compilation cache (tests/conftest.py).
+    # compilation of each step returns the first one (jax caches the compilation of a lowering).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train, "PROFILE_XLA_OPTIONS", {})
         assert cli.run(args) == 0
