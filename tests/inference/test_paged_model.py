@@ -43,14 +43,17 @@ def _run_paged(model, params, tokens, dtype, scales=None):
     for slot in range(batch):
         assert cache.reserve(slot, total)
 
+    @jax.jit  # one program per call shape (op by op, the unrolled models took seconds a call)
+    def apply(params, pages, tokens, positions, view):
+        return model.apply({"params": params, PAGED_KV_COLLECTION: pages}, tokens, positions=positions, paged_kv=view,
+                           mutable=[PAGED_KV_COLLECTION])
+
     def call(tokens, positions, lengths, prefill, real=None):
         slots = np.stack([cache.slot_mapping(b, positions[b]) for b in range(batch)])
         if real is not None:  # padding tokens write to the scratch page
             slots = np.where(real, slots, 0)
         view = cache.view(cache.block_tables, lengths, slots, prefill=prefill)
-        logits, variables = model.apply({"params": params, PAGED_KV_COLLECTION: cache.pages}, jnp.asarray(tokens),
-                                        positions=jnp.asarray(positions), paged_kv=view,
-                                        mutable=[PAGED_KV_COLLECTION])
+        logits, variables = apply(params, cache.pages, jnp.asarray(tokens), jnp.asarray(positions), view)
         cache.pages = variables[PAGED_KV_COLLECTION]
         return np.asarray(logits)
 
