@@ -1,6 +1,7 @@
 """Hypothesis over shapes and options: rotary embeddings, MultiHeadAttention against the reference op,
 LayerNormMLP against its composition. Shapes come from small sets: modules run eagerly, and eager ops
-compile once per shape, so examples that share shapes share compilations."""
+compile once per shape, so examples that share shapes share compilations; MultiHeadAttention's examples
+share few (each draws its own options), so each runs as jitted programs."""
 
 import jax
 import jax.numpy as jnp
@@ -117,11 +118,13 @@ def test_mha_against_reference(batch, length, groups, ratio, head_dim, mask_type
         fuse_qkv_params=fuse, input_layernorm=input_layernorm, layernorm_type=layernorm_type,
         enable_rotary_pos_emb=rope is not None, rotary_pos_emb_group_method=rope or "consecutive",
     )
-    p = meta.unbox(mha.init(jax.random.key(seed), x, q_segment_ids=seg, deterministic=True)["params"])
+    p = meta.unbox(jax.jit(lambda x, seg: mha.init(jax.random.key(seed), x, q_segment_ids=seg,
+                                                   deterministic=True)["params"])(x, seg))
     p = jax.tree.map(lambda a: a + rand(a.size + seed, a.shape, 0.1), p)
-    out, _ = mha.apply({"params": p}, x, q_segment_ids=seg, deterministic=True)
-    ref = _reference_mha(p, x, heads=heads, groups=groups, head_dim=head_dim, layernorm_type=layernorm_type,
-                         input_layernorm=input_layernorm, rope=rope, mask_type=mask_type, seg=seg)
+    out, _ = jax.jit(lambda p, x, seg: mha.apply({"params": p}, x, q_segment_ids=seg, deterministic=True))(p, x, seg)
+    ref = jax.jit(lambda p, x, seg: _reference_mha(p, x, heads=heads, groups=groups, head_dim=head_dim,
+                                                   layernorm_type=layernorm_type, input_layernorm=input_layernorm,
+                                                   rope=rope, mask_type=mask_type, seg=seg))(p, x, seg)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 
 
