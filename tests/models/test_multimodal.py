@@ -212,8 +212,8 @@ def test_t5_bad_input():
     # Decoding on a cache: another encoder length than the cached keys', or more tokens than it holds.
     enc, dec = tokens(2, (2, 7)), tokens(3, (2, 4))
     variables = random_params(model, enc, dec)
-    encoded = model.apply(variables, enc, method=T5.encode)
-    step = functools.partial(model.apply, decode=True, method=T5.decode, mutable=["cache"])
+    encoded = jax.jit(functools.partial(model.apply, method=T5.encode))(variables, enc)
+    step = jax.jit(functools.partial(model.apply, decode=True, method=T5.decode, mutable=["cache"]))
     _, cache = step(variables, dec, encoded)
     with pytest.raises(ValueError, match=r"keys cached from an input of \[batch, kv_len\] = \(2, 7\); inputs_kv is "
                                          r"\(2, 5\)"):
