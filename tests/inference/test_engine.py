@@ -230,10 +230,11 @@ def test_logprobs_are_the_full_forwards_log_softmax():
             if output.finished:
                 final[output.request_id] = output
     assert final[ids[2]].logprobs is None
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))  # the full forward, not op by op
     for request_id, prompt, top in ((ids[0], prompts[0], 2), (ids[1], prompts[1], 0)):
         output = final[request_id]
         sequence = np.asarray([prompt + output.token_ids], np.int32)
-        logp = jax.nn.log_softmax(model.apply({"params": params}, sequence)[0], axis=-1)
+        logp = jax.nn.log_softmax(forward(sequence)[0], axis=-1)
         assert len(output.logprobs) == len(output.token_ids) == 6
         for i, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
             row = np.asarray(logp[len(prompt) - 1 + i])
@@ -244,7 +245,7 @@ def test_logprobs_are_the_full_forwards_log_softmax():
             assert all(entry.top[0][0] == token for token, entry in zip(output.token_ids, output.logprobs))
     # A prompt's own tokens, scored in one forward (OpenAI's echo).
     scored = engine.prompt_logprobs(prompts[1], top=3)
-    logp = np.asarray(jax.nn.log_softmax(model.apply({"params": params}, np.asarray([prompts[1]]))[0], axis=-1))
+    logp = np.asarray(jax.nn.log_softmax(forward(np.asarray([prompts[1]]))[0], axis=-1))
     assert scored[0] is None and len(scored) == len(prompts[1])
     for i, entry in enumerate(scored[1:], start=1):
         np.testing.assert_allclose(entry.logprob, logp[i - 1, prompts[1][i]], rtol=1e-4, atol=1e-4)
