@@ -85,8 +85,8 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients(tiny):
     for i in range(TINY.num_layers):
         unrolled_params[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
     unrolled = GPT(dataclasses.replace(TINY, scan_layers=False))
-    np.testing.assert_allclose(model.apply({"params": params}, toks), unrolled.apply({"params": unrolled_params}, toks),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(model.apply)({"params": params}, toks),
+                               jax.jit(unrolled.apply)({"params": unrolled_params}, toks), rtol=1e-5, atol=1e-5)
 
     def loss(m):
         return lambda p: jnp.mean(m.apply({"params": p}, toks) ** 2)
@@ -107,7 +107,8 @@ def test_residual_adds_across_layers_change_no_result(tiny, scan_layers):
     base = dataclasses.replace(TINY, scan_layers=scan_layers, remat_policy="dots")
     plain, fused = GPT(base), GPT(dataclasses.replace(base, fuse_residual_across_layers=True))
     toks = tokens(2, (2, 8))
-    np.testing.assert_allclose(fused.apply({"params": params}, toks), plain.apply({"params": params}, toks),
+    plain_apply = jax.jit(plain.apply)
+    np.testing.assert_allclose(jax.jit(fused.apply)({"params": params}, toks), plain_apply({"params": params}, toks),
                                rtol=1e-5, atol=1e-5)
 
     def loss(m):
@@ -120,7 +121,7 @@ def test_residual_adds_across_layers_change_no_result(tiny, scan_layers):
     step = jax.jit(lambda c, t: fused.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
     first, mutated = step(cache, toks[:, :4])
     second, _ = step(mutated["cache"], toks[:, 4:5])
-    np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), plain.apply({"params": params}, toks[:, :5]),
+    np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), plain_apply({"params": params}, toks[:, :5]),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -200,7 +201,7 @@ def test_kv_cache_decoding_matches_full_forward(tiny):
     _, params = tiny
     model = GPT(dataclasses.replace(TINY, window_size=(3, 0)))  # sliding window: the cache mask keeps it
     toks = tokens(5, (2, 6))
-    full = model.apply({"params": params}, toks)
+    full = jax.jit(model.apply)({"params": params}, toks)
     cache = jax.jit(functools.partial(model.init, decode=True))(jax.random.key(0),
                                                                 jnp.zeros((2, 8), jnp.int32))["cache"]
     step = jax.jit(lambda c, t: model.apply({"params": params, "cache": c}, t, decode=True, mutable=["cache"]))
