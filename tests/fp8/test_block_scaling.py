@@ -193,7 +193,7 @@ def test_every_module_runs_block_scaled(name, spy):
     make, fwd_gemms, all_gemms, norm_casts, activation_casts = MODULES[name]
     module = make()
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 32, 128)).astype(np.float32))
-    variables = module.init(jax.random.key(0), x)
+    variables = jax.jit(module.init)(jax.random.key(0), x)
 
     def loss(params):
         kwargs = {"deterministic": True} if name in ("LayerNormMLP", "MultiHeadAttention") else {}
@@ -202,7 +202,7 @@ def test_every_module_runs_block_scaled(name, spy):
         return jnp.sum(jnp.sin(out)), out
 
     with fp8.fp8_autocast(recipe=BLOCK):
-        assert set(module.init(jax.random.key(0), x)) == {"params"}  # no state
+        assert set(jax.eval_shape(module.init, jax.random.key(0), x)) == {"params"}  # no state
         calls = spy(block_scaling, "block_fp8_gemm", lambda args, kwargs: args[0].shape)
         fused = {op: spy(module_of_op, op, lambda args, kwargs: args[0].shape)
                  for module_of_op, op in ((importlib.import_module("mtjax.ops.normalization"), "norm_tile_fp8"),
@@ -237,8 +237,8 @@ def test_fused_prologue_is_the_cast_of_its_float32_output(prologue):
     def separate(x, prologue, w):
         return fp8.fp8_dot_general(prologue(x), w, DENSE, recipe=BLOCK)
 
-    got, got_vjp = jax.vjp(fused, x, prologue, w)
-    want, want_vjp = jax.vjp(separate, x, prologue, w)
+    got, got_vjp = jax.vjp(jax.jit(fused), x, prologue, w)
+    want, want_vjp = jax.vjp(jax.jit(separate), x, prologue, w)
     dy = jnp.asarray(rng.standard_normal(got.shape), jnp.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
     for g, g_want in zip(jax.tree.leaves(got_vjp(dy)), jax.tree.leaves(want_vjp(dy))):
@@ -328,7 +328,7 @@ def test_nan_and_inf_inputs_do_not_poison_other_rows_or_later_steps():
     model = MLP(256, 16, dtype=jnp.float32)
     x = jnp.asarray(_rows_of_wide_range(9, 16, 128, -2.0, 1.0))
     with fp8.fp8_autocast(recipe=BLOCK):
-        variables = model.init(jax.random.key(2), x)
+        variables = jax.jit(model.init)(jax.random.key(2), x)
     assert set(variables) == {"params"}  # nothing a bad step could leave behind
 
     @jax.jit
