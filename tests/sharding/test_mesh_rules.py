@@ -161,7 +161,7 @@ def test_transformer_layer_on_a_two_axis_mesh_matches_one_device():
                              rules=rules)
     assert variables["params"]["mlp"]["wi_kernel"].sharding.spec == P(None, None, "tp")
     apply = jit_sharded(lambda v, x: layer.apply(v, x, deterministic=True), mesh=mesh, rules=rules)
-    expected = layer.apply(jax.device_get(variables), x, deterministic=True)
+    expected = jax.jit(lambda v, x: layer.apply(v, x, deterministic=True))(jax.device_get(variables), x)
     np.testing.assert_allclose(apply(variables, x), expected, rtol=1e-5, atol=1e-5)
 
 
