@@ -16,8 +16,8 @@ from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock
 from mtjax.kernels.grouped_gemm import GemmTiles
 from mtjax.models import gpt_config
 
-# XLA's CPU optimizations double the compile time of these toy programs and matter for no assertion here
-# (and the failing-row test's grouped GEMMs compile as the quick run's did: the compilation cache's).
+# XLA's CPU optimizations double the compile time of these toy programs and matter for no assertion here;
+# compiled with the quick run's options, the failing-row test's grouped GEMMs can hit the compilation cache.
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
