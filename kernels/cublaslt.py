@@ -1,16 +1,21 @@
-"""Block-scaled FP8 GEMMs on cuBLASLt, through an XLA FFI custom call (Hopper, cuBLAS >= 12.9).
+"""GEMMs on cuBLASLt that XLA does not issue itself, through XLA FFI custom calls (CUDA).
 
-cuBLASLt runs FP8 GEMMs with a float32 scale per 1x128 tile (``VEC128_32F``) or per 128x128 block
-(``BLK128x128_32F``) of an operand, which is what `mtjax.fp8.BlockScaling`'s three GEMMs need:
-``block_fp8_gemm(a, sa, b, sb)`` with ``a`` in 1x128 tiles and ``b`` in 128x128 blocks (forward,
-dgrad) or 1x128 tiles (wgrad). XLA reaches cuBLASLt for per-tensor FP8 only, so mtjax calls it
-itself: `cuda/cublaslt_block_fp8.cc` is the FFI handler (C++, host code only).
+* Block-scaled FP8 (Hopper, cuBLAS >= 12.9): cuBLASLt runs FP8 GEMMs with a float32 scale per 1x128
+  tile (``VEC128_32F``) or per 128x128 block (``BLK128x128_32F``) of an operand, which is what
+  `mtjax.fp8.BlockScaling`'s three GEMMs need: ``block_fp8_gemm(a, sa, b, sb)`` with ``a`` in 1x128
+  tiles and ``b`` in 128x128 blocks (forward, dgrad) or 1x128 tiles (wgrad). XLA reaches cuBLASLt for
+  per-tensor FP8 only.
+* Grouped GEMMs (a mixture of experts' expert MLPs): ``grouped_gemm`` and ``grouped_gemm_wgrad``, one
+  cuBLASLt GEMM per non-empty group, FP8 (per-tensor scales, a scale per group) or 16-bit operands.
+  cuBLASLt takes each group's size on the host, so each call copies ``group_sizes`` off the device and
+  waits for it (one stream synchronization per call).
 
-The handler is compiled on the machine that runs it, against the cuBLASLt there, by
-``python -m mtjax.kernels.cublaslt`` (`build`; it needs a C++ compiler, jaxlib's FFI headers, the
-CUDA runtime headers and cuBLASLt, which the ``nvidia-*`` wheels of jax's CUDA plugin or a CUDA
-toolkit provide). The library goes to `library_path` (``MTJAX_CUBLASLT_LIBRARY`` overrides it);
-until it exists, `unsupported` says so and the op runs another implementation.
+`cuda/cublaslt_gemm.cc` holds the FFI handlers (C++, host code only). They are compiled on the machine
+that runs them, against the cuBLASLt there, by ``python -m mtjax.kernels.cublaslt`` (`build`; it needs
+a C++ compiler, jaxlib's FFI headers, the CUDA runtime headers and cuBLASLt, which the ``nvidia-*``
+wheels of jax's CUDA plugin or a CUDA toolkit provide). The library goes to `library_path`
+(``MTJAX_CUBLASLT_LIBRARY`` overrides it); until it exists, `load` says so and the ops run another
+implementation.
 """
 
 from __future__ import annotations
@@ -33,11 +38,17 @@ import numpy as np
 from mtjax.kernels.common import vary_together
 
 TARGET = "mtjax_cublaslt_block_fp8_gemm"
-SOURCE = Path(__file__).with_name("cuda") / "cublaslt_block_fp8.cc"
+GROUPED_TARGET = "mtjax_cublaslt_grouped_gemm"
+GROUPED_WGRAD_TARGET = "mtjax_cublaslt_grouped_gemm_wgrad"
+_HANDLERS = {TARGET: "MtjaxCublasLtBlockFp8Gemm", GROUPED_TARGET: "MtjaxCublasLtGroupedGemm",
+             GROUPED_WGRAD_TARGET: "MtjaxCublasLtGroupedGemmWgrad"}
+SOURCE = Path(__file__).with_name("cuda") / "cublaslt_gemm.cc"
 BLOCK = 128
 MIN_VERSION = 120900  # cuBLAS 12.9: the first with the 1x128 and 128x128 scale modes
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ALIGNMENT = 16  # K and N of the grouped GEMMs: each group's rows start on a 16-byte boundary
 
 
 def library_path() -> Path:
@@ -110,8 +121,8 @@ def build(output: str | os.PathLike | None = None, *, include_dirs: Sequence[str
 
 @functools.cache
 def load() -> str | None:
-    """Load the library and register its FFI target for CUDA (once); None when that worked, else why
-    not (for `unsupported`): no library, or one bound to a cuBLASLt without the block-scaled modes."""
+    """Load the library and register its FFI targets for CUDA (once); None when that worked, else why
+    not (for the implementations' ``unsupported``): no library, or one that does not load."""
     path = library_path()
     if not path.exists():
         return f"no cuBLASLt FFI library at {path} (build it: python -m mtjax.kernels.cublaslt)"
@@ -120,14 +131,20 @@ def load() -> str | None:
         if cublaslt is not None:  # the copy jax's CUDA plugin uses, if it has not loaded it yet
             ctypes.CDLL(str(cublaslt), mode=ctypes.RTLD_GLOBAL)
         library = ctypes.CDLL(str(path))
-        library.MtjaxCublasLtVersion.restype = ctypes.c_size_t
-        found = int(library.MtjaxCublasLtVersion())
-        if found < MIN_VERSION:
-            return f"cuBLASLt {found} (the block-scaled modes need {MIN_VERSION} or newer)"
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MtjaxCublasLtBlockFp8Gemm), platform="CUDA")
+        for target, symbol in _HANDLERS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="CUDA")
     except (OSError, AttributeError, ValueError) as err:
-        return f"cuBLASLt FFI library {path} did not load: {err}"
+        return f"cuBLASLt FFI library {path} did not load (rebuild it: python -m mtjax.kernels.cublaslt): {err}"
     return None
+
+
+def block_modes_problem() -> str | None:
+    """`load`'s answer, or why the loaded cuBLASLt has no block-scaled modes; None where they run."""
+    why = load()
+    if why is not None:
+        return why
+    found = version()
+    return f"cuBLASLt {found} (the block-scaled modes need {MIN_VERSION} or newer)" if found < MIN_VERSION else None
 
 
 def version(path: str | os.PathLike | None = None) -> int:
@@ -166,7 +183,7 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
     why = unsupported(a.dtype, b.dtype, out_dtype)
     if why is not None:
         raise ValueError(f"cublaslt.block_fp8_gemm: unsupported input: {why}")
-    why = load()
+    why = block_modes_problem()
     if why is not None:
         raise RuntimeError(f"cublaslt.block_fp8_gemm: {why}")
     (m, k), n = a.shape, b.shape[0]
@@ -184,6 +201,82 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((mp, np_), out_dtype), vmap_method="sequential")
     out = vary_together(call(a, sa_t, b, sb_lt, b_blocks=np.int32(b_blocks)), a, sa_t, b, sb_lt)[0]
     return out[:m, :n] if (mp, np_) != (m, n) else out
+
+
+def grouped_unsupported(lhs_shape: Sequence[int], rhs_shape: Sequence[int], lhs_dtype, rhs_dtype, out_dtype, *,
+                        transpose_rhs: bool, scaled: bool) -> str | None:
+    """Why `grouped_gemm` cannot run these operands, or None (the library's presence is `load`'s)."""
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+    fp8 = lhs_dtype in FP8_DTYPES and rhs_dtype in FP8_DTYPES
+    if fp8:
+        if lhs_dtype == rhs_dtype == jnp.dtype(jnp.float8_e5m2):
+            return "float8_e5m2 x float8_e5m2 (cuBLASLt's FP8 GEMMs take at most one E5M2 operand)"
+        if not transpose_rhs:
+            return "FP8 rhs as [G, K, N] (cuBLASLt's FP8 GEMMs take both operands K-major: [G, N, K])"
+    elif lhs_dtype != rhs_dtype or lhs_dtype not in HALF_DTYPES:
+        return f"operands {lhs_dtype} x {rhs_dtype} (cuBLASLt here: FP8, or bfloat16/float16 for both)"
+    elif scaled:
+        return "a group scale with 16-bit operands (cuBLASLt scales FP8 operands only)"
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        return f"out_dtype {jnp.dtype(out_dtype)} (cuBLASLt here: bfloat16, float16 or float32)"
+    k, n = lhs_shape[1], (rhs_shape[1] if transpose_rhs else rhs_shape[2])
+    if k % ALIGNMENT or n % ALIGNMENT:
+        return f"K={k}, N={n} (cuBLASLt here: multiples of {ALIGNMENT})"
+    return None
+
+
+def grouped_wgrad_unsupported(lhs_shape: Sequence[int], grad_shape: Sequence[int], lhs_dtype, grad_dtype, out_dtype,
+                              *, scaled: bool) -> str | None:
+    """Why `grouped_gemm_wgrad` cannot run these operands, or None."""
+    lhs_dtype, grad_dtype = jnp.dtype(lhs_dtype), jnp.dtype(grad_dtype)
+    if lhs_dtype != grad_dtype or lhs_dtype not in HALF_DTYPES:
+        return (f"operands {lhs_dtype} x {grad_dtype} (cuBLASLt here: bfloat16/float16 for both; its FP8 GEMMs "
+                "cannot contract over rows)")
+    if scaled:
+        return "a group scale with 16-bit operands (cuBLASLt scales FP8 operands only)"
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        return f"out_dtype {jnp.dtype(out_dtype)} (cuBLASLt here: bfloat16, float16 or float32)"
+    if lhs_shape[1] % ALIGNMENT or grad_shape[1] % ALIGNMENT:
+        return f"K={lhs_shape[1]}, N={grad_shape[1]} (cuBLASLt here: multiples of {ALIGNMENT})"
+    return None
+
+
+def _checked(why: str | None, op: str) -> None:
+    if why is not None:
+        raise ValueError(f"cublaslt.{op}: unsupported input: {why}")
+    why = load()
+    if why is not None:
+        raise RuntimeError(f"cublaslt.{op}: {why}")
+
+
+def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_scale: jax.Array | None, *,
+                 transpose_rhs: bool, out_dtype) -> jax.Array:
+    """``out[rows of g] = lhs[rows of g] @ rhs[g]`` (``rhs [G, K, N]``, or ``[G, N, K]`` transposed with
+    ``transpose_rhs``) times ``group_scale[g]``; rows past ``sum(group_sizes)`` are zeros. FP8 operands
+    accumulate with the tensor cores' fast accumulation where both are E4M3 (the forward GEMM, as
+    XLA's FP8 GEMMs do by default) and with cuBLASLt's promotion otherwise (gradients)."""
+    _checked(grouped_unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, out_dtype, transpose_rhs=transpose_rhs,
+                                 scaled=group_scale is not None), "grouped_gemm")
+    g = rhs.shape[0]
+    scale = jnp.ones((g,), jnp.float32) if group_scale is None else group_scale.astype(jnp.float32).reshape(g)
+    sizes = group_sizes.astype(jnp.int32)
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+    call = jax.ffi.ffi_call(GROUPED_TARGET, jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]),
+                                                                 out_dtype), vmap_method="sequential")
+    out = call(lhs, rhs, sizes, scale, transpose_rhs=np.int32(transpose_rhs),
+               has_scale=np.int32(group_scale is not None),
+               fast_accum=np.int32(jnp.dtype(lhs.dtype) == jnp.dtype(rhs.dtype) == e4m3))
+    return vary_together(out, lhs, rhs, sizes, scale)[0]
+
+
+def grouped_gemm_wgrad(lhs: jax.Array, grad: jax.Array, group_sizes: jax.Array, *, out_dtype) -> jax.Array:
+    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` into ``[G, K, N]``; an empty group's is zeros."""
+    _checked(grouped_wgrad_unsupported(lhs.shape, grad.shape, lhs.dtype, grad.dtype, out_dtype, scaled=False),
+             "grouped_gemm_wgrad")
+    call = jax.ffi.ffi_call(GROUPED_WGRAD_TARGET, jax.ShapeDtypeStruct(
+        (group_sizes.shape[0], lhs.shape[1], grad.shape[1]), out_dtype), vmap_method="sequential")
+    sizes = group_sizes.astype(jnp.int32)
+    return vary_together(call(lhs, grad, sizes), lhs, grad, sizes)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

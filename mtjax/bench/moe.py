@@ -101,11 +101,13 @@ def _gemm_variants(tiles: GemmTiles | None, m: int, k: int, n: int, g: int) -> d
         "mtjax fp8": lambda x, w, s: ops.grouped_gemm_fp8(x, w, s, block_sizes=blocks),
         "mtjax fp8 block": lambda x, w, s: ops.grouped_gemm_block_fp8(x, w, s, block_sizes=blocks),
     }
-    for kernel in ("triton", "mosaic_gpu"):  # each kernel family beside the default selection
+    for kernel in ("triton", "mosaic_gpu", "cublaslt"):  # each kernel family beside the default selection
         if backend.get_implementation("grouped_gemm", kernel).runs_on(backend.platform()) is None:
             out[f"mtjax [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm, kernel)
             out[f"mtjax fp8 [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm_fp8, kernel)
-            out[f"mtjax fp8 block [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm_block_fp8, kernel)
+            if kernel in backend.implementations("grouped_gemm_block_scaled"):
+                out[f"mtjax fp8 block [{kernel}]"] = functools.partial(_grouped_gemm, ops.grouped_gemm_block_fp8,
+                                                                       kernel)
     tokamax_ragged_dot = _tokamax_ragged_dot()
     if tokamax_ragged_dot is not None:
         out["tokamax"] = lambda x, w, s: tokamax_ragged_dot(x, w, s, preferred_element_type=x.dtype)

@@ -93,7 +93,7 @@ def _cublaslt_unsupported(a, sa, b, sb, *, out_dtype, **_) -> str | None:
     reason = cublaslt.unsupported(a.dtype, b.dtype, out_dtype)
     if reason is None and backend.cuda_compute_capability()[0] != 9:
         reason = "cuBLASLt's 1x128 and 128x128 block scales run on Hopper (sm_90) GPUs"
-    return reason or cublaslt.load()
+    return reason or cublaslt.block_modes_problem()
 
 
 # cuBLASLt's block-scaled modes through an FFI call: first wherever its library is built and the

@@ -13,13 +13,15 @@ gradient with ``rhs`` transposed, ``d rhs`` the per-group ``lhs^T dy`` into ``[G
 (`grouped_gemm_wgrad`). Each of the three GEMMs dispatches on its own through `mtjax.backend`:
 ``"xla"`` is `jax.lax.ragged_dot` (and `jax.lax.ragged_dot_general` for the weight gradient),
 ``"pallas_triton"`` the kernels of `mtjax.kernels.grouped_gemm`, ``"triton"`` their native Triton ports
-(`mtjax.kernels.triton.grouped_gemm`).
+(`mtjax.kernels.triton.grouped_gemm`), ``"mosaic_gpu"`` a warp-specialised Hopper kernel, ``"cublaslt"``
+one cuBLASLt GEMM per group (`mtjax.kernels.cublaslt`; the group sizes are read to the host first).
 
 `grouped_gemm_fp8` is the FP8 variant (E4M3 operands, E5M2 output gradient by default) with current
 scaling: a per-tensor scale for ``lhs`` and the output gradient, a per-group scale for ``rhs``,
 computed from each tensor's amax in the same step. Accumulation is float32; the dequantization scales
 multiply the float32 accumulator in the kernels' epilogue (one ``[G]`` scale per group), so no float32
-product is ever written out.
+product is ever written out. ``d lhs`` multiplies E5M2 gradients by E4M3 weights: on cuBLASLt as they
+are, elsewhere on their values dequantized to the model's dtype (`grouped_gemm_tensor_scaled`).
 
 `grouped_gemm_block_fp8` has `mtjax.fp8.BlockScaling`'s numerics: 1x128 tiles for the activations
 and gradients, 128x128 blocks per group for ``rhs``.
@@ -209,9 +211,54 @@ def _grouped_gemm_mosaic(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, o
     return mosaic.gmm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
 
+def _cublaslt_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles) -> str | None:
+    from mtjax.kernels import cublaslt
+
+    del group_sizes, tiles
+    return cublaslt.grouped_unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs),
+                                        out_dtype, transpose_rhs=transpose_rhs,
+                                        scaled=group_scale is not None) or cublaslt.load()
+
+
+def _cublaslt_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles) -> str | None:
+    from mtjax.kernels import cublaslt
+
+    del group_sizes, tiles
+    return cublaslt.grouped_wgrad_unsupported(jnp.shape(lhs), jnp.shape(grad), jnp.result_type(lhs),
+                                              jnp.result_type(grad), out_dtype,
+                                              scaled=group_scale is not None) or cublaslt.load()
+
+
+def _cublaslt_not_preferred(lhs, *_, **__) -> str | None:
+    if not is_fp8(jnp.result_type(lhs)):
+        return "not measured faster than the Triton kernels on 16-bit operands"
+    return None
+
+
+_CUBLASLT = {"platforms": ("cuda",), "priority": 13, "single_device": True, "prefer": _cublaslt_not_preferred}
+
+
+# cuBLASLt, one GEMM per group (`mtjax.kernels.cublaslt`, once its FFI library is built): first for FP8
+# operands, where it multiplies E4M3 and E5M2 operands on the FP8 tensor cores as they are.
+@backend.register("grouped_gemm", "cublaslt", unsupported=_cublaslt_unsupported_gmm, **_CUBLASLT)
+def _grouped_gemm_cublaslt(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
+    from mtjax.kernels import cublaslt
+
+    del tiles
+    return cublaslt.grouped_gemm(lhs, rhs, group_sizes, group_scale, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+
+
+@backend.register("grouped_gemm_wgrad", "cublaslt", unsupported=_cublaslt_unsupported_wgrad, **_CUBLASLT)
+def _grouped_gemm_wgrad_cublaslt(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles):
+    from mtjax.kernels import cublaslt
+
+    del group_scale, tiles
+    return cublaslt.grouped_gemm_wgrad(lhs, grad, group_sizes, out_dtype=out_dtype)
+
+
 # Implementations that run some of an op's GEMMs only: where one declines a GEMM (the weight gradient,
-# FP8 operands of two dtypes), that GEMM takes the automatic choice.
-PARTIAL_IMPLEMENTATIONS = ("mosaic_gpu",)
+# FP8 operands of two dtypes, the block-scaled op), that GEMM takes the automatic choice.
+PARTIAL_IMPLEMENTATIONS = ("mosaic_gpu", "cublaslt")
 
 
 def _choice(op: str, implementation: str | None, *args, **static) -> str | None:
@@ -280,7 +327,9 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, tran
       implementation: ``"xla"``, ``"pallas_triton"`` or ``"triton"`` for all three GEMMs; default per
         platform. ``"mosaic_gpu"`` (Hopper) runs the forward and ``d lhs`` GEMMs on the Mosaic GPU
         kernel (`mtjax.kernels.mosaic_gpu.grouped_gemm`) where it takes them; the weight gradient, and
-        a GEMM it declines, take the default.
+        a GEMM it declines, take the default. ``"cublaslt"`` (CUDA, once `mtjax.kernels.cublaslt`'s
+        library is built) runs one cuBLASLt GEMM per group, after reading the group sizes to the
+        host; a GEMM it declines takes the default.
     Returns:
       ``[M, N]``; rows past ``sum(group_sizes)`` are zeros.
     """
@@ -357,25 +406,20 @@ def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, 
     rhs_q, rhs_scale_inv = _quantize_groups(rhs, forward_dtype)
     # Written as [G, N, K], contraction innermost: Hopper's FP8 tensor-core GEMM takes both operands
     # K-major (the transpose rides along in the cast's fusion).
-    rhs_q_t = jnp.swapaxes(rhs_q, 1, 2)
-    out = _gmm(lhs_q, rhs_q_t, group_sizes, True, out_dtype, blocks.forward, implementation,
+    out = _gmm(lhs_q, jnp.swapaxes(rhs_q, 1, 2), group_sizes, True, out_dtype, blocks.forward, implementation,
                group_scale=rhs_scale_inv * lhs_scale_inv)
-    return out, (lhs_q, lhs_scale_inv, rhs_q_t, rhs_scale_inv, group_sizes)
+    return out, (lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
 
 
 def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, implementation, residuals, grad):
-    lhs_q, lhs_scale_inv, rhs_q_t, rhs_scale_inv, group_sizes = residuals
+    lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes = residuals
     grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
-    # The backward GEMMs take the FP8 values dequantized to the output dtype through the grouped GEMM's
-    # bf16 kernels, as block scaling's weight gradient does: their FP8 operands would come in two
-    # formats (E5M2 gradients, E4M3 weights), laid out MN-major for the weight gradient, which the FP8
-    # tensor cores do not take as they are, and the kernels' in-register widening ran those GEMMs about
-    # three times slower than bf16 ones (docs/performance.md).
     grad_dq = _dequantize(grad_q, grad_scale_inv, out_dtype)
-    # d lhs = grad @ rhs[g]^T (rhs_q_t [G, N, K] taken as is).
-    d_lhs = _gmm(grad_dq, _dequantize(rhs_q_t, rhs_scale_inv[:, None, None], out_dtype), group_sizes, False,
-                 out_dtype, blocks.dlhs, implementation)
-    # d rhs[g] = lhs[g]^T grad[g].
+    # d lhs = grad @ rhs[g]^T: FP8 operands of two formats (`grouped_gemm_tensor_scaled`).
+    d_lhs = _tensor_scaled_gmm(grad_q, grad_scale_inv, rhs_q, rhs_scale_inv, group_sizes, out_dtype, blocks.dlhs,
+                               implementation)
+    # d rhs[g] = lhs[g]^T grad[g], contracted over rows, which FP8 tensor-core GEMMs do not take as
+    # laid out here: on the dequantized values.
     d_rhs = _tgmm(_dequantize(lhs_q, lhs_scale_inv, out_dtype), grad_dq, group_sizes, out_dtype, blocks.wgrad,
                   implementation)
     return d_lhs, d_rhs, None
@@ -389,6 +433,61 @@ def _dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
 
+# `grouped_gemm_tensor_scaled`: ``a @ rhs[g]^T`` per group for FP8 ``a [M, C]`` with one dequantization
+# scale (``a_scale_inv []``) and FP8 ``rhs_q [G, D, C]`` with one per group (``rhs_scale_inv [G]``),
+# ``[M, D]`` in ``out_dtype``: ``d lhs`` of `grouped_gemm_fp8`, whose operands come in two formats (E5M2
+# gradients, E4M3 weights). cuBLASLt multiplies them on the FP8 tensor cores as they are; the Triton and
+# Pallas kernels would widen them in registers, which ran about three times slower than their bf16 GEMMs
+# (docs/performance.md), so they (and the reference) take the values dequantized to ``out_dtype``.
+
+
+def _tensor_scaled_on_dequantized(gemm, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, out_dtype, tiles):
+    a = _dequantize(a_q, a_scale_inv, out_dtype)
+    rhs = jnp.swapaxes(_dequantize(rhs_q, rhs_scale_inv[:, None, None], out_dtype), 1, 2)  # [G, C, D]
+    return gemm(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+
+
+def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    g, d, c = jnp.shape(rhs_q)
+    return gg_kernels.unsupported(jnp.shape(a_q), (g, c, d), out_dtype, out_dtype)
+
+
+@backend.register("grouped_gemm_tensor_scaled", backend.REFERENCE)
+def _tensor_scaled_reference(*args, out_dtype, tiles):
+    return _tensor_scaled_on_dequantized(grouped_gemm_reference, *args, out_dtype, tiles)
+
+
+@backend.register("grouped_gemm_tensor_scaled", "pallas_triton", unsupported=_dequantized_kernel_unsupported,
+                  **_KERNEL)
+def _tensor_scaled_pallas(*args, out_dtype, tiles):
+    return _tensor_scaled_on_dequantized(_grouped_gemm_pallas, *args, out_dtype, tiles)
+
+
+@backend.register("grouped_gemm_tensor_scaled", "triton", unsupported=_dequantized_kernel_unsupported, **_NATIVE)
+def _tensor_scaled_triton(*args, out_dtype, tiles):
+    return _tensor_scaled_on_dequantized(_grouped_gemm_triton, *args, out_dtype, tiles)
+
+
+def _tensor_scaled_cublaslt_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    return _cublaslt_unsupported_gmm(a_q, rhs_q, group_sizes, rhs_scale_inv, transpose_rhs=True, out_dtype=out_dtype,
+                                     tiles=tiles)
+
+
+@backend.register("grouped_gemm_tensor_scaled", "cublaslt", platforms=("cuda",), priority=13, single_device=True,
+                  unsupported=_tensor_scaled_cublaslt_unsupported)
+def _tensor_scaled_cublaslt(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+    return _grouped_gemm_cublaslt(a_q, rhs_q, group_sizes, a_scale_inv * rhs_scale_inv, transpose_rhs=True,
+                                  out_dtype=out_dtype, tiles=tiles)
+
+
+def _tensor_scaled_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
+    """`grouped_gemm_tensor_scaled` through `mtjax.backend` (``implementation`` as `_block_gmm` takes it)."""
+    static = dict(out_dtype=jnp.dtype(dtype), tiles=tiles)
+    args = (a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
+    op = "grouped_gemm_tensor_scaled"
+    return backend.dispatch(op, *args, implementation=_choice(op, implementation, *args, **static), **static)
+
+
 
 def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                      forward_dtype: DTypeLike = jnp.float8_e4m3fn, gradient_dtype: DTypeLike = jnp.float8_e5m2,
@@ -400,9 +499,10 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     step (no state: TransformerEngine's current scaling). The forward GEMM takes the FP8 operands
     (on FP8 tensor cores where a kernel takes them), accumulates in float32 and applies the
     dequantization scales to the accumulator, per row (the row's group's ``rhs`` scale). The backward
-    GEMMs take the same quantized values, and the quantized output gradient, dequantized to
-    ``lhs.dtype`` (exact for float32, within 2^-9 of each value for bfloat16) through the grouped
-    GEMM's kernels, which are faster there than FP8 kernels on mixed formats (docs/moe-kernels.md).
+    GEMMs take the same quantized values and the quantized output gradient: ``d lhs`` multiplies them
+    on FP8 tensor cores on cuBLASLt, and both it elsewhere and the weight gradient (contracted over
+    rows, which FP8 tensor-core GEMMs do not take) dequantized to ``lhs.dtype`` (exact for float32,
+    within 2^-9 of each value for bfloat16) through the grouped GEMM's kernels (docs/moe-kernels.md).
     Under `mtjax.fp8.fp8_autocast` a caller picks this op and takes the dtypes from the recipe's
     ``fp8_format.dtypes()``; a `DelayedScaling` recipe is served with current scaling too here.
 
@@ -469,11 +569,6 @@ def _on_dequantized(gemm, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, o
 @backend.register("grouped_gemm_block_scaled", backend.REFERENCE)
 def _block_scaled_reference(*args, out_dtype, tiles):
     return _on_dequantized(grouped_gemm_reference, *args, out_dtype, tiles)
-
-
-def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
-    g, d, c = jnp.shape(rhs_q)
-    return gg_kernels.unsupported(jnp.shape(a_q), (g, c, d), out_dtype, out_dtype)
 
 
 @backend.register("grouped_gemm_block_scaled", "pallas_triton", unsupported=_dequantized_kernel_unsupported,

@@ -352,18 +352,27 @@ def test_kernel_argument_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation", ["pallas_triton", "triton"])
+@pytest.mark.parametrize("implementation", ["pallas_triton", "triton", "cublaslt"])
 @pytest.mark.parametrize("sizes", ["balanced", "skewed"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_gpu_real_sizes(implementation, sizes, fp8, persistent):
     """16 experts, 8192 rows, hidden 2048, expert ffn 1408: the Pallas and native Triton kernels
-    (default tiles, or the forward and d lhs as 264 persistent programs) against ragged_dot (bf16), or
+    (default tiles, or the forward and d lhs as 264 persistent programs) and cuBLASLt (its FP8 ``d lhs``
+    on the E5M2 gradient and E4M3 weights as they are) against ragged_dot (bf16), or
     for FP8 against float64 numpy on the same quantized operands (XLA's GPU ragged dot of the
     dequantized operands does not keep their FP8 rounding: it differs from the exact product by the
     rounding itself)."""
     if implementation == "triton" and backend.native_triton_problem() is not None:
         pytest.skip(backend.native_triton_problem())
+    if implementation == "cublaslt":
+        if persistent:
+            pytest.skip("cuBLASLt has no tiles of ours")
+        from mtjax.kernels import cublaslt
+
+        if cublaslt.load() is not None:
+            cublaslt.build()
+            cublaslt.load.cache_clear()
     m, k, n, g = 8192, 2048, 1408, 16
     group_sizes = np.full(g, m // g) if sizes == "balanced" else np.array([m - 15 * 37] + [37] * 14 + [0])
     lhs, rhs, gs, dy = random_case(0, m, k, n, group_sizes, dtype=np.float32)
