@@ -353,11 +353,28 @@ ffi::Error ReadGroupSizes(const Driver& driver, ffi::Buffer<ffi::S32>& group_siz
   return ffi::Error::Success();
 }
 
-ffi::Error Setup(ffi::ScratchAllocator& scratch, cublasLtHandle_t* handle, void** workspace, const Driver** driver) {
-  *driver = LoadDriver();
-  if (*driver == nullptr) return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: no CUDA driver (libcuda.so.1)");
-  if (ffi::Error error = Handle(handle); error.failure()) return error;
-  return Workspace(scratch, workspace);
+// What both grouped handlers need before their GEMMs.
+struct GroupedCall {
+  cublasLtHandle_t handle;
+  void* workspace;
+  const Driver* driver;
+  std::vector<int32_t> sizes;  // on the host, clipped to the rows there are
+};
+
+// Sets `gemm`'s types (cuBLASLt's A and B are the `a` and `b` given here) and prepares `call`.
+ffi::Error Prepare(ffi::ScratchAllocator& scratch, cudaStream_t stream, ffi::DataType a, ffi::DataType b,
+                   ffi::DataType out, ffi::Buffer<ffi::S32>& group_sizes, int64_t rows, Gemm* gemm,
+                   GroupedCall* call) {
+  if (!OperandType(a, &gemm->a_type) || !OperandType(b, &gemm->b_type) || !OutType(out, &gemm->d_type)) {
+    return ffi::Error::InvalidArgument("mtjax cuBLASLt grouped GEMM: unsupported dtypes");
+  }
+  call->driver = LoadDriver();
+  if (call->driver == nullptr) {
+    return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: no CUDA driver (libcuda.so.1)");
+  }
+  if (ffi::Error error = Handle(&call->handle); error.failure()) return error;
+  if (ffi::Error error = Workspace(scratch, &call->workspace); error.failure()) return error;
+  return ReadGroupSizes(*call->driver, group_sizes, rows, stream, &call->sizes);
 }
 
 ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
@@ -368,7 +385,8 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   auto r = rhs.dimensions();
   auto o = out->dimensions();
   const int64_t groups = static_cast<int64_t>(group_sizes.element_count());
-  if (l.size() != 2 || r.size() != 3 || o.size() != 2 || r[0] != groups || static_cast<int64_t>(group_scale.element_count()) != groups) {
+  if (l.size() != 2 || r.size() != 3 || o.size() != 2 || r[0] != groups ||
+      static_cast<int64_t>(group_scale.element_count()) != groups) {
     return ffi::Error::InvalidArgument(
         "mtjax cuBLASLt grouped GEMM: expected lhs [M, K], rhs [G, K, N] or [G, N, K], group_sizes and "
         "group_scale [G], out [M, N]");
@@ -378,9 +396,11 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
     return ffi::Error::InvalidArgument("mtjax cuBLASLt grouped GEMM: shapes disagree, or K or N not a multiple of 16");
   }
   Gemm g;
-  if (!OperandType(lhs.element_type(), &g.b_type) || !OperandType(rhs.element_type(), &g.a_type) ||
-      !OutType(out->element_type(), &g.d_type)) {
-    return ffi::Error::InvalidArgument("mtjax cuBLASLt grouped GEMM: unsupported dtypes");
+  GroupedCall call;
+  if (ffi::Error error = Prepare(scratch, stream, rhs.element_type(), lhs.element_type(), out->element_type(),
+                                 group_sizes, m, &g, &call);
+      error.failure()) {
+    return error;
   }
   // out[rows of g]^T [n, rows] = op(rhs[g]) [n, k] . lhs[rows of g]^T [k, rows].
   g.trans_a = transpose_rhs ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -389,30 +409,24 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   g.varying_dimension = 1;
   const size_t lhs_bytes = ffi::ByteWidth(lhs.element_type()), rhs_bytes = ffi::ByteWidth(rhs.element_type()),
                out_bytes = ffi::ByteWidth(out->element_type());
-  cublasLtHandle_t handle;
-  void* workspace;
-  const Driver* driver;
-  if (ffi::Error error = Setup(scratch, &handle, &workspace, &driver); error.failure()) return error;
-  std::vector<int32_t> sizes;
-  if (ffi::Error error = ReadGroupSizes(*driver, group_sizes, m, stream, &sizes); error.failure()) return error;
   const auto* lhs_data = static_cast<const char*>(lhs.untyped_data());
   const auto* rhs_data = static_cast<const char*>(rhs.untyped_data());
   auto* out_data = static_cast<char*>(out->untyped_data());
   const float* scales = group_scale.typed_data();
   int64_t start = 0;
   for (int64_t group = 0; group < groups; ++group) {
-    const int64_t rows = sizes[group];
+    const int64_t rows = call.sizes[group];
     if (rows == 0) continue;
     g.n = rows;
     g.a_scale = has_scale ? static_cast<const void*>(scales + group) : nullptr;
-    if (ffi::Error error = Run(handle, g, rhs_data + group * n * k * rhs_bytes, lhs_data + start * k * lhs_bytes,
-                               out_data + start * n * out_bytes, workspace, stream);
+    if (ffi::Error error = Run(call.handle, g, rhs_data + group * n * k * rhs_bytes, lhs_data + start * k * lhs_bytes,
+                               out_data + start * n * out_bytes, call.workspace, stream);
         error.failure()) {
       return error;
     }
     start += rows;
   }
-  return Zero(*driver, out_data + start * n * out_bytes, (m - start) * n * out_bytes, stream);
+  return Zero(*call.driver, out_data + start * n * out_bytes, (m - start) * n * out_bytes, stream);
 }
 
 ffi::Error GroupedGemmWgrad(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs,
@@ -429,9 +443,11 @@ ffi::Error GroupedGemmWgrad(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   }
   const int64_t m = l[0], k = l[1], n = d[1];
   Gemm g;
-  if (!OperandType(lhs.element_type(), &g.b_type) || !OperandType(grad.element_type(), &g.a_type) ||
-      !OutType(out->element_type(), &g.d_type)) {
-    return ffi::Error::InvalidArgument("mtjax cuBLASLt grouped GEMM weight gradient: unsupported dtypes");
+  GroupedCall call;
+  if (ffi::Error error = Prepare(scratch, stream, grad.element_type(), lhs.element_type(), out->element_type(),
+                                 group_sizes, m, &g, &call);
+      error.failure()) {
+    return error;
   }
   // out[g]^T [n, k] = grad[rows of g]^T [n, rows] . lhs[rows of g] [rows, k].
   g.trans_b = CUBLAS_OP_T;
@@ -439,23 +455,17 @@ ffi::Error GroupedGemmWgrad(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   g.varying_dimension = 2;
   const size_t lhs_bytes = ffi::ByteWidth(lhs.element_type()), grad_bytes = ffi::ByteWidth(grad.element_type()),
                out_bytes = ffi::ByteWidth(out->element_type());
-  cublasLtHandle_t handle;
-  void* workspace;
-  const Driver* driver;
-  if (ffi::Error error = Setup(scratch, &handle, &workspace, &driver); error.failure()) return error;
-  std::vector<int32_t> sizes;
-  if (ffi::Error error = ReadGroupSizes(*driver, group_sizes, m, stream, &sizes); error.failure()) return error;
   const auto* lhs_data = static_cast<const char*>(lhs.untyped_data());
   const auto* grad_data = static_cast<const char*>(grad.untyped_data());
   auto* out_data = static_cast<char*>(out->untyped_data());
   int64_t start = 0;
   for (int64_t group = 0; group < groups; ++group) {
-    const int64_t rows = sizes[group];
+    const int64_t rows = call.sizes[group];
     char* group_out = out_data + group * k * n * out_bytes;
     g.k = rows;
-    ffi::Error error = rows == 0 ? Zero(*driver, group_out, k * n * out_bytes, stream)
-                                 : Run(handle, g, grad_data + start * n * grad_bytes, lhs_data + start * k * lhs_bytes,
-                                       group_out, workspace, stream);
+    ffi::Error error = rows == 0 ? Zero(*call.driver, group_out, k * n * out_bytes, stream)
+                                 : Run(call.handle, g, grad_data + start * n * grad_bytes,
+                                       lhs_data + start * k * lhs_bytes, group_out, call.workspace, stream);
     if (error.failure()) return error;
     start += rows;
   }

@@ -433,6 +433,7 @@ def _dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
 
+
 # `grouped_gemm_tensor_scaled`: ``a @ rhs[g]^T`` per group for FP8 ``a [M, C]`` with one dequantization
 # scale (``a_scale_inv []``) and FP8 ``rhs_q [G, D, C]`` with one per group (``rhs_scale_inv [G]``),
 # ``[M, D]`` in ``out_dtype``: ``d lhs`` of `grouped_gemm_fp8`, whose operands come in two formats (E5M2
@@ -441,10 +442,9 @@ _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)
 # (docs/performance.md), so they (and the reference) take the values dequantized to ``out_dtype``.
 
 
-def _tensor_scaled_on_dequantized(gemm, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, out_dtype, tiles):
-    a = _dequantize(a_q, a_scale_inv, out_dtype)
-    rhs = jnp.swapaxes(_dequantize(rhs_q, rhs_scale_inv[:, None, None], out_dtype), 1, 2)  # [G, C, D]
-    return gemm(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+def _tensor_dequantize(a_q, a_scale_inv, rhs_q, rhs_scale_inv, dtype):
+    a = _dequantize(a_q, a_scale_inv, dtype)
+    return a, jnp.swapaxes(_dequantize(rhs_q, rhs_scale_inv[:, None, None], dtype), 1, 2)  # [G, C, D]
 
 
 def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
@@ -452,20 +452,24 @@ def _dequantized_kernel_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, grou
     return gg_kernels.unsupported(jnp.shape(a_q), (g, c, d), out_dtype, out_dtype)
 
 
-@backend.register("grouped_gemm_tensor_scaled", backend.REFERENCE)
-def _tensor_scaled_reference(*args, out_dtype, tiles):
-    return _tensor_scaled_on_dequantized(grouped_gemm_reference, *args, out_dtype, tiles)
+def _register_dequantized(op: str, dequantize) -> None:
+    """Register ``op``'s reference, Pallas and native Triton implementations: ``dequantize(a_q, a_scale_inv,
+    rhs_q, rhs_scale_inv, dtype) -> (a [M, C], rhs [G, C, D])``, then that `grouped_gemm` implementation."""
+    def on_dequantized(gemm):
+        def fn(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
+            a, rhs = dequantize(a_q, a_scale_inv, rhs_q, rhs_scale_inv, out_dtype)
+            return gemm(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+
+        return fn
+
+    backend.register(op, backend.REFERENCE)(on_dequantized(grouped_gemm_reference))
+    backend.register(op, "pallas_triton", unsupported=_dequantized_kernel_unsupported, **_KERNEL)(
+        on_dequantized(_grouped_gemm_pallas))
+    backend.register(op, "triton", unsupported=_dequantized_kernel_unsupported, **_NATIVE)(
+        on_dequantized(_grouped_gemm_triton))
 
 
-@backend.register("grouped_gemm_tensor_scaled", "pallas_triton", unsupported=_dequantized_kernel_unsupported,
-                  **_KERNEL)
-def _tensor_scaled_pallas(*args, out_dtype, tiles):
-    return _tensor_scaled_on_dequantized(_grouped_gemm_pallas, *args, out_dtype, tiles)
-
-
-@backend.register("grouped_gemm_tensor_scaled", "triton", unsupported=_dequantized_kernel_unsupported, **_NATIVE)
-def _tensor_scaled_triton(*args, out_dtype, tiles):
-    return _tensor_scaled_on_dequantized(_grouped_gemm_triton, *args, out_dtype, tiles)
+_register_dequantized("grouped_gemm_tensor_scaled", _tensor_dequantize)
 
 
 def _tensor_scaled_cublaslt_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
@@ -558,28 +562,12 @@ def _group_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Arr
 # scales applied per K block; the other implementations dequantize and run the grouped GEMM.
 
 
-def _on_dequantized(gemm, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, out_dtype, tiles):
-    """``gemm`` (a `grouped_gemm` implementation) on the operands dequantized to ``out_dtype``: ``a [M,
-    C]`` and ``rhs [G, C, D]`` (rhs in its scales' layout, contraction first)."""
-    a = tile_dequantize(a_q, a_scale_inv, out_dtype)
-    rhs = _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, out_dtype)
-    return gemm(a, rhs, group_sizes, None, transpose_rhs=False, out_dtype=out_dtype, tiles=tiles)
+def _block_dequantize(a_q, a_scale_inv, rhs_q, rhs_scale_inv, dtype):
+    """``a [M, C]`` from its tiles and ``rhs [G, C, D]`` from its blocks (laid out contraction first)."""
+    return tile_dequantize(a_q, a_scale_inv, dtype), _group_dequantize(jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, dtype)
 
 
-@backend.register("grouped_gemm_block_scaled", backend.REFERENCE)
-def _block_scaled_reference(*args, out_dtype, tiles):
-    return _on_dequantized(grouped_gemm_reference, *args, out_dtype, tiles)
-
-
-@backend.register("grouped_gemm_block_scaled", "pallas_triton", unsupported=_dequantized_kernel_unsupported,
-                  **_KERNEL)
-def _block_scaled_pallas(*args, out_dtype, tiles):
-    return _on_dequantized(_grouped_gemm_pallas, *args, out_dtype, tiles)
-
-
-@backend.register("grouped_gemm_block_scaled", "triton", unsupported=_dequantized_kernel_unsupported, **_NATIVE)
-def _block_scaled_triton(*args, out_dtype, tiles):
-    return _on_dequantized(_grouped_gemm_triton, *args, out_dtype, tiles)
+_register_dequantized("grouped_gemm_block_scaled", _block_dequantize)
 
 
 def _block_scaled_mosaic_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype,
