@@ -7,8 +7,9 @@
   per-tensor FP8 only.
 * Grouped GEMMs (a mixture of experts' expert MLPs): ``grouped_gemm`` and ``grouped_gemm_wgrad``, one
   cuBLASLt GEMM per non-empty group, FP8 (per-tensor scales, a scale per group) or 16-bit operands.
-  cuBLASLt takes each group's size on the host, so each call copies ``group_sizes`` off the device and
-  waits for it (one stream synchronization per call).
+  cuBLASLt takes each group's size on the host, so each call copies ``group_sizes`` (and the group
+  scales) off the device and waits for them (one stream synchronization per call). FP8 GEMMs take
+  rows in multiples of 16: a group's last rows past one go through a zero-padded 16-row copy.
 
 `cuda/cublaslt_gemm.cc` holds the FFI handlers (C++, host code only). They are compiled on the machine
 that runs them, against the cuBLASLt there, by ``python -m mtjax.kernels.cublaslt`` (`build`; it needs

@@ -17,8 +17,9 @@
 //   the operands' dequantization scales). Rows past sum(group_sizes) are zeros.
 // * MtjaxCublasLtGroupedGemmWgrad: its weight gradient, out[g] [K, N] = lhs[rows of g]^T . grad[rows of g].
 //
-// Both grouped handlers copy group_sizes to the host (one stream synchronization per call) and issue
-// one cuBLASLt GEMM per non-empty group. XLA's row-major [r, c] array is cuBLASLt's column-major
+// Both grouped handlers copy group_sizes (and group_scale, which becomes each GEMM's alpha) to the host
+// (one stream synchronization per call) and issue one cuBLASLt GEMM per non-empty group. FP8 GEMMs take
+// rows in multiples of 16: a group's last rows past one go through a zero-padded 16-row copy. XLA's row-major [r, c] array is cuBLASLt's column-major
 // [c, r]: every GEMM below is written in cuBLASLt's column-major terms, D = op(A) . op(B).
 
 #include <dlfcn.h>
@@ -103,6 +104,7 @@ struct Gemm {
   int32_t a_scale_mode = -1, b_scale_mode = -1;  // -1: one scale for the operand (cuBLASLt's default)
   const void* a_scale = nullptr;                 // device float32 dequantization scales (FP8 only)
   const void* b_scale = nullptr;
+  float alpha = 1.0f;                            // D = alpha * op(A) . op(B)
   int32_t fast_accum = 0;  // FP8: accumulate in the tensor core's precision without promotion
   // The algorithm cache files a GEMM under its shape, with the dimension that varies from call to
   // call (a group's rows) rounded up to a power of two: the algorithm found for the first such shape
@@ -235,16 +237,20 @@ ffi::Error Run(cublasLtHandle_t handle, const Gemm& g, const void* a, const void
       Algorithms().emplace(key, algo);
     }
   }
-  const float alpha = 1.0f, beta = 0.0f;
-  cublasStatus_t status = cublasLtMatmul(handle, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d,
+  const float beta = 0.0f;
+  cublasStatus_t status = cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d,
                                          &algo, workspace, kWorkspaceBytes, stream);
   if (status != CUBLAS_STATUS_SUCCESS && cached && g.varying_dimension >= 0) {
     // The algorithm of this shape's bucket does not take this shape: ask for the shape's own.
     if (ffi::Error error = Heuristic(handle, desc, alignments, &algo); error.failure()) return error;
-    status = cublasLtMatmul(handle, desc.op, &alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d, &algo,
+    status = cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d, &algo,
                             workspace, kWorkspaceBytes, stream);
   }
-  if (status != CUBLAS_STATUS_SUCCESS) return CublasError("matmul", status);
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    const std::string what = "matmul of m=" + std::to_string(g.m) + ", n=" + std::to_string(g.n) +
+                             ", k=" + std::to_string(g.k);
+    return CublasError(what.c_str(), status);
+  }
   return ffi::Error::Success();
 }
 
@@ -299,13 +305,15 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 // Grouped GEMMs
 // ------------------------------------------------------------------------------------------------
 
-// The CUDA driver calls the grouped GEMMs need (read group sizes, zero rows), looked up in the
-// driver library the process already has loaded, so the library links cuBLASLt only.
+// The CUDA driver calls the grouped GEMMs need (read group sizes and scales, copy and zero rows),
+// looked up in the driver library the process already has loaded, so the library links cuBLASLt only.
 struct Driver {
   using MemcpyDtoHAsync = int (*)(void*, unsigned long long, size_t, void*);
+  using MemcpyDtoDAsync = int (*)(unsigned long long, unsigned long long, size_t, void*);
   using MemsetD8Async = int (*)(unsigned long long, unsigned char, size_t, void*);
   using StreamSynchronize = int (*)(void*);
   MemcpyDtoHAsync memcpy_dtoh = nullptr;
+  MemcpyDtoDAsync memcpy_dtod = nullptr;
   MemsetD8Async memset_d8 = nullptr;
   StreamSynchronize synchronize = nullptr;
 };
@@ -317,30 +325,45 @@ const Driver* LoadDriver() {
     if (library == nullptr) return nullptr;
     auto* found = new Driver;
     found->memcpy_dtoh = reinterpret_cast<Driver::MemcpyDtoHAsync>(dlsym(library, "cuMemcpyDtoHAsync_v2"));
+    found->memcpy_dtod = reinterpret_cast<Driver::MemcpyDtoDAsync>(dlsym(library, "cuMemcpyDtoDAsync_v2"));
     found->memset_d8 = reinterpret_cast<Driver::MemsetD8Async>(dlsym(library, "cuMemsetD8Async"));
     found->synchronize = reinterpret_cast<Driver::StreamSynchronize>(dlsym(library, "cuStreamSynchronize"));
-    if (!found->memcpy_dtoh || !found->memset_d8 || !found->synchronize) return nullptr;
+    if (!found->memcpy_dtoh || !found->memcpy_dtod || !found->memset_d8 || !found->synchronize) return nullptr;
     return found;
   }();
   return driver;
 }
 
+unsigned long long Address(const void* pointer) { return reinterpret_cast<unsigned long long>(pointer); }
+
 ffi::Error Zero(const Driver& driver, void* pointer, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return ffi::Error::Success();
-  if (driver.memset_d8(reinterpret_cast<unsigned long long>(pointer), 0, bytes, stream) != 0) {
+  if (driver.memset_d8(Address(pointer), 0, bytes, stream) != 0) {
     return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: cuMemsetD8Async failed");
   }
   return ffi::Error::Success();
 }
 
-// Copies group_sizes to the host.
-ffi::Error ReadGroupSizes(const Driver& driver, ffi::Buffer<ffi::S32>& group_sizes, int64_t rows,
-                          cudaStream_t stream, std::vector<int32_t>* sizes) {
+ffi::Error Copy(const Driver& driver, void* to, const void* from, size_t bytes, cudaStream_t stream) {
+  if (driver.memcpy_dtod(Address(to), Address(from), bytes, stream) != 0) {
+    return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: cuMemcpyDtoDAsync failed");
+  }
+  return ffi::Error::Success();
+}
+
+// Copies group_sizes (and group_scale, when given) to the host.
+ffi::Error ReadToHost(const Driver& driver, ffi::Buffer<ffi::S32>& group_sizes, const float* group_scale,
+                      int64_t rows, cudaStream_t stream, std::vector<int32_t>* sizes, std::vector<float>* scales) {
   sizes->resize(group_sizes.element_count());
+  scales->assign(sizes->size(), 1.0f);
   if (sizes->empty()) return ffi::Error::Success();
-  if (driver.memcpy_dtoh(sizes->data(), reinterpret_cast<unsigned long long>(group_sizes.typed_data()),
-                         sizes->size() * sizeof(int32_t), stream) != 0 ||
-      driver.synchronize(stream) != 0) {
+  bool failed = driver.memcpy_dtoh(sizes->data(), Address(group_sizes.typed_data()),
+                                   sizes->size() * sizeof(int32_t), stream) != 0;
+  if (group_scale != nullptr) {
+    failed = failed || driver.memcpy_dtoh(scales->data(), Address(group_scale), scales->size() * sizeof(float),
+                                          stream) != 0;
+  }
+  if (failed || driver.synchronize(stream) != 0) {
     return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: reading group_sizes failed");
   }
   // Sizes past the rows there are are clipped, as the other implementations do (the op leaves the
@@ -359,12 +382,13 @@ struct GroupedCall {
   void* workspace;
   const Driver* driver;
   std::vector<int32_t> sizes;  // on the host, clipped to the rows there are
+  std::vector<float> scales;   // on the host (ones without group_scale)
 };
 
 // Sets `gemm`'s types (cuBLASLt's A and B are the `a` and `b` given here) and prepares `call`.
 ffi::Error Prepare(ffi::ScratchAllocator& scratch, cudaStream_t stream, ffi::DataType a, ffi::DataType b,
-                   ffi::DataType out, ffi::Buffer<ffi::S32>& group_sizes, int64_t rows, Gemm* gemm,
-                   GroupedCall* call) {
+                   ffi::DataType out, ffi::Buffer<ffi::S32>& group_sizes, const float* group_scale, int64_t rows,
+                   Gemm* gemm, GroupedCall* call) {
   if (!OperandType(a, &gemm->a_type) || !OperandType(b, &gemm->b_type) || !OutType(out, &gemm->d_type)) {
     return ffi::Error::InvalidArgument("mtjax cuBLASLt grouped GEMM: unsupported dtypes");
   }
@@ -374,8 +398,12 @@ ffi::Error Prepare(ffi::ScratchAllocator& scratch, cudaStream_t stream, ffi::Dat
   }
   if (ffi::Error error = Handle(&call->handle); error.failure()) return error;
   if (ffi::Error error = Workspace(scratch, &call->workspace); error.failure()) return error;
-  return ReadGroupSizes(*call->driver, group_sizes, rows, stream, &call->sizes);
+  return ReadToHost(*call->driver, group_sizes, group_scale, rows, stream, &call->sizes, &call->scales);
 }
+
+// cuBLASLt's FP8 GEMMs take row counts in multiples of this: a group's last rows past a multiple go
+// through a padded copy.
+constexpr int64_t kFp8Rows = 16;
 
 ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                        ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> group_scale,
@@ -398,7 +426,7 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   Gemm g;
   GroupedCall call;
   if (ffi::Error error = Prepare(scratch, stream, rhs.element_type(), lhs.element_type(), out->element_type(),
-                                 group_sizes, m, &g, &call);
+                                 group_sizes, has_scale ? group_scale.typed_data() : nullptr, m, &g, &call);
       error.failure()) {
     return error;
   }
@@ -409,20 +437,44 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   g.varying_dimension = 1;
   const size_t lhs_bytes = ffi::ByteWidth(lhs.element_type()), rhs_bytes = ffi::ByteWidth(rhs.element_type()),
                out_bytes = ffi::ByteWidth(out->element_type());
+  const bool fp8 = lhs_bytes == 1;
+  char* padded_lhs = nullptr;  // kFp8Rows rows of lhs and of out, for an FP8 group's last rows
+  char* padded_out = nullptr;
+  if (fp8) {
+    std::optional<void*> memory = scratch.Allocate(kFp8Rows * (k * lhs_bytes + n * out_bytes) + 256);
+    if (!memory.has_value()) return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: no scratch for padded rows");
+    padded_lhs = reinterpret_cast<char*>((Address(memory.value()) + 255) / 256 * 256);
+    padded_out = padded_lhs + kFp8Rows * k * lhs_bytes;
+  }
   const auto* lhs_data = static_cast<const char*>(lhs.untyped_data());
   const auto* rhs_data = static_cast<const char*>(rhs.untyped_data());
   auto* out_data = static_cast<char*>(out->untyped_data());
-  const float* scales = group_scale.typed_data();
   int64_t start = 0;
   for (int64_t group = 0; group < groups; ++group) {
     const int64_t rows = call.sizes[group];
-    if (rows == 0) continue;
-    g.n = rows;
-    g.a_scale = has_scale ? static_cast<const void*>(scales + group) : nullptr;
-    if (ffi::Error error = Run(call.handle, g, rhs_data + group * n * k * rhs_bytes, lhs_data + start * k * lhs_bytes,
-                               out_data + start * n * out_bytes, call.workspace, stream);
-        error.failure()) {
-      return error;
+    const int64_t whole = fp8 ? rows / kFp8Rows * kFp8Rows : rows, rest = rows - whole;
+    const char* weights = rhs_data + group * n * k * rhs_bytes;
+    g.alpha = call.scales[group];
+    if (whole > 0) {
+      g.n = whole;
+      if (ffi::Error error = Run(call.handle, g, weights, lhs_data + start * k * lhs_bytes,
+                                 out_data + start * n * out_bytes, call.workspace, stream);
+          error.failure()) {
+        return error;
+      }
+    }
+    if (rest > 0) {  // the last rows, zero-padded to kFp8Rows
+      g.n = kFp8Rows;
+      const int64_t first = start + whole;
+      ffi::Error error = Zero(*call.driver, padded_lhs, kFp8Rows * k * lhs_bytes, stream);
+      if (!error.failure()) {
+        error = Copy(*call.driver, padded_lhs, lhs_data + first * k * lhs_bytes, rest * k * lhs_bytes, stream);
+      }
+      if (!error.failure()) error = Run(call.handle, g, weights, padded_lhs, padded_out, call.workspace, stream);
+      if (!error.failure()) {
+        error = Copy(*call.driver, out_data + first * n * out_bytes, padded_out, rest * n * out_bytes, stream);
+      }
+      if (error.failure()) return error;
     }
     start += rows;
   }
@@ -445,7 +497,7 @@ ffi::Error GroupedGemmWgrad(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   Gemm g;
   GroupedCall call;
   if (ffi::Error error = Prepare(scratch, stream, grad.element_type(), lhs.element_type(), out->element_type(),
-                                 group_sizes, m, &g, &call);
+                                 group_sizes, nullptr, m, &g, &call);
       error.failure()) {
     return error;
   }

@@ -144,8 +144,8 @@ def test_grouped_bf16_lowers_with_rhs_as_given(registered):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes no local GPU (the cuda device comes from config)")
 def test_grouped_selection(registered, monkeypatch):
-    """With the library: FP8 grouped GEMMs (the forward, and ``d lhs`` of two FP8 formats) go to cuBLASLt
-    first; 16-bit ones stay on the Triton kernels. Without it, ``d lhs`` dequantizes for those."""
+    """With the library: grouped GEMMs go to cuBLASLt first (bf16, FP8, ``d lhs`` of two FP8 formats, the
+    16-bit weight gradient). Without it, the Triton kernels, which take ``d lhs`` dequantized."""
     monkeypatch.setattr(backend, "native_triton_problem", lambda: None)
     S = jax.ShapeDtypeStruct
     e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -159,9 +159,13 @@ def test_grouped_selection(registered, monkeypatch):
         return backend.select(op, platform_name="cuda", args=args, static=static)[0].name
 
     assert chosen("grouped_gemm", forward, static) == "cublaslt"
-    assert chosen("grouped_gemm", bf16, static) == "triton"
+    assert chosen("grouped_gemm", bf16, static) == "cublaslt"
     assert chosen("grouped_gemm_tensor_scaled", dlhs, dlhs_static) == "cublaslt"
+    wgrad = (S((4096, 1024), jnp.bfloat16), S((4096, 512), jnp.bfloat16), S((8,), jnp.int32), None)
+    wgrad_static = {"out_dtype": jnp.dtype(jnp.bfloat16), "tiles": None}
+    assert chosen("grouped_gemm_wgrad", wgrad, wgrad_static) == "cublaslt"
     monkeypatch.setattr(cublaslt, "load", lambda: "no library")
+    assert chosen("grouped_gemm", bf16, static) == "triton"
     assert chosen("grouped_gemm_tensor_scaled", dlhs, dlhs_static) == "triton"
 
 
