@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,8 @@ from mtjax import backend, ops
 from mtjax.kernels import cublaslt
 from tests.kernels.test_block_fp8 import _operands, assert_fp8_gemm_close, fp8_gemm_bound
 from tests.ops.test_grouped_gemm import assert_close, np_gmm, np_tgmm, random_case
+
+GROUPED_GEMM_OPS = sys.modules["mtjax.ops.grouped_gemm"]  # the module (`mtjax.ops` exports the op by its name)
 
 
 def _lowered(m, k, n, b_blocks, b_dtype=jnp.float8_e4m3fn, batch=()):
@@ -39,9 +42,11 @@ def _library_built():
 
 @pytest.fixture
 def registered(monkeypatch):
-    """The FFI targets taken as registered: lowering does not need the library."""
+    """The FFI targets taken as registered (lowering does not need the library), FP8 grouped GEMMs
+    selected."""
     monkeypatch.setattr(cublaslt, "load", lambda: None)
     monkeypatch.setattr(cublaslt, "block_modes_problem", lambda: None)
+    monkeypatch.setattr(GROUPED_GEMM_OPS, "CUBLASLT_FP8_SELECTED", True)
 
 
 @pytest.mark.parametrize("b_blocks", [True, False], ids=["blocks", "tiles"])
@@ -166,6 +171,11 @@ def test_grouped_selection(registered, monkeypatch):
     assert chosen("grouped_gemm_wgrad", wgrad, wgrad_static) == "cublaslt"
     monkeypatch.setattr(cublaslt, "load", lambda: "no library")
     assert chosen("grouped_gemm", bf16, static) == "triton"
+    assert chosen("grouped_gemm_tensor_scaled", dlhs, dlhs_static) == "triton"
+    monkeypatch.setattr(cublaslt, "load", lambda: None)  # until the FP8 GEMMs pass on a GPU: bf16 only
+    monkeypatch.setattr(GROUPED_GEMM_OPS, "CUBLASLT_FP8_SELECTED", False)
+    assert chosen("grouped_gemm", bf16, static) == "cublaslt"
+    assert chosen("grouped_gemm", forward, static) == "mosaic_gpu"
     assert chosen("grouped_gemm_tensor_scaled", dlhs, dlhs_static) == "triton"
 
 
