@@ -205,7 +205,7 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
 
 
 def grouped_unsupported(lhs_shape: Sequence[int], rhs_shape: Sequence[int], lhs_dtype, rhs_dtype, out_dtype, *,
-                        transpose_rhs: bool, scaled: bool) -> str | None:
+                        transpose_rhs: bool) -> str | None:
     """Why `grouped_gemm` cannot run these operands, or None (the library's presence is `load`'s)."""
     lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
     fp8 = lhs_dtype in FP8_DTYPES and rhs_dtype in FP8_DTYPES
@@ -216,8 +216,6 @@ def grouped_unsupported(lhs_shape: Sequence[int], rhs_shape: Sequence[int], lhs_
             return "FP8 rhs as [G, K, N] (cuBLASLt's FP8 GEMMs take both operands K-major: [G, N, K])"
     elif lhs_dtype != rhs_dtype or lhs_dtype not in HALF_DTYPES:
         return f"operands {lhs_dtype} x {rhs_dtype} (cuBLASLt here: FP8, or bfloat16/float16 for both)"
-    elif scaled:
-        return "a group scale with 16-bit operands (cuBLASLt scales FP8 operands only)"
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
         return f"out_dtype {jnp.dtype(out_dtype)} (cuBLASLt here: bfloat16, float16 or float32)"
     k, n = lhs_shape[1], (rhs_shape[1] if transpose_rhs else rhs_shape[2])
@@ -234,7 +232,7 @@ def grouped_wgrad_unsupported(lhs_shape: Sequence[int], grad_shape: Sequence[int
         return (f"operands {lhs_dtype} x {grad_dtype} (cuBLASLt here: bfloat16/float16 for both; its FP8 GEMMs "
                 "cannot contract over rows)")
     if scaled:
-        return "a group scale with 16-bit operands (cuBLASLt scales FP8 operands only)"
+        return "a group scale (the weight-gradient handler takes none)"
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
         return f"out_dtype {jnp.dtype(out_dtype)} (cuBLASLt here: bfloat16, float16 or float32)"
     if lhs_shape[1] % ALIGNMENT or grad_shape[1] % ALIGNMENT:
@@ -256,8 +254,8 @@ def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_s
     ``transpose_rhs``) times ``group_scale[g]``; rows past ``sum(group_sizes)`` are zeros. FP8 operands
     accumulate with the tensor cores' fast accumulation where both are E4M3 (the forward GEMM, as
     XLA's FP8 GEMMs do by default) and with cuBLASLt's promotion otherwise (gradients)."""
-    _checked(grouped_unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, out_dtype, transpose_rhs=transpose_rhs,
-                                 scaled=group_scale is not None), "grouped_gemm")
+    _checked(grouped_unsupported(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, out_dtype, transpose_rhs=transpose_rhs),
+             "grouped_gemm")
     g = rhs.shape[0]
     scale = jnp.ones((g,), jnp.float32) if group_scale is None else group_scale.astype(jnp.float32).reshape(g)
     sizes = group_sizes.astype(jnp.int32)

@@ -215,9 +215,9 @@ def _cublaslt_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_r
     from mtjax.kernels import cublaslt
 
     del group_sizes, tiles
+    del group_scale  # each group's GEMM takes it as its alpha
     return cublaslt.grouped_unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs),
-                                        out_dtype, transpose_rhs=transpose_rhs,
-                                        scaled=group_scale is not None) or cublaslt.load()
+                                        out_dtype, transpose_rhs=transpose_rhs) or cublaslt.load()
 
 
 def _cublaslt_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtype, tiles) -> str | None:

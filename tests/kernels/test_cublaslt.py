@@ -182,19 +182,19 @@ def test_grouped_selection(registered, monkeypatch):
 def test_grouped_declines():
     e4m3, e5m2, bf16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 
-    def why(lhs_dtype, rhs_dtype, transpose_rhs=True, scaled=False, k=256, n=512, out=bf16):
+    def why(lhs_dtype, rhs_dtype, transpose_rhs=True, k=256, n=512, out=bf16):
         rhs_shape = (4, n, k) if transpose_rhs else (4, k, n)
         return cublaslt.grouped_unsupported((64, k), rhs_shape, lhs_dtype, rhs_dtype, out,
-                                            transpose_rhs=transpose_rhs, scaled=scaled)
+                                            transpose_rhs=transpose_rhs)
 
-    assert why(e4m3, e4m3) is None and why(e5m2, e4m3, scaled=True) is None and why(bf16, bf16, False) is None
+    assert why(e4m3, e4m3) is None and why(e5m2, e4m3) is None and why(bf16, bf16, False) is None
     assert "E5M2" in why(e5m2, e5m2)
     assert "K-major" in why(e4m3, e4m3, transpose_rhs=False)
-    assert "16-bit" in why(bf16, bf16, scaled=True)
     assert "operands" in why(jnp.float32, jnp.float32) and "operands" in why(bf16, e4m3)
     assert "multiples of 16" in why(bf16, bf16, k=100)
     assert "out_dtype" in why(e4m3, e4m3, out=jnp.int8)
     assert "rows" in cublaslt.grouped_wgrad_unsupported((64, 256), (64, 512), e4m3, e5m2, bf16, scaled=False)
+    assert "group scale" in cublaslt.grouped_wgrad_unsupported((64, 256), (64, 512), bf16, bf16, bf16, scaled=True)
     assert cublaslt.grouped_wgrad_unsupported((64, 256), (64, 512), bf16, bf16, jnp.float32, scaled=False) is None
     with pytest.raises(ValueError, match="K-major"):
         x = jnp.zeros((16, 32), e4m3)
@@ -234,7 +234,7 @@ def test_matches_reference_on_gpu(m, k, n, b_blocks, b_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("operands", ["bf16", "e4m3", "e5m2 x e4m3"])
 def test_grouped_matches_numpy_on_gpu(operands):
-    """Empty groups, sizes off any tile, rows past the groups (zeros), group scales (FP8): against
+    """Empty groups, sizes off any tile, rows past the groups (zeros), group scales: against
     float64 numpy of the same operands; the weight gradient (16-bit only) likewise."""
     _library_built()
     sizes = [300, 0, 1, 17, 500, 0, 100, 0]
@@ -243,12 +243,11 @@ def test_grouped_matches_numpy_on_gpu(operands):
                             "e5m2 x e4m3": (jnp.float8_e5m2, jnp.float8_e4m3fn)}[operands]
     a, b = jnp.asarray(lhs, lhs_dtype), jnp.asarray(rhs * 4, rhs_dtype)
     fp8 = operands != "bf16"
-    scale = jnp.linspace(0.5, 2.0, len(sizes), dtype=jnp.float32) if fp8 else None
+    scale = jnp.linspace(0.5, 2.0, len(sizes), dtype=jnp.float32)
     got = jax.jit(functools.partial(cublaslt.grouped_gemm, transpose_rhs=True, out_dtype=jnp.float32))(
         a, b, jnp.asarray(gs), scale)
     want = np_gmm(np.asarray(a, np.float64), np.asarray(b, np.float64), gs, transpose_rhs=True)
-    if fp8:
-        want = want * np.repeat(np.append(np.asarray(scale), 1.0), np.append(gs, 1000 - gs.sum()))[:, None]
+    want = want * np.repeat(np.append(np.asarray(scale), 1.0), np.append(gs, 1000 - gs.sum()))[:, None]
     assert_close(got, want, rtol=1e-5 if fp8 else 1e-2)  # FP8 products are exact in float32
     assert not np.any(np.asarray(got)[gs.sum():])
     if not fp8:
