@@ -181,12 +181,7 @@ def block_fp8_gemm(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array, out
     """`mtjax.ops.block_fp8_gemm` on cuBLASLt: ``a [m, k]``, ``sa [m, ceil(k/128)]``, ``b [n, k]``,
     ``sb [n, ceil(k/128)]`` (1x128 tiles) or ``[ceil(n/128), ceil(k/128)]`` (128x128 blocks); the
     operands padded to 16 rows and whole K blocks, the scales laid out as cuBLASLt reads them."""
-    why = unsupported(a.dtype, b.dtype, out_dtype)
-    if why is not None:
-        raise ValueError(f"cublaslt.block_fp8_gemm: unsupported input: {why}")
-    why = block_modes_problem()
-    if why is not None:
-        raise RuntimeError(f"cublaslt.block_fp8_gemm: {why}")
+    _checked(unsupported(a.dtype, b.dtype, out_dtype), "block_fp8_gemm", block_modes_problem)
     (m, k), n = a.shape, b.shape[0]
     kb = -(-k // BLOCK)
     b_blocks = sb.shape[0] != n  # as `mtjax.ops.block_fp8_gemm` tells them apart
@@ -240,10 +235,12 @@ def grouped_wgrad_unsupported(lhs_shape: Sequence[int], grad_shape: Sequence[int
     return None
 
 
-def _checked(why: str | None, op: str) -> None:
+def _checked(why: str | None, op: str, library_problem=None) -> None:
+    """``ValueError`` for operands cuBLASLt cannot take (``why``), ``RuntimeError`` for a missing or
+    unfit library (``library_problem()``, default `load`)."""
     if why is not None:
         raise ValueError(f"cublaslt.{op}: unsupported input: {why}")
-    why = load()
+    why = (library_problem or load)()
     if why is not None:
         raise RuntimeError(f"cublaslt.{op}: {why}")
 

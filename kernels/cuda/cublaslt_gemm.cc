@@ -19,8 +19,10 @@
 //
 // Both grouped handlers copy group_sizes (and group_scale, which becomes each GEMM's alpha) to the host
 // (one stream synchronization per call) and issue one cuBLASLt GEMM per non-empty group. FP8 GEMMs take
-// rows in multiples of 16: a group's last rows past one go through a zero-padded 16-row copy. XLA's row-major [r, c] array is cuBLASLt's column-major
-// [c, r]: every GEMM below is written in cuBLASLt's column-major terms, D = op(A) . op(B).
+// rows in multiples of 16: a group's last rows past one go through a zero-padded 16-row copy.
+//
+// XLA's row-major [r, c] array is cuBLASLt's column-major [c, r]: every GEMM below is written in
+// cuBLASLt's column-major terms, D = op(A) . op(B).
 
 #include <dlfcn.h>
 
@@ -146,13 +148,17 @@ ffi::Error Handle(cublasLtHandle_t* handle) {
   return ffi::Error::Success();
 }
 
-// The 256-byte aligned workspace inside one scratch allocation.
-ffi::Error Workspace(ffi::ScratchAllocator& scratch, void** workspace) {
-  std::optional<void*> memory = scratch.Allocate(kWorkspaceBytes + kWorkspaceAlignment);
-  if (!memory.has_value()) return ffi::Error::Internal("mtjax cuBLASLt GEMM: no workspace");
-  const uintptr_t address = reinterpret_cast<uintptr_t>(memory.value());
-  *workspace = reinterpret_cast<void*>((address + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment);
+// `bytes` of XLA's scratch memory starting on a 256-byte boundary (cuBLASLt's workspace alignment).
+ffi::Error Scratch(ffi::ScratchAllocator& scratch, size_t bytes, void** memory) {
+  std::optional<void*> allocated = scratch.Allocate(bytes + kWorkspaceAlignment);
+  if (!allocated.has_value()) return ffi::Error::Internal("mtjax cuBLASLt GEMM: no scratch memory");
+  const uintptr_t address = reinterpret_cast<uintptr_t>(allocated.value());
+  *memory = reinterpret_cast<void*>((address + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment);
   return ffi::Error::Success();
+}
+
+ffi::Error Workspace(ffi::ScratchAllocator& scratch, void** workspace) {
+  return Scratch(scratch, kWorkspaceBytes, workspace);
 }
 
 ffi::Error Heuristic(cublasLtHandle_t handle, Descriptors& desc, const uint32_t (&alignments)[3],
@@ -238,13 +244,15 @@ ffi::Error Run(cublasLtHandle_t handle, const Gemm& g, const void* a, const void
     }
   }
   const float beta = 0.0f;
-  cublasStatus_t status = cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d,
-                                         &algo, workspace, kWorkspaceBytes, stream);
+  auto matmul = [&] {
+    return cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d, &algo,
+                          workspace, kWorkspaceBytes, stream);
+  };
+  cublasStatus_t status = matmul();
   if (status != CUBLAS_STATUS_SUCCESS && cached && g.varying_dimension >= 0) {
     // The algorithm of this shape's bucket does not take this shape: ask for the shape's own.
     if (ffi::Error error = Heuristic(handle, desc, alignments, &algo); error.failure()) return error;
-    status = cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &beta, d, desc.d, d, desc.d, &algo,
-                            workspace, kWorkspaceBytes, stream);
+    status = matmul();
   }
   if (status != CUBLAS_STATUS_SUCCESS) {
     const std::string what = "matmul of m=" + std::to_string(g.m) + ", n=" + std::to_string(g.n) +
@@ -441,9 +449,11 @@ ffi::Error GroupedGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   char* padded_lhs = nullptr;  // kFp8Rows rows of lhs and of out, for an FP8 group's last rows
   char* padded_out = nullptr;
   if (fp8) {
-    std::optional<void*> memory = scratch.Allocate(kFp8Rows * (k * lhs_bytes + n * out_bytes) + 256);
-    if (!memory.has_value()) return ffi::Error::Internal("mtjax cuBLASLt grouped GEMM: no scratch for padded rows");
-    padded_lhs = reinterpret_cast<char*>((Address(memory.value()) + 255) / 256 * 256);
+    void* memory;
+    if (ffi::Error error = Scratch(scratch, kFp8Rows * (k * lhs_bytes + n * out_bytes), &memory); error.failure()) {
+      return error;
+    }
+    padded_lhs = static_cast<char*>(memory);
     padded_out = padded_lhs + kFp8Rows * k * lhs_bytes;
   }
   const auto* lhs_data = static_cast<const char*>(lhs.untyped_data());

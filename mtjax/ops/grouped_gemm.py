@@ -214,8 +214,7 @@ def _grouped_gemm_mosaic(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, o
 def _cublaslt_unsupported_gmm(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles) -> str | None:
     from mtjax.kernels import cublaslt
 
-    del group_sizes, tiles
-    del group_scale  # each group's GEMM takes it as its alpha
+    del group_sizes, group_scale, tiles  # each group's GEMM takes its scale as its alpha
     return cublaslt.grouped_unsupported(jnp.shape(lhs), jnp.shape(rhs), jnp.result_type(lhs), jnp.result_type(rhs),
                                         out_dtype, transpose_rhs=transpose_rhs) or cublaslt.load()
 
@@ -422,8 +421,8 @@ def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, impl
     grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
     grad_dq = _dequantize(grad_q, grad_scale_inv, out_dtype)
     # d lhs = grad @ rhs[g]^T: FP8 operands of two formats (`grouped_gemm_tensor_scaled`).
-    d_lhs = _tensor_scaled_gmm(grad_q, grad_scale_inv, rhs_q, rhs_scale_inv, group_sizes, out_dtype, blocks.dlhs,
-                               implementation)
+    d_lhs = _scaled_gmm("grouped_gemm_tensor_scaled", grad_q, grad_scale_inv, rhs_q, rhs_scale_inv, group_sizes,
+                        out_dtype, blocks.dlhs, implementation)
     # d rhs[g] = lhs[g]^T grad[g], contracted over rows, which FP8 tensor-core GEMMs do not take as
     # laid out here: on the dequantized values.
     d_rhs = _tgmm(_dequantize(lhs_q, lhs_scale_inv, out_dtype), grad_dq, group_sizes, out_dtype, blocks.wgrad,
@@ -497,20 +496,20 @@ def _tensor_scaled_cublaslt_unsupported(a_q, a_scale_inv, rhs_q, rhs_scale_inv, 
                                      tiles=tiles)
 
 
-@backend.register("grouped_gemm_tensor_scaled", "cublaslt", platforms=("cuda",), priority=13, single_device=True,
-                  unsupported=_tensor_scaled_cublaslt_unsupported, prefer=_cublaslt_not_preferred)
+@backend.register("grouped_gemm_tensor_scaled", "cublaslt", unsupported=_tensor_scaled_cublaslt_unsupported,
+                  **_CUBLASLT)
 def _tensor_scaled_cublaslt(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *, out_dtype, tiles):
     return _grouped_gemm_cublaslt(a_q, rhs_q, group_sizes, a_scale_inv * rhs_scale_inv, transpose_rhs=True,
                                   out_dtype=out_dtype, tiles=tiles)
 
 
-def _tensor_scaled_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
-    """`grouped_gemm_tensor_scaled` through `mtjax.backend` (``implementation`` as `_block_gmm` takes it)."""
+def _scaled_gmm(op, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
+    """``op`` (`grouped_gemm_tensor_scaled` or `grouped_gemm_block_scaled`) through `mtjax.backend`
+    (``implementation``: an explicit choice; a partial implementation asked for where it cannot take the
+    operands, or that ``op`` lacks, leaves the choice to selection)."""
     static = dict(out_dtype=jnp.dtype(dtype), tiles=tiles)
     args = (a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
-    op = "grouped_gemm_tensor_scaled"
     return backend.dispatch(op, *args, implementation=_choice(op, implementation, *args, **static), **static)
-
 
 
 def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -611,15 +610,6 @@ def _block_scaled_mosaic(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, *,
                       block_scales=(a_scale_inv, columns))
 
 
-def _block_gmm(a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, tiles, implementation):
-    """`grouped_gemm_block_scaled` through `mtjax.backend` (``implementation``: an explicit choice; the
-    Mosaic GPU kernel asked for where it cannot take the operands leaves the choice to selection)."""
-    static = dict(out_dtype=jnp.dtype(dtype), tiles=tiles)
-    args = (a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
-    op = "grouped_gemm_block_scaled"
-    return backend.dispatch(op, *args, implementation=_choice(op, implementation, *args, **static), **static)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, power_of_two, amax_epsilon, blocks,
                             implementation):
@@ -635,8 +625,8 @@ def _block_forward(lhs, rhs, group_sizes, forward_dtype, power_of_two, amax_epsi
                               amax_epsilon=amax_epsilon)
     rhs_q, rhs_scale_inv = _group_blocks(rhs, forward_dtype, power_of_two, amax_epsilon)
     # rhs[g]^T [N, K] K-major, its block scales [K blocks, N blocks]
-    out = _block_gmm(*lhs_casts[:2], jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv, group_sizes, lhs.dtype,
-                     blocks.forward, implementation)
+    out = _scaled_gmm("grouped_gemm_block_scaled", *lhs_casts[:2], jnp.swapaxes(rhs_q, 1, 2), rhs_scale_inv,
+                      group_sizes, lhs.dtype, blocks.forward, implementation)
     return out, lhs_casts, (rhs_q, rhs_scale_inv)
 
 
@@ -655,8 +645,8 @@ def _grouped_gemm_block_fp8_bwd(forward_dtype, gradient_dtype, power_of_two, ama
     grad_q, grad_scale_inv, grad_q_t, grad_scale_inv_t = tile_quantize(
         grad, gradient_dtype, transpose=True, power_of_two=power_of_two, amax_epsilon=amax_epsilon)
     # d lhs = grad @ rhs[g]^T: rhs [G, K, N] is K-major for this GEMM (its contraction, N, last).
-    d_lhs = _block_gmm(grad_q, grad_scale_inv, rhs_q, jnp.swapaxes(rhs_scale_inv, 1, 2), group_sizes, dtype,
-                       blocks.dlhs, implementation)
+    d_lhs = _scaled_gmm("grouped_gemm_block_scaled", grad_q, grad_scale_inv, rhs_q, jnp.swapaxes(rhs_scale_inv, 1, 2),
+                        group_sizes, dtype, blocks.dlhs, implementation)
     d_rhs = _tgmm(tile_dequantize(lhs_q_t, lhs_scale_inv_t, dtype).T, tile_dequantize(grad_q_t, grad_scale_inv_t,
                                                                                        dtype).T,
                   group_sizes, dtype, blocks.wgrad, implementation)
