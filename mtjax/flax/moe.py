@@ -173,6 +173,9 @@ class MoEBlock(nn.Module):
       capacity_factor: None: dropless; else each expert takes at most ``ceil(capacity_factor *
         tokens * experts_per_token / num_experts)`` of a device's rows, the rest is dropped (counted in
         ``dropped_fraction``; the residual stream carries the token on).
+      expert_row_alignment: each expert's rows padded with zero rows to a multiple of this
+        (`mtjax.ops.permute`'s ``align``; TransformerEngine's FP8 padding): 16 gives FP8 grouped GEMMs
+        on cuBLASLt whole 16-row blocks. 1: packed.
       dispatch_dtype: None: tokens travel to their experts' devices in ``dtype``; an FP8 dtype
         (``jnp.float8_e4m3fn``): the expert-parallel dispatch sends them in it, scaled per 1x128 tile
         (`mtjax.sharding.expert.dispatch`'s ``payload_dtype``, DeepEP's FP8 dispatch). The combine and
@@ -205,6 +208,7 @@ class MoEBlock(nn.Module):
     load_balancing_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.0
     capacity_factor: float | None = None
+    expert_row_alignment: int = 1
     dispatch_dtype: Dtype | None = None
     intermediate_dropout_rate: float = 0.0
     intermediate_dropout_rng_name: str = "dropout"
@@ -259,6 +263,9 @@ class MoEBlock(nn.Module):
         capacity = self.capacity_factor
         if capacity is not None and not is_finite_number(capacity, 0.0, exclusive=True):
             raise ValueError(f"{owner}: capacity_factor={capacity!r}; expected None or a finite number > 0")
+        if isinstance(self.expert_row_alignment, bool) or not isinstance(self.expert_row_alignment, int) \
+                or self.expert_row_alignment < 1:
+            raise ValueError(f"{owner}: expert_row_alignment={self.expert_row_alignment!r}; expected a positive int")
         if self.dispatch_dtype is not None:
             check_fp8_dtype(owner, self.dispatch_dtype, "dispatch_dtype")
         if not 0.0 <= self.intermediate_dropout_rate < 1.0:
@@ -373,8 +380,8 @@ class MoEBlock(nn.Module):
         x = x.reshape(tokens, hidden)
         experts = experts.reshape(tokens, -1)
         weights = weights.reshape(tokens, -1)
-        x_sorted, group_sizes, state = ops.permute(x, experts, self.num_experts,
-                                                   capacity=self._expert_capacity(tokens))
+        x_sorted, group_sizes, state = ops.permute(x, experts, self.num_experts, capacity=self._expert_capacity(tokens),
+                                                   align=self.expert_row_alignment)
         dropped = state.num_dropped
         if ep_axis is None:
             y_sorted = expert_mlp(x_sorted, group_sizes, wi, wo, activation)

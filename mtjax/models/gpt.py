@@ -114,6 +114,8 @@ class GPTConfig:
       router_z_loss_weight: coefficient of the router z-loss.
       capacity_factor: None: dropless; else each expert takes at most ``capacity_factor`` times its
         even share of a device's tokens (`mtjax.flax.MoEBlock.capacity_factor`).
+      expert_row_alignment: each expert's rows padded to a multiple of this
+        (`mtjax.flax.MoEBlock.expert_row_alignment`; 16 for FP8 grouped GEMMs on cuBLASLt).
       moe_dispatch_dtype: None, or the FP8 dtype the expert-parallel dispatch sends tokens in
         (`mtjax.flax.MoEBlock.dispatch_dtype`).
     """
@@ -172,6 +174,7 @@ class GPTConfig:
     load_balancing_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.0
     capacity_factor: float | None = None
+    expert_row_alignment: int = 1
     moe_dispatch_dtype: Any = None
 
     def __post_init__(self):
@@ -269,7 +272,7 @@ class GPTConfig:
                     routed_scaling_factor=self.routed_scaling_factor, use_expert_bias=self.use_expert_bias,
                     load_balancing_loss_weight=self.load_balancing_loss_weight,
                     router_z_loss_weight=self.router_z_loss_weight, capacity_factor=self.capacity_factor,
-                    dispatch_dtype=self.moe_dispatch_dtype)
+                    expert_row_alignment=self.expert_row_alignment, dispatch_dtype=self.moe_dispatch_dtype)
 
     def _moe_mlp_params(self, experts: int) -> int:
         """Parameters of one MoE layer's MLP counting ``experts`` routed experts (router and shared included)."""

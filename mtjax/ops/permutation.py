@@ -11,6 +11,11 @@ are dropped (they contribute zero to their token's output, so the residual strea
 on) and counted in `PermuteState.num_dropped`. The buffer then has ``min(tokens * top_k,
 num_experts * capacity)`` rows, the kept ones packed by expert and zeros after them.
 
+With ``align`` each expert's group starts at a multiple of ``align`` rows and its size (the
+returned ``group_sizes``) is rounded up to one, the gap filled with zero rows that feed no token
+(TransformerEngine's FP8 padding): FP8 GEMM libraries take groups in whole blocks of 16 rows. The
+buffer grows by at most ``num_experts * (align - 1)`` rows.
+
 Both ops are differentiable with `jax.custom_vjp`s whose backward passes are gathers through the
 inverse index as well (never scatter-adds, which GPUs run with atomics).
 """
@@ -79,8 +84,8 @@ def _permute_rows_bwd(top_k, residuals, grad):
 _permute_rows_vjp.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
-            capacity: int | None = None) -> tuple[jax.Array, jax.Array, PermuteState]:
+def permute(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int | None = None,
+            align: int = 1) -> tuple[jax.Array, jax.Array, PermuteState]:
     """Sort each token's rows by the experts it chose (module docstring).
 
     Args:
@@ -90,9 +95,12 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
       num_experts: the number of experts.
       capacity: at most this many assignments per expert (`expert_capacity` derives it from a
         capacity factor); ``None``: dropless.
+      align: each expert's rows start at a multiple of this and its group size is rounded up to one
+        (zero rows after its assignments); 1: packed.
     Returns:
       ``(x_sorted [rows, hidden], group_sizes int32 [num_experts], state)``; ``x_sorted`` holds
-      ``group_sizes[e]`` rows for expert ``e`` in expert order, then zero rows.
+      ``group_sizes[e]`` rows for expert ``e`` in expert order (its assignments, then zero rows up to
+      the alignment), then zero rows.
     """
     op = "permute"
     check_rank(op, "x", x, 2)
@@ -105,6 +113,8 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
         raise ValueError(f"{op}: num_experts={num_experts!r}; expected a positive int")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"{op}: capacity={capacity!r}; expected None (dropless) or a positive int")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"{op}: align={align!r}; expected a positive int (1: packed groups)")
     tokens, top_k = experts.shape
     assignments = tokens * top_k
     flat = experts.reshape(-1).astype(jnp.int32)
@@ -113,24 +123,27 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # assignments sorted by expert
     counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
     position = jnp.arange(assignments, dtype=jnp.int32)
-    if capacity is None:
+    if capacity is None and align == 1:  # each assignment's row is its place in the sorted order
         rows = assignments
         destination = jnp.where(position < jnp.sum(counts), position, rows)  # rows: dropped
         row_assignment = jnp.where(destination < rows, order, assignments)
         group_sizes = counts
     else:
-        rows = min(assignments, num_experts * capacity)
-        group_sizes = jnp.minimum(counts, capacity)
+        kept_sizes = counts if capacity is None else jnp.minimum(counts, capacity)
+        group_sizes = -(-kept_sizes // align) * align
+        rows = assignments + num_experts * (align - 1)
+        if capacity is not None:
+            rows = min(rows, num_experts * -(-capacity // align) * align)
         sorted_expert = flat[order]
         expert = jnp.minimum(sorted_expert, num_experts - 1)  # an index for the dropped ones too
         starts = jnp.cumsum(counts) - counts
-        kept_starts = jnp.cumsum(group_sizes) - group_sizes
+        group_starts = jnp.cumsum(group_sizes) - group_sizes
         rank = position - starts[expert]
-        kept = (rank < capacity) & (sorted_expert < num_experts)
-        destination = jnp.where(kept, kept_starts[expert] + rank, rows)
+        kept = (sorted_expert < num_experts) & (rank < kept_sizes[expert])
+        destination = jnp.where(kept, group_starts[expert] + rank, rows)
         row_assignment = jnp.full((rows,), assignments, jnp.int32).at[destination].set(order, mode="drop")
     assignment_row = jnp.zeros((assignments,), jnp.int32).at[order].set(destination)
-    num_dropped = assignments - jnp.sum(group_sizes)
+    num_dropped = jnp.sum(jnp.where(destination < rows, 0, 1))
     state = PermuteState(row_assignment, assignment_row, jnp.asarray(num_dropped, jnp.int32))
     return _permute_rows(x, state, top_k), group_sizes, state
 

@@ -46,12 +46,13 @@ def _apply(block, params, x, mutable=(MOE_LOSSES, MOE_METRICS)):
     return jax.jit(lambda p, x: block.apply({"params": p}, x, deterministic=True, mutable=list(mutable)))(params, x)
 
 
-@pytest.mark.parametrize("activations,num_shared,score", [(("silu", "linear"), 0, "softmax"),
-                                                          (("gelu",), 2, "sigmoid")])
-def test_matches_dense_mixture_forward_and_backward(activations, num_shared, score):
+@pytest.mark.parametrize("activations,num_shared,score,alignment", [(("silu", "linear"), 0, "softmax", 1),
+                                                                    (("gelu",), 2, "sigmoid", 1),
+                                                                    (("silu", "linear"), 0, "softmax", 16)])
+def test_matches_dense_mixture_forward_and_backward(activations, num_shared, score, alignment):
     block = MoEBlock(num_experts=6, experts_per_token=2, expert_dim=12, num_shared_experts=num_shared,
                      shared_expert_dim=8, activations=activations, score_function=score, enable_layernorm=False,
-                     kernel_init=nn.initializers.normal(0.3))
+                     kernel_init=nn.initializers.normal(0.3), expert_row_alignment=alignment)
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 16))
     params = _init(block, x)
     cotangent = jax.random.normal(jax.random.PRNGKey(2), x.shape)
@@ -175,6 +176,7 @@ def test_expert_kernel_init_uses_one_experts_fan_in():
     (dict(num_expert_groups=0, expert_group_top_k=1), "num_expert_groups=0; expected None or a positive int"),
     (dict(routed_scaling_factor=float("nan")), "scaling_factor=nan"),
     (dict(expert_dim=0), "expert_dim=0"),
+    (dict(expert_row_alignment=0), "expert_row_alignment=0"),
 ])
 def test_bad_settings_raise(kwargs, match):
     block = MoEBlock(**{"num_experts": 4, "experts_per_token": 2, "expert_dim": 8, **kwargs})

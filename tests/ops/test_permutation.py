@@ -13,7 +13,7 @@ from mtjax import ops
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
-def np_permute(x, experts, num_experts, capacity=None):
+def np_permute(x, experts, num_experts, capacity=None, align=1):
     """``(x_sorted, group_sizes, row_of_assignment or -1, num_dropped)``, assignment by assignment."""
     tokens, top_k = experts.shape
     per_expert = [[] for _ in range(num_experts)]
@@ -22,16 +22,21 @@ def np_permute(x, experts, num_experts, capacity=None):
             if 0 <= experts[t, j] < num_experts:  # another id: dropped
                 per_expert[experts[t, j]].append(t * top_k + j)
     kept = [a if capacity is None else a[:capacity] for a in per_expert]
-    rows = tokens * top_k if capacity is None else min(tokens * top_k, num_experts * capacity)
+    sizes = [-(-len(a) // align) * align for a in kept]
+    rows = tokens * top_k + num_experts * (align - 1)
+    if capacity is not None:
+        rows = min(rows, num_experts * (-(-capacity // align) * align))
     x_sorted = np.zeros((rows, x.shape[1]), x.dtype)
     row_of = -np.ones(tokens * top_k, np.int64)
-    r = 0
-    for assignments in kept:
-        for a in assignments:
+    start = 0
+    for assignments, size in zip(kept, sizes):
+        assert start % align == 0
+        for r, a in enumerate(assignments, start):
             x_sorted[r] = x[a // top_k]
             row_of[a] = r
-            r += 1
-    return x_sorted, np.array([len(a) for a in kept]), row_of, tokens * top_k - r
+        start += size
+    assert start <= rows
+    return x_sorted, np.array(sizes), row_of, tokens * top_k - sum(map(len, kept))
 
 
 def dense_dispatch(row_of, rows, tokens, top_k):
@@ -47,8 +52,8 @@ def random_experts(rng, tokens, top_k, num_experts):
     return np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
 
 
-@pytest.mark.parametrize("capacity", [None, 1, 2, 100])
-def test_permute_unpermute_match_numpy_and_dense_gradients(capacity):
+@pytest.mark.parametrize("capacity, align", [(None, 1), (1, 1), (2, 1), (100, 1), (None, 4), (2, 16)])
+def test_permute_unpermute_match_numpy_and_dense_gradients(capacity, align):
     rng = np.random.default_rng(0)
     tokens, top_k, num_experts, hidden = 9, 2, 4, 5
     x = rng.normal(size=(tokens, hidden)).astype(np.float32)
@@ -56,8 +61,9 @@ def test_permute_unpermute_match_numpy_and_dense_gradients(capacity):
     experts[:6, 0] = 1  # expert 1 overloaded: capacity drops some
     experts[:6, 1] = np.where(experts[:6, 1] == 1, 2, experts[:6, 1])
     weights = rng.uniform(size=(tokens, top_k)).astype(np.float32)
-    x_sorted, group_sizes, state = ops.permute(jnp.asarray(x), jnp.asarray(experts), num_experts, capacity=capacity)
-    exp_sorted, exp_sizes, row_of, dropped = np_permute(x, experts, num_experts, capacity)
+    x_sorted, group_sizes, state = ops.permute(jnp.asarray(x), jnp.asarray(experts), num_experts, capacity=capacity,
+                                               align=align)
+    exp_sorted, exp_sizes, row_of, dropped = np_permute(x, experts, num_experts, capacity, align)
     np.testing.assert_array_equal(x_sorted, exp_sorted)
     np.testing.assert_array_equal(group_sizes, exp_sizes)
     assert int(state.num_dropped) == dropped
@@ -72,7 +78,7 @@ def test_permute_unpermute_match_numpy_and_dense_gradients(capacity):
     cot = rng.normal(size=(tokens, hidden)).astype(np.float32)
 
     def ours(x, w):
-        xs, _, st = ops.permute(x, jnp.asarray(experts), num_experts, capacity=capacity)
+        xs, _, st = ops.permute(x, jnp.asarray(experts), num_experts, capacity=capacity, align=align)
         return jnp.sum(ops.unpermute(jnp.tanh(xs) * 1.5, w, st) * cot)
 
     def dense(x, w):
@@ -96,14 +102,16 @@ def test_round_trip_with_normalized_weights_is_identity():
 
 
 @given(tokens=st.integers(1, 10), top_k=st.integers(1, 3), num_experts=st.integers(3, 6),
-       capacity=st.one_of(st.none(), st.integers(1, 6)), seed=st.integers(0, 99))
-def test_permute_hypothesis(tokens, top_k, num_experts, capacity, seed):
+       capacity=st.one_of(st.none(), st.integers(1, 6)), align=st.sampled_from([1, 1, 4, 16]),
+       seed=st.integers(0, 99))
+def test_permute_hypothesis(tokens, top_k, num_experts, capacity, align, seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(tokens, 3)).astype(np.float32)
     experts = random_experts(rng, tokens, top_k, num_experts)
-    permute = jax.jit(ops.permute, static_argnums=2, static_argnames="capacity")
-    x_sorted, group_sizes, state = permute(jnp.asarray(x), jnp.asarray(experts), num_experts, capacity=capacity)
-    exp_sorted, exp_sizes, row_of, dropped = np_permute(x, experts, num_experts, capacity)
+    permute = jax.jit(ops.permute, static_argnums=2, static_argnames=("capacity", "align"))
+    x_sorted, group_sizes, state = permute(jnp.asarray(x), jnp.asarray(experts), num_experts, capacity=capacity,
+                                           align=align)
+    exp_sorted, exp_sizes, row_of, dropped = np_permute(x, experts, num_experts, capacity, align)
     np.testing.assert_array_equal(x_sorted, exp_sorted)
     np.testing.assert_array_equal(group_sizes, exp_sizes)
     assert int(state.num_dropped) == dropped
@@ -129,6 +137,23 @@ def test_expert_ids_outside_the_experts_are_dropped(capacity):
     np.testing.assert_allclose(out[[2, 6]], 0.0)  # the dropped tokens get nothing back
     np.testing.assert_allclose(out[[0, 1, 3, 4, 5]], x[[0, 1, 3, 4, 5]], rtol=1e-6)
     np.testing.assert_array_equal(ops.expert_counts(jnp.asarray(experts), 4), [1, 2, 1, 1])
+
+
+def test_aligned_groups_start_at_multiples_and_bad_align_is_refused():
+    experts = jnp.asarray(np.random.default_rng(3).integers(0, 5, size=(37, 2)), jnp.int32)
+    x = jnp.ones((37, 4))
+    xs, sizes, state = ops.permute(x, experts, 5, align=16)
+    sizes = np.asarray(sizes)
+    assert np.all(sizes % 16 == 0) and xs.shape[0] == 74 + 5 * 15 and int(state.num_dropped) == 0
+    counts = np.asarray(ops.expert_counts(experts, 5))
+    np.testing.assert_array_equal(sizes, -(-counts // 16) * 16)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    for start, count, size in zip(starts, counts, sizes):  # the expert's rows, then zero rows to the boundary
+        assert np.all(np.asarray(xs[start:start + count]) == 1)
+        assert np.all(np.asarray(xs[start + count:start + size]) == 0)
+    for bad in (0, -16, 2.0, True):
+        with pytest.raises(ValueError, match="align"):
+            ops.permute(x, experts, 5, align=bad)
 
 
 def test_expert_capacity():

@@ -92,13 +92,16 @@ def _single_device():
     return x, {"params": variables["params"]}, loss, metrics, grads
 
 
-@pytest.mark.parametrize("config", [MeshConfig(ep=8), MeshConfig(dp=2, ep=2, tp=2), MeshConfig(fsdp=2, ep=4)],
-                         ids=["ep8", "dp2-ep2-tp2", "fsdp2-ep4"])
-def test_moe_block_on_ep_mesh_equals_single_device(config):
+@pytest.mark.parametrize("config, alignment", [(MeshConfig(ep=8), 1), (MeshConfig(dp=2, ep=2, tp=2), 1),
+                                               (MeshConfig(fsdp=2, ep=4), 1), (MeshConfig(dp=2, ep=4), 8)],
+                         ids=["ep8", "dp2-ep2-tp2", "fsdp2-ep4", "dp2-ep4-aligned"])
+def test_moe_block_on_ep_mesh_equals_single_device(config, alignment):
+    """The padded groups of ``expert_row_alignment`` change the layout, not the numbers."""
     x, variables, want_loss, want_metrics, want_grads = _single_device()
     mesh, rules = config.make_mesh(), logical_axis_rules(config)
     params = shard_variables(variables, mesh, rules)["params"]
-    step = jax.jit(jax.value_and_grad(functools.partial(_loss, BLOCK), has_aux=True))
+    block = BLOCK.clone(expert_row_alignment=alignment)
+    step = jax.jit(jax.value_and_grad(functools.partial(_loss, block), has_aux=True))
     with use_mesh(mesh, rules):
         (loss, metrics), grads = step(params, x)
         hlo = step.lower(params, x).compile().as_text()
