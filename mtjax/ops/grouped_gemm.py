@@ -228,23 +228,12 @@ def _cublaslt_unsupported_wgrad(lhs, grad, group_sizes, group_scale, *, out_dtyp
                                               scaled=group_scale is not None) or cublaslt.load()
 
 
-# Whether automatic selection takes cuBLASLt for FP8 operands: not until its FP8 grouped GEMMs have
-# passed their GPU tests (tests/kernels/test_cublaslt.py -m gpu).
-CUBLASLT_FP8_SELECTED = False
-
-
-def _cublaslt_not_preferred(lhs, rhs, *_, **__) -> str | None:
-    if not CUBLASLT_FP8_SELECTED and (is_fp8(jnp.result_type(lhs)) or is_fp8(jnp.result_type(rhs))):
-        return "its FP8 grouped GEMMs have not yet passed their GPU tests (docs/moe-kernels.md)"
-    return None
-
-
-_CUBLASLT = {"platforms": ("cuda",), "priority": 13, "single_device": True, "prefer": _cublaslt_not_preferred}
+_CUBLASLT = {"platforms": ("cuda",), "priority": 13, "single_device": True}
 
 
 # cuBLASLt, one GEMM per group (`mtjax.kernels.cublaslt`, once its FFI library is built): first wherever
-# it takes 16-bit operands (faster than the Triton kernels on an H100: docs/performance.md). It
-# multiplies E4M3 and E5M2 operands on the FP8 tensor cores as they are (``implementation="cublaslt"``).
+# it takes the operands, 16-bit or FP8 (faster than the Triton kernels on an H100: docs/performance.md).
+# It multiplies E4M3 and E5M2 operands on the FP8 tensor cores as they are.
 @backend.register("grouped_gemm", "cublaslt", unsupported=_cublaslt_unsupported_gmm, **_CUBLASLT)
 def _grouped_gemm_cublaslt(lhs, rhs, group_sizes, group_scale, *, transpose_rhs, out_dtype, tiles):
     from mtjax.kernels import cublaslt
