@@ -5,8 +5,10 @@ Rows (suite ``decode``; every one that fails records its error in the table and 
 - ``prefill <model> 8x2048``: the whole-prompt forward the engine's prefill runs (flash attention,
   pages written), tokens/s in ``extra`` and MFU from the forward FLOPs.
 - ``decode <model> b<batch> ctx<context>``: ms per decoded token of the whole batch, for
-  ``mtjax bf16`` (the peer of the case), ``mtjax fp8 weights`` (the default ``mode="auto"``:
-  weight-only at small batches), ``mtjax fp8 kv``; the decode loop the engine runs (greedy,
+  ``mtjax bf16`` (the peer of the case; kernels stored output axes first, as the engine stores
+  them), ``mtjax fp8 weights`` (the default ``mode="auto"``: weight-only at small batches),
+  ``mtjax fp8 kv``, ``mtjax bf16 model layout`` (the kernels as the model has them); the decode loop
+  the engine runs (greedy,
   ``DECODE_STEPS`` tokens per dispatch, the cache donated) on a cache filled to ``context`` tokens per
   sequence (and ``mtjax fp8 weights fp8_gemm``, the FP8 GEMMs, where the default runs weight-only).
   ``bytes`` counts the weights plus the KV-cache read per step, so
@@ -48,10 +50,6 @@ PREFILL = (8, 2048)  # sequences x tokens
 HF_BATCHES = (1, 32)
 # Leave this fraction of the device's memory for weights, activations and XLA's buffers.
 CACHE_MEMORY_FRACTION = 0.7
-# `mtjax bf16 output-first small`: kernels of at most this many elements per layer stored output axes
-# first (`mtjax.inference.fp8_weights.output_first_weights`): the projections XLA turns into reductions
-# at decode (query, KV and output of the presets), not the MLP's.
-OUTPUT_FIRST_SMALL = 1 << 23
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,20 +234,17 @@ def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setti
             made[mode] = quantize_weights(model, params, mode=mode)
         return made[mode]
 
-    def output_first_model(max_elements):
-        key = f"output first {max_elements}"
-        if key not in made:
-            made[key] = output_first_weights(model, params, max_elements=max_elements)
-        return made[key]
+    def output_first_model():  # the engine's layout of 16-bit weights
+        if "output first" not in made:
+            made["output first"] = output_first_weights(model, params)
+        return made["output first"]
 
-    cases = [("mtjax bf16", lambda: (model, params), cfg.dtype, variants.DEFAULT),
+    cases = [("mtjax bf16", output_first_model, cfg.dtype, variants.DEFAULT),
              ("mtjax fp8 weights", lambda: fp8_model("auto"), cfg.dtype, variants.DEFAULT),
              ("mtjax fp8 weights fp8_gemm", lambda: fp8_model("fp8_gemm"), cfg.dtype, variants.DEFAULT),
-             ("mtjax fp8 kv", lambda: (model, params), jnp.float8_e4m3fn, variants.DEFAULT),
-             ("mtjax bf16 output-first", lambda: output_first_model(None), cfg.dtype, variants.DEFAULT),
-             ("mtjax bf16 output-first small", lambda: output_first_model(OUTPUT_FIRST_SMALL), cfg.dtype,
-              variants.DEFAULT)]
-    cases += [(f"mtjax bf16 [{s.label()}]", lambda: (model, params), cfg.dtype, s) for s in settings]
+             ("mtjax fp8 kv", output_first_model, jnp.float8_e4m3fn, variants.DEFAULT),
+             ("mtjax bf16 model layout", lambda: (model, params), cfg.dtype, variants.DEFAULT)]
+    cases += [(f"mtjax bf16 [{s.label()}]", output_first_model, cfg.dtype, s) for s in settings]
     for batch in sizes.batches:
         for label, make, kv_dtype, setting in cases:
             if label.endswith("fp8_gemm") and batch > WEIGHT_ONLY_MAX_ROWS:

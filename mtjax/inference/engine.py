@@ -87,7 +87,10 @@ class Engine:
       max_seq_len: longest prompt + new tokens (default and at most the model's ``max_seq_len``).
       kv_dtype: None (the model's compute dtype), ``"bfloat16"``, ``"float16"``, ``"float32"`` or
         ``"fp8"`` (float8_e4m3fn pages with per-head scales, `set_kv_scales` / `calibrate_kv_scales`).
-      weights: None, or ``"fp8"`` (GEMM weights stored in FP8, `mtjax.inference.fp8_weights`).
+      weights: None: the GEMM kernels in the model's dtype, stored output axes first
+        (`mtjax.inference.fp8_weights.output_first_weights`: a decode step's small GEMMs reduce over
+        contiguous axes); ``"fp8"``: stored in FP8, output axes first (`fp8_weights.quantize_weights`).
+        Either is a new copy of the kernels: the ``params`` passed in can be dropped.
       mesh: a `jax.sharding.Mesh` with a ``tp_axis``: the pages are sharded over key/value heads on it
         (parameters not already on the mesh are replicated).
       tp_axis: that axis' name.
@@ -151,9 +154,12 @@ class Engine:
         if cfg.scan_layers:  # scanned, every step would copy each layer's pages through the scan
             params = unstack_layers(params, cfg.num_layers)
             model = GPT(dataclasses.replace(cfg, scan_layers=False))
-        if weights == "fp8":
-            from mtjax.inference.fp8_weights import quantize_weights
-            model, params = quantize_weights(model, params)
+        if getattr(model, "stored_gemms", None) is None:  # not stored output first by the caller already
+            from mtjax.inference.fp8_weights import output_first_weights, quantize_weights
+            model, params = quantize_weights(model, params) if weights == "fp8" else output_first_weights(model, params)
+        elif weights == "fp8":
+            raise ValueError("Engine: weights='fp8' takes the model as trained; this one's kernels are stored "
+                             "output first already (mtjax.inference.fp8_weights)")
         if mesh is not None:
             replicated = NamedSharding(mesh, PartitionSpec())
             params = jax.tree.map(

@@ -26,7 +26,8 @@ over its contracted axes, the default), or ``"tensor"``, one per kernel (per lay
 Embeddings, norms and biases stay as they are; so does a tied output projection (``Embed.attend``).
 
 `output_first_weights` stores the kernels in the same output-first layout without quantizing them:
-with a few rows XLA reduces a small GEMM over its contracted axes, contiguous in that layout.
+with a few rows XLA reduces a small GEMM over its contracted axes, contiguous in that layout (the
+`mtjax.inference.Engine` stores its 16-bit weights so).
 
 Example::
 
@@ -315,7 +316,7 @@ def quantize_weights(model: nn.Module, params: Mapping[str, Any], *, granularity
             quantize_params(params, gemms, granularity=granularity))
 
 
-def output_first_weights(model: nn.Module, params: Mapping[str, Any], *, max_elements: int | None = None,
+def output_first_weights(model: nn.Module, params: Mapping[str, Any], *,
                          example_args: Sequence[Any] = ()) -> tuple[nn.Module, dict[str, Any]]:
     """``(model_t, params_t)``: ``model``'s GEMM kernels in their own dtype but stored output axes first,
     as FP8 weights are (``[*layers, *out, *in]``); ``model_t`` (a subclass instance with the same fields)
@@ -328,15 +329,8 @@ def output_first_weights(model: nn.Module, params: Mapping[str, Any], *, max_ele
 
     Args:
       model, params, example_args: as in `quantize_weights`.
-      max_elements: only kernels of at most this many elements (per layer) are stored output first; the
-        larger GEMMs, which XLA runs as GEMMs, keep the model's layout. ``None``: every kernel.
     """
-    if max_elements is not None and max_elements < 1:
-        raise ValueError(f"output_first_weights: max_elements={max_elements}; expected a positive count or None")
     gemms = _gemms_of("output_first_weights", model, params, example_args)
-    if max_elements is not None:
-        gemms = [g for g in gemms if math.prod(_unbox(_get(params, g.kernel_path)).shape[g.layer_axes:])
-                 <= max_elements]
     out = dict(params)
 
     @functools.partial(jax.jit, static_argnames=("order",))

@@ -34,7 +34,7 @@ def test_every_kind_of_row(quick_run):
     for kind, impl in [("prefill", "mtjax"), ("engine", "mtjax engine"), ("engine", "mtjax engine penalties"),
                        ("decode", "mtjax bf16"),
                        ("decode", "mtjax fp8 weights"), ("decode", "mtjax fp8 kv"), ("decode", "old loop"),
-                       ("decode", "mtjax bf16 output-first"), ("decode", "mtjax bf16 output-first small"),
+                       ("decode", "mtjax bf16 model layout"),
                        ("paged_attention", "pallas_triton"), ("paged_attention", "xla")]:
         assert (kind, impl) in timed, (kind, impl)
     penalized = next(r for r in rows if r["implementation"] == "mtjax engine penalties")
