@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"mtjax serve: error: {err}", file=sys.stderr)
         return 2
+    del params  # the engine holds its own copy of the kernels (stored output first)
     if chat_template is None:
         logger.info("no chat template: /v1/chat/completions answers 400 (see --chat-template)")
     if not args.no_warmup:
