@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 FP8_DTYPES = (
@@ -36,6 +37,16 @@ def check_fp8_dtype(fn: str, dtype: Any, name: str = "dtype") -> Any:
             shown = repr(dtype)
         raise TypeError(f"{fn}({name}={shown}): expected one of {[d.name for d in FP8_DTYPES]}")
     return jnp.dtype(dtype)
+
+
+def widen_fp8(q: jax.Array) -> jax.Array:
+    """The FP8 values ``q`` as float32, kept as rounded.
+
+    XLA's GPU compiler folds a chain of conversions ``float32 -> FP8 -> float32`` into the identity
+    (its "excess precision" rewrite, on by default), so a quantize followed by a dequantize in one
+    program would drop the FP8 rounding. The optimization barrier keeps the chain apart.
+    """
+    return jax.lax.optimization_barrier(q).astype(jnp.float32)
 
 
 def fp8_max(dtype: Any) -> float:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
-from mtjax.dtypes import check_fp8_dtype, fp8_max
+from mtjax.dtypes import check_fp8_dtype, fp8_max, widen_fp8
 from mtjax.kernels import block_quantize as block_kernels
 from mtjax.kernels.common import too_small
 from mtjax.ops.checks import check_float, check_rank, check_tile_options
@@ -135,7 +135,7 @@ def block_quantize(w: jax.Array, dtype: Any, *, power_of_two: bool = False, amax
 def tile_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
     """The inverse of `tile_quantize` (up to FP8 rounding) for ``q [m, k]``, ``scale_inv [m, ceil(k/128)]``."""
     check_fp8_dtype("tile_dequantize", q.dtype, "q.dtype")
-    return (q.astype(jnp.float32) * jnp.repeat(scale_inv, TILE, axis=1)[:, :q.shape[1]]).astype(dtype)
+    return (widen_fp8(q) * jnp.repeat(scale_inv, TILE, axis=1)[:, :q.shape[1]]).astype(dtype)
 
 
 def block_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
@@ -143,4 +143,4 @@ def block_dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any = jnp.float3
     ``scale_inv [ceil(k/128), ceil(n/128)]``."""
     check_fp8_dtype("block_dequantize", q.dtype, "q.dtype")
     expanded = jnp.repeat(jnp.repeat(scale_inv, TILE, axis=0), TILE, axis=1)[:q.shape[0], :q.shape[1]]
-    return (q.astype(jnp.float32) * expanded).astype(dtype)
+    return (widen_fp8(q) * expanded).astype(dtype)

@@ -39,7 +39,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from mtjax import backend
-from mtjax.dtypes import check_fp8_dtype, is_fp8
+from mtjax.dtypes import check_fp8_dtype, is_fp8, widen_fp8
 from mtjax.kernels import grouped_gemm as gg_kernels
 from mtjax.kernels.common import interpret as kernel_interpret
 from mtjax.kernels.common import saturate_cast
@@ -422,7 +422,7 @@ def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, impl
 def _dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
     """``q * scale_inv`` in ``dtype``, computed in float32 (exact for float32, within 2^-9 relative of each
     value for bfloat16)."""
-    return (q.astype(jnp.float32) * scale_inv).astype(dtype)
+    return (widen_fp8(q) * scale_inv).astype(dtype)
 
 
 _grouped_gemm_fp8.defvjp(_grouped_gemm_fp8_fwd, _grouped_gemm_fp8_bwd)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend
-from mtjax.dtypes import check_fp8_dtype, fp8_max
+from mtjax.dtypes import check_fp8_dtype, fp8_max, widen_fp8
 from mtjax.kernels import quantize as quantize_kernels
 from mtjax.kernels.common import too_small
 
@@ -29,7 +29,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
     """``q * (1 / scale)`` in ``dtype``: the inverse of `quantize` up to FP8 rounding."""
     check_fp8_dtype("dequantize", q.dtype)
-    return (q.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))).astype(dtype)
+    return (widen_fp8(q) * (1.0 / jnp.asarray(scale, jnp.float32))).astype(dtype)
 
 
 @backend.register("cast_transpose", backend.REFERENCE)

@@ -360,9 +360,9 @@ def test_gpu_real_sizes(implementation, sizes, fp8, persistent):
     """16 experts, 8192 rows, hidden 2048, expert ffn 1408: the Pallas and native Triton kernels
     (default tiles, or the forward and d lhs as 264 persistent programs) and cuBLASLt (its FP8 ``d lhs``
     on the E5M2 gradient and E4M3 weights as they are) against ragged_dot (bf16), or
-    for FP8 against float64 numpy on the same quantized operands (XLA's GPU ragged dot of the
-    dequantized operands does not keep their FP8 rounding: it differs from the exact product by the
-    rounding itself)."""
+    for FP8 against float64 numpy on the same quantized operands (the backward widens them behind
+    `mtjax.dtypes.widen_fp8`, whose barrier keeps XLA's GPU compiler from folding the quantize and
+    dequantize conversions away)."""
     if implementation == "triton" and backend.native_triton_problem() is not None:
         pytest.skip(backend.native_triton_problem())
     if implementation == "cublaslt":

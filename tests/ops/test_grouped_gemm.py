@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtjax import ops
+from mtjax.dtypes import widen_fp8
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
 
 RTOL = 1e-5
@@ -300,3 +301,19 @@ def test_argument_errors():
         ops.grouped_gemm(lhs, rhs, gs, implementation="cublas")
     with pytest.raises(ValueError, match="power of two"):
         GemmTiles(block_m=48)
+
+
+def test_dequantized_backward_keeps_the_fp8_rounding_on_gpus():
+    """XLA's GPU compiler folds ``float32 -> FP8 -> float32`` conversions into the identity: the backward
+    widens the quantized values behind an optimization barrier (`mtjax.dtypes.widen_fp8`), so the GEMMs
+    on dequantized operands see the FP8 values, not the unquantized ones."""
+    def f(lhs, rhs, group_sizes):
+        out, vjp = jax.vjp(lambda a, b: ops.grouped_gemm_fp8(a, b, group_sizes, implementation="xla"), lhs, rhs)
+        return vjp(out)
+
+    S = jax.ShapeDtypeStruct
+    text = jax.jit(f).trace(S((64, 32), jnp.bfloat16), S((4, 32, 48), jnp.bfloat16), S((4,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("optimization_barrier") >= 3  # lhs, rhs and the gradient
+    q = jnp.asarray([1.0, -2.5, 448.0], jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(widen_fp8(q), q.astype(jnp.float32))
