@@ -39,14 +39,15 @@ def check_fp8_dtype(fn: str, dtype: Any, name: str = "dtype") -> Any:
     return jnp.dtype(dtype)
 
 
-def widen_fp8(q: jax.Array) -> jax.Array:
-    """The FP8 values ``q`` as float32, kept as rounded.
+def widen_fp8(q: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """The FP8 values ``q`` in ``dtype`` (float32, or a 16-bit float that holds them exactly), kept as
+    rounded.
 
     XLA's GPU compiler folds a chain of conversions ``float32 -> FP8 -> float32`` into the identity
     (its "excess precision" rewrite, on by default), so a quantize followed by a dequantize in one
     program would drop the FP8 rounding. The optimization barrier keeps the chain apart.
     """
-    return jax.lax.optimization_barrier(q).astype(jnp.float32)
+    return jax.lax.optimization_barrier(q).astype(dtype)
 
 
 def fp8_max(dtype: Any) -> float:

@@ -392,7 +392,8 @@ class MoEBlock(nn.Module):
             capacity = expert_parallel.capacity(rows, ep)
             expert_capacity = self._expert_capacity(tokens)
             if expert_capacity is not None:  # a chunk holds at most local_experts * expert_capacity rows
-                capacity = min(capacity, local_experts * expert_capacity)
+                align = self.expert_row_alignment  # each expert's rows padded to a multiple of it
+                capacity = min(capacity, local_experts * -(-expert_capacity // align) * align)
             x_local, local_sizes, dispatch_state = expert_parallel.dispatch(
                 x_sorted, group_sizes, axis_name=ep_axis, capacity=capacity, payload_dtype=self.dispatch_dtype)
             y_local = expert_mlp(x_local, local_sizes, wi, wo, activation)

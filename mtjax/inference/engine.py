@@ -91,6 +91,8 @@ class Engine:
         (`mtjax.inference.fp8_weights.output_first_weights`: a decode step's small GEMMs reduce over
         contiguous axes); ``"fp8"``: stored in FP8, output axes first (`fp8_weights.quantize_weights`).
         Either is a new copy of the kernels: the ``params`` passed in can be dropped.
+      output_first: with ``weights=None``, store the 16-bit kernels output axes first (a copy);
+        False: decode with the kernels as given (no copy, slower small GEMMs).
       mesh: a `jax.sharding.Mesh` with a ``tp_axis``: the pages are sharded over key/value heads on it
         (parameters not already on the mesh are replicated).
       tp_axis: that axis' name.
@@ -112,7 +114,8 @@ class Engine:
 
     def __init__(self, model: GPT, params: Any, *, max_slots: int = 8, page_size: int = 16,
                  num_pages: int | None = None, max_seq_len: int | None = None, kv_dtype: Any = None,
-                 weights: str | None = None, mesh: Mesh | None = None, tp_axis: str = "tp", decode_steps: int = 8,
+                 weights: str | None = None, output_first: bool = True, mesh: Mesh | None = None,
+                 tp_axis: str = "tp", decode_steps: int = 8,
                  prefill_chunk: int | None = None, prefill_buckets: Sequence[int] | None = None,
                  max_prefill_tokens: int | None = None, max_stop_tokens: int = 8, max_logprobs: int = 0,
                  prefix_caching: bool = True, penalties: bool = False):
@@ -154,9 +157,15 @@ class Engine:
         if cfg.scan_layers:  # scanned, every step would copy each layer's pages through the scan
             params = unstack_layers(params, cfg.num_layers)
             model = GPT(dataclasses.replace(cfg, scan_layers=False))
+        if weights == "fp8" and not output_first:
+            raise ValueError("Engine: weights='fp8' stores the kernels output first; output_first=False "
+                             "applies to 16-bit weights")
         if getattr(model, "stored_gemms", None) is None:  # not stored output first by the caller already
             from mtjax.inference.fp8_weights import output_first_weights, quantize_weights
-            model, params = quantize_weights(model, params) if weights == "fp8" else output_first_weights(model, params)
+            if weights == "fp8":
+                model, params = quantize_weights(model, params)
+            elif output_first:
+                model, params = output_first_weights(model, params)
         elif weights == "fp8":
             raise ValueError("Engine: weights='fp8' takes the model as trained; this one's kernels are stored "
                              "output first already (mtjax.inference.fp8_weights)")

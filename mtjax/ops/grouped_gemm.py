@@ -103,8 +103,8 @@ def _check_block_sizes(op: str, block_sizes: Any, kind: type) -> None:
 def _exact_for_xla(*operands: jax.Array) -> tuple[jax.Array, ...]:
     """FP8 operands as bfloat16 (which holds every E4M3 and E5M2 value exactly): XLA's ragged dots
     take no FP8 (or mixed-FP8) operands on every platform."""
-    if any(jnp.dtype(x.dtype) in [jnp.dtype(d) for d in gg_kernels.FP8_DTYPES] for x in operands):
-        return tuple(x.astype(jnp.bfloat16) for x in operands)
+    if any(is_fp8(x.dtype) for x in operands):
+        return tuple(widen_fp8(x, jnp.bfloat16) if is_fp8(x.dtype) else x.astype(jnp.bfloat16) for x in operands)
     return operands
 
 

@@ -114,6 +114,26 @@ def test_moe_block_on_ep_mesh_equals_single_device(config, alignment):
     assert params["wi_kernel"].sharding.spec[0] == "ep"
 
 
+def test_aligned_groups_with_a_capacity_drop_what_packed_ones_drop():
+    """With a capacity factor each device pair's chunk holds the padded groups: aligned rows give the
+    packed layout's loss, gradients and dropped fraction on an ep mesh."""
+    config = MeshConfig(dp=2, ep=4)
+    mesh, rules = config.make_mesh(), logical_axis_rules(config)
+    x, variables, *_ = _single_device()
+    params = shard_variables(variables, mesh, rules)["params"]
+    results = []
+    for alignment in (1, 16):
+        block = BLOCK.clone(capacity_factor=1.0, expert_row_alignment=alignment)
+        with use_mesh(mesh, rules):
+            results.append(jax.jit(jax.value_and_grad(functools.partial(_loss, block), has_aux=True))(params, x))
+    ((loss, metrics), grads), ((loss16, metrics16), grads16) = results
+    assert float(metrics["dropped_fraction"][0]) > 0
+    np.testing.assert_allclose(loss16, loss, rtol=1e-6)
+    np.testing.assert_allclose(metrics16["dropped_fraction"][0], metrics["dropped_fraction"][0])
+    for got, want in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_num_experts_must_divide_ep():
     config = MeshConfig(ep=8)
     block = BLOCK.clone(num_experts=4)
