@@ -150,25 +150,26 @@ class Engine:
         if not isinstance(num_pages, int) or num_pages < 2:
             raise ValueError(f"Engine: num_pages={num_pages!r}; expected an int >= 2 (page 0 is scratch)")
 
-        params = nn.meta.unbox(params)
-        if cfg.scan_layers and getattr(model, "stored_gemms", None) is not None:
+        stored = getattr(model, "stored_gemms", None) is not None  # kernels stored output first by the caller
+        if cfg.scan_layers and stored:
             raise ValueError("Engine: a scanned model with kernels stored output first (mtjax.inference.fp8_weights) "
                              "cannot be unstacked; pass the model itself (and weights='fp8' for FP8 weights)")
-        if cfg.scan_layers:  # scanned, every step would copy each layer's pages through the scan
-            params = unstack_layers(params, cfg.num_layers)
-            model = GPT(dataclasses.replace(cfg, scan_layers=False))
+        if not isinstance(output_first, bool):
+            raise TypeError(f"Engine: output_first={output_first!r}; expected True or False")
         if weights == "fp8" and not output_first:
             raise ValueError("Engine: weights='fp8' stores the kernels output first; output_first=False "
                              "applies to 16-bit weights")
-        if getattr(model, "stored_gemms", None) is None:  # not stored output first by the caller already
-            from mtjax.inference.fp8_weights import output_first_weights, quantize_weights
-            if weights == "fp8":
-                model, params = quantize_weights(model, params)
-            elif output_first:
-                model, params = output_first_weights(model, params)
-        elif weights == "fp8":
+        if weights == "fp8" and stored:
             raise ValueError("Engine: weights='fp8' takes the model as trained; this one's kernels are stored "
                              "output first already (mtjax.inference.fp8_weights)")
+        params = nn.meta.unbox(params)
+        if cfg.scan_layers:  # scanned, every step would copy each layer's pages through the scan
+            params = unstack_layers(params, cfg.num_layers)
+            model = GPT(dataclasses.replace(cfg, scan_layers=False))
+        if not stored and (weights == "fp8" or output_first):
+            from mtjax.inference.fp8_weights import output_first_weights, quantize_weights
+            store = quantize_weights if weights == "fp8" else output_first_weights
+            model, params = store(model, params)
         if mesh is not None:
             replicated = NamedSharding(mesh, PartitionSpec())
             params = jax.tree.map(

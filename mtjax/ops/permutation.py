@@ -143,8 +143,8 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *, capacity: int
         destination = jnp.where(kept, group_starts[expert] + rank, rows)
         row_assignment = jnp.full((rows,), assignments, jnp.int32).at[destination].set(order, mode="drop")
     assignment_row = jnp.zeros((assignments,), jnp.int32).at[order].set(destination)
-    num_dropped = jnp.sum(jnp.where(destination < rows, 0, 1))
-    state = PermuteState(row_assignment, assignment_row, jnp.asarray(num_dropped, jnp.int32))
+    num_dropped = jnp.sum(destination >= rows, dtype=jnp.int32)  # rows: no row for the assignment
+    state = PermuteState(row_assignment, assignment_row, num_dropped)
     return _permute_rows(x, state, top_k), group_sizes, state
 
 
