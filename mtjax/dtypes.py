@@ -47,6 +47,7 @@ def widen_fp8(q: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
     (its "excess precision" rewrite, on by default), so a quantize followed by a dequantize in one
     program would drop the FP8 rounding. The optimization barrier keeps the chain apart.
     """
+    check_fp8_dtype("widen_fp8", q.dtype, "q.dtype")
     return jax.lax.optimization_barrier(q).astype(dtype)
 
 

@@ -158,6 +158,8 @@ def test_output_first_weights_give_the_same_logits(scan_layers):
         assert as_given.model is model and as_given.generate(prompts, SamplingParams(max_tokens=4)) == want
         with pytest.raises(ValueError, match="output_first=False"):
             Engine(model, params, max_slots=2, weights="fp8", output_first=False)
+        with pytest.raises(TypeError, match="output_first"):
+            Engine(model, params, max_slots=2, output_first="no")
     with pytest.raises(ValueError, match="already"):
         fp8_weights.quantize_weights(model_t, params_t)
 

@@ -317,3 +317,5 @@ def test_dequantized_backward_keeps_the_fp8_rounding_on_gpus():
     assert text.count("optimization_barrier") >= 3  # lhs, rhs and the gradient
     q = jnp.asarray([1.0, -2.5, 448.0], jnp.float8_e4m3fn)
     np.testing.assert_array_equal(widen_fp8(q), q.astype(jnp.float32))
+    with pytest.raises(TypeError, match="widen_fp8"):
+        widen_fp8(jnp.ones(3, jnp.bfloat16))
