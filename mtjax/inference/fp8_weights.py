@@ -241,7 +241,9 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
     if mode == "auto":
         mode = "dequantize" if math.prod(lhs_free) <= WEIGHT_ONLY_MAX_ROWS else "fp8_gemm"
     if mode == "dequantize":
-        y = lax.dot_general(lhs, w8.astype(lhs.dtype), dimension_numbers, preferred_element_type=jnp.float32)
+        # In the input's dtype (accumulated in float32 all the same): asking a float32 result of a 16-bit
+        # dot makes XLA widen both operands to float32 first, a slower GEMM on the same bytes.
+        y = lax.dot_general(lhs, w8.astype(lhs.dtype), dimension_numbers).astype(jnp.float32)
     else:
         x = lhs.astype(jnp.float32)
         amax = jnp.max(jnp.abs(x), axis=tuple(lhs_contract), keepdims=True)
