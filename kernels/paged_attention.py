@@ -149,16 +149,20 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, ks_ref, vs_ref, o_ref, 
 
 def _decode(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st: _Static, num_row_blocks: int,
             num_splits: int, blocks: DecodeBlocks, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """Launch the decode kernel on the prepared arrays (`paged_attention`): ``(out [splits, batch,
-    kv_heads, rows, head_dim], lse [splits, batch, kv_heads, rows])`` float32, normalised per split."""
-    batch, kv_heads, padded_rows, head_dim = qr.shape
+    """Launch the decode kernel on the prepared arrays (`paged_attention`; ``qr [batch, kv_heads, rows,
+    head_dim]``): ``(out [splits, batch, kv_heads, rows, head_dim], lse [splits, batch, kv_heads, rows])``
+    float32, normalised per split. The rows are padded to whole row blocks around the kernel."""
+    batch, kv_heads, rows, head_dim = qr.shape
     nrb = num_row_blocks
     block_rows = st.block_rows
+    padded_rows = nrb * block_rows
+    if padded_rows > rows:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     grid = (batch, kv_heads * nrb, num_splits)
     q_spec = pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, s: (b, h // nrb, h % nrb, 0))
     page_spec = pl.BlockSpec((None,) + tuple(k_pages.shape[1:]), lambda b, h, s: (h // nrb, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, 1), lambda b, h, s: (h // nrb, 0))
-    return pallas_call(
+    out, lse = pallas_call(
         functools.partial(_decode_kernel, st=st, num_row_blocks=nrb),
         grid=grid,
         in_specs=[q_spec, page_spec, page_spec, pl.BlockSpec((None, tables.shape[1]), lambda b, h, s: (b, 0)),
@@ -171,6 +175,7 @@ def _decode(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st: _Stat
         interpret=interpret,
         name="mtjax_paged_attention",
     )(qr, k_pages, v_pages, tables, lens, k_scales, v_scales)
+    return out[..., :rows, :], lse[..., :rows]
 
 
 # forward(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st, num_row_blocks, num_splits, blocks,
@@ -271,12 +276,9 @@ def paged_attention(
                  window_left=window_left, fp8=fp8)
 
     compute_dtype = q.dtype if fp8 else jnp.promote_types(q.dtype, k_pages.dtype)
-    # [batch, kv_heads, q_len * groups (padded), head_dim]: the rows of one KV head, t-major.
+    # [batch, kv_heads, q_len * groups, head_dim]: the rows of one KV head, t-major.
     qr = q.astype(compute_dtype).reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     qr = qr.reshape(batch, kv_heads, rows, head_dim)
-    row_pad = num_row_blocks * block_rows - rows
-    if row_pad:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, row_pad), (0, 0)))
     tables = block_tables.astype(jnp.int32)
     if padded_pages > pages_per_seq:
         tables = jnp.pad(tables, ((0, 0), (0, padded_pages - pages_per_seq)))
@@ -289,5 +291,5 @@ def paged_attention(
     out, lse = launchers.forward(qr, k_pages, v_pages, tables, lens, *scales, st=st, num_row_blocks=num_row_blocks,
                                  num_splits=num_splits, blocks=blocks, interpret=interpret)
     merged = out[0] if num_splits == 1 else merge_splits(out, lse)
-    merged = merged[:, :, :rows].reshape(batch, kv_heads, q_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    merged = merged.reshape(batch, kv_heads, q_len, groups, head_dim).transpose(0, 2, 1, 3, 4)
     return merged.reshape(batch, q_len, heads, head_dim).astype(q.dtype)

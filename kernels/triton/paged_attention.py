@@ -25,7 +25,7 @@ LOG2E = math.log2(math.e)
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v_scales_ptr, o_ptr, lse_ptr,
                    KV_HEADS: tl.constexpr, NUM_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PADDED_ROWS: tl.constexpr, PADDED_PAGES: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PADDED_PAGES: tl.constexpr,
                    NUM_ROW_BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                    PAGES_PER_BLOCK: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, Q_LEN: tl.constexpr,
                    GROUPS: tl.constexpr, ROWS: tl.constexpr, SCALE2: tl.constexpr, SOFT_CAP: tl.constexpr,
@@ -51,8 +51,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v
                            start_block)
 
     dims = tl.arange(0, HEAD_DIM)
-    q_offsets = ((b * KV_HEADS + kv_h) * PADDED_ROWS + rows[:, None]) * HEAD_DIM + dims[None, :]
-    q = tl.load(q_ptr + q_offsets)
+    real = rows < ROWS  # the last row block may reach past the KV head's rows: masked, not padded
+    q_offsets = ((b * KV_HEADS + kv_h) * ROWS + rows[:, None]) * HEAD_DIM + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=real[:, None], other=0.0)
     if FP8:
         k_scale = tl.load(k_scales_ptr + kv_h)
         v_scale = tl.load(v_scales_ptr + kv_h)
@@ -92,27 +93,28 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v
         m = m_new
     empty = denom == 0.0
     split_offset = split * tl.num_programs(0) + b
-    out_rows = (split_offset * KV_HEADS + kv_h) * PADDED_ROWS + rows
+    out_rows = (split_offset * KV_HEADS + kv_h) * ROWS + rows
     out = acc * (v_scale / tl.where(empty, 1.0, denom))[:, None]
-    tl.store(o_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out)
+    tl.store(o_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out, mask=real[:, None])
     # Log-sum-exp in base 2; -inf where this split saw nothing (the merge then gives it no weight).
-    tl.store(lse_ptr + out_rows, tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, denom))))
+    tl.store(lse_ptr + out_rows, tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, denom))),
+             mask=real)
 
 
 def _decode(qr, k_pages, v_pages, tables, lens, k_scales, v_scales, *, st, num_row_blocks: int, num_splits: int,
             blocks, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """`mtjax.kernels.paged_attention._decode` (same arguments and results) on the native Triton kernel."""
     del interpret  # the runtime decides (config.pallas_interpret)
-    batch, kv_heads, padded_rows, head_dim = qr.shape
+    batch, kv_heads, rows, head_dim = qr.shape
     out, lse = launch(
         _decode_kernel, qr, k_pages, v_pages, tables, lens.reshape(batch), k_scales.reshape(kv_heads),
         v_scales.reshape(kv_heads),
-        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, kv_heads, padded_rows, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((num_splits, batch, kv_heads, padded_rows), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, batch, kv_heads, rows, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, batch, kv_heads, rows), jnp.float32)],
         grid=(batch, kv_heads * num_row_blocks, num_splits), name="mtjax_triton_paged_attention",
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
         KV_HEADS=kv_heads, NUM_PAGES=k_pages.shape[1], PAGE_SIZE=k_pages.shape[2], HEAD_DIM=head_dim,
-        PADDED_ROWS=padded_rows, PADDED_PAGES=tables.shape[1], NUM_ROW_BLOCKS=num_row_blocks,
+        PADDED_PAGES=tables.shape[1], NUM_ROW_BLOCKS=num_row_blocks,
         BLOCK_ROWS=st.block_rows, BLOCK_K=st.pages_per_block * k_pages.shape[2], PAGES_PER_BLOCK=st.pages_per_block,
         PAGES_PER_SPLIT=st.pages_per_split, Q_LEN=st.q_len, GROUPS=st.groups, ROWS=st.rows,
         SCALE2=st.scale * LOG2E, SOFT_CAP=st.soft_cap is not None,
