@@ -175,11 +175,15 @@ def test_engine_option():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_gemms_read_the_stored_kernels_without_copies():
-    """On the GPU the FP8 GEMMs take the stored (output-axes-first) kernels as they are: the compiled
-    step has FP8 GEMMs and no transpose or copy of an FP8 parameter."""
-    model = GPT(gpt_config("tiny", hidden_size=256, mlp_dim=1024, num_heads=4, num_kv_heads=2, dtype=jnp.bfloat16))
-    tokens = jnp.zeros((8, 1), jnp.int32)
+@pytest.mark.parametrize("rows", [1, 2 * fp8_weights.WEIGHT_ONLY_MAX_ROWS])
+def test_gpu_fp8_gemms_read_the_stored_kernels_without_copies(rows):
+    """On the GPU the GEMMs take the stored (output-axes-first) FP8 kernels as they are, weight-only
+    (few rows) and FP8 GEMMs alike: the compiled step has no transpose or copy of an FP8 parameter.
+    The layers are not scanned, as `mtjax.inference.Engine` runs them: a scanned stack's kernels are
+    moved as a whole around XLA's loop."""
+    model = GPT(gpt_config("tiny", hidden_size=256, mlp_dim=1024, num_heads=4, num_kv_heads=2, dtype=jnp.bfloat16,
+                           scan_layers=False))
+    tokens = jnp.zeros((rows, 1), jnp.int32)
     params = model.init(jax.random.key(0), tokens)["params"]
     model8, params8 = fp8_weights.quantize_weights(model, params)
     text = jax.jit(lambda p, t: model8.apply({"params": p}, t)).lower(params8, tokens).compile().as_text()
