@@ -28,7 +28,8 @@ except ImportError:
 class Launchers:
     """The launch functions behind a kernel family's differentiable entry points: the Pallas ones of
     this folder (the default everywhere) or their native Triton ports (`mtjax.kernels.triton`), which
-    share the entry points' padding, tiles and custom_vjp glue. Each family documents the signatures.
+    share the entry points' tiles and custom_vjp glue (and their padding, unless a family's launchers
+    take it over). Each family documents the signatures.
 
     Attributes:
       forward: launches the forward kernel.

@@ -36,7 +36,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, k_scales_ptr, v
     split = tl.program_id(2)
     length = tl.load(lengths_ptr + b)
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    q_pos = length - Q_LEN + tl.minimum(rows, ROWS - 1) // GROUPS  # padding rows repeat the last one
+    q_pos = length - Q_LEN + tl.minimum(rows, ROWS - 1) // GROUPS  # rows past ROWS (masked) repeat the last one
     # Keys the block's rows may see: [first_key, last_key].
     last_key = tl.max(q_pos, axis=0)
     if HAS_WINDOW:

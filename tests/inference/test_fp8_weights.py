@@ -116,6 +116,25 @@ def test_bfloat16_model():
     assert relative_error(want, got) < 0.08
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_weight_only_dot_in_16_bit_inputs(dtype):
+    """The weight-only dot of 16-bit inputs against float32: within FP8 rounding, and finite in float16,
+    whose range the unscaled kernel's products (channels stretched to the E4M3 range) can exceed."""
+    k, n = 2048, 64
+    x = 8 * jax.random.normal(jax.random.key(0), (4, k), jnp.float32)  # outputs up to about 25
+    w = 0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=0) / fp8_weights.E4M3_MAX
+    w8 = (w / scale).astype(fp8_weights.WEIGHT_DTYPE)
+    want = x @ (w8.astype(jnp.float32) * scale)
+    got = fp8_weights.fp8_weight_dot_general(scale, x.astype(dtype), w8, (((1,), (0,)), ((), ())), mode="dequantize")
+    assert got.dtype == dtype and bool(jnp.all(jnp.isfinite(got)))
+    # The input's rounding (2^-8 relative for bfloat16) and one of the output, over K = 2048 products.
+    assert relative_error(want, got) < (0.02 if dtype != jnp.float32 else 1e-5)
+    f32 = fp8_weights.fp8_weight_dot_general(scale, x.astype(dtype), w8, (((1,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32, mode="dequantize")
+    assert f32.dtype == jnp.float32 and relative_error(want, f32) < 0.02
+
+
 def test_errors():
     model, params, _ = tiny()
     with pytest.raises(ValueError, match="granularity"):
