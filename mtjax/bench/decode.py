@@ -8,10 +8,9 @@ Rows (suite ``decode``; every one that fails records its error in the table and 
   ``mtjax bf16`` (the peer of the case; kernels stored output axes first, as the engine stores
   them), ``mtjax fp8 weights`` (the default ``mode="auto"``: weight-only at small batches),
   ``mtjax fp8 kv``, ``mtjax bf16 model layout`` (the kernels as the model has them); the decode loop
-  the engine runs (greedy,
-  ``DECODE_STEPS`` tokens per dispatch, the cache donated) on a cache filled to ``context`` tokens per
-  sequence (and ``mtjax fp8 weights fp8_gemm``, the FP8 GEMMs, where the default runs weight-only).
-  ``bytes`` counts the weights plus the KV-cache read per step, so
+  the engine runs (greedy, ``DECODE_STEPS`` tokens per dispatch, the cache donated) on a cache filled
+  to ``context`` tokens per sequence (and ``mtjax fp8 weights fp8_gemm``, the FP8 GEMMs, where the
+  default runs weight-only). ``bytes`` counts the weights plus the KV-cache read per step, so
   ``of ceiling`` is the fraction of the memory roofline (the measured copy bandwidth). Also the old
   token-at-a-time loop (one jitted call per token over a dense cache, batch 1) and HF transformers +
   torch eager with its dynamic cache (same shapes, random weights, no downloads) where installed.
