@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from mtjax import backend
 from mtjax.kernels import flash_attention as fa
-from mtjax.kernels.common import Launchers
+from mtjax.kernels.common import Launchers, interpret
 from mtjax.kernels.triton.language import cdiv, clip, dropout_keep, dropout_threshold, tanh
-from mtjax.kernels.triton.runtime import launch, seed_input, stand_in
+from mtjax.kernels.triton.runtime import compute_capability, launch, seed_input, stand_in
 
 LOG2E = math.log2(math.e)
 
@@ -236,6 +237,60 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, q_seg_ptr, kv_seg_ptr, seed_ptr, o_ptr, lse
     tl.store(lse_ptr + (b * HEADS + h) * Q_PAD + rows, lse)
 
 
+@triton.jit
+def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_LEN: tl.constexpr,
+                    KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr,
+                    LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
+                    WARP_SPECIALIZE: tl.constexpr):
+    """The forward of `_fwd_kernel` without segments, soft-capping or dropout, as one warp-specialized
+    loop: Q, K and V tiles come through TMA descriptors built on the device, and Triton splits the
+    loop into a producer partition issuing the loads and consumer partitions running the GEMMs and
+    the softmax. Triton's warp specialization takes one loop per kernel, so the band's edge blocks
+    run in the same loop with the mask applied to every block."""
+    OFFSET: tl.constexpr = KV_LEN - Q_LEN
+    MASKED: tl.constexpr = HAS_LO or HAS_HI or KV_LEN < KV_PAD
+    q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kv_h = h // (HEADS // KV_HEADS)
+    batch = tl.num_programs(1)
+    q_desc = tl.make_tensor_descriptor(q_ptr, shape=[batch * Q_PAD, HEADS * HEAD_DIM], strides=[HEADS * HEAD_DIM, 1],
+                                       block_shape=[BLOCK_Q, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(k_ptr, shape=[batch * KV_PAD, KV_HEADS * HEAD_DIM],
+                                       strides=[KV_HEADS * HEAD_DIM, 1], block_shape=[BLOCK_K, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[batch * KV_PAD, KV_HEADS * HEAD_DIM],
+                                       strides=[KV_HEADS * HEAD_DIM, 1], block_shape=[BLOCK_K, HEAD_DIM])
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    lo, _, _, hi = _kv_blocks(q0, BLOCK_Q, BLOCK_K, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI)
+    q = q_desc.load([b * Q_PAD + q0, h * HEAD_DIM])
+    acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
+    m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_Q,), tl.float32)
+    for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
+        k = k_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            cols = j * BLOCK_K + tl.arange(0, BLOCK_K)
+            keep = _keep(rows[:, None], cols[None, :], rows[:, None], cols[None, :], True, OFFSET, KV_LEN, HAS_LO, LO,
+                         HAS_HI, HI, False)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1) * C)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s * C - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = v_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    q_offsets = ((b * Q_PAD + rows[:, None]) * HEADS + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(o_ptr + q_offsets, out.to(o_ptr.dtype.element_ty))
+    lse = tl.where(empty, float("inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+    tl.store(lse_ptr + (b * HEADS + h) * Q_PAD + rows, lse)
+
+
 # --------------------------------------------------------------------------------------------------
 # Backward
 # --------------------------------------------------------------------------------------------------
@@ -398,8 +453,42 @@ def _optional(q_seg, kv_seg, seed):
     return q_seg, kv_seg, seed_input(seed)
 
 
+# The warp-specialized TMA forward (`_fwd_tma_kernel`): on Hopper and newer (and in interpret mode),
+# for 16-bit inputs of head_dim 64 or 128 without segments, soft-capping or dropout.
+TMA_FORWARD = False
+TMA_TILES = {64: (128, 64, 4, 2), 128: (128, 64, 4, 2)}  # head_dim: block_q, block_k, num_warps, num_stages
+
+
+def _tma_forward_tiles(q, k, q_seg, st) -> tuple[int, int, int, int] | None:
+    """The TMA forward's tiles for this call (padded ``q`` and ``k``), or None where `_fwd_kernel` runs."""
+    head_dim = q.shape[-1]
+    if not TMA_FORWARD or head_dim not in TMA_TILES or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return None
+    if q_seg is not None or st.soft_cap is not None or st.dropout_rate > 0.0:
+        return None
+    block_q, block_k, warps, stages = TMA_TILES[head_dim]
+    if q.shape[1] % block_q or k.shape[1] % block_k:
+        return None
+    # TMA needs Hopper; a CPU host lowers for ``cuda`` (export) at ``config.cuda_compute_capability``.
+    if not interpret() and (backend.platform() not in ("cuda", "cpu") or compute_capability() < 90):
+        return None
+    return block_q, block_k, warps, stages
+
+
 def _forward(q, k, v, q_seg, kv_seg, seed, st):
     batch, q_pad, heads, _ = q.shape
+    tiles = _tma_forward_tiles(q, k, q_seg, st)
+    if tiles is not None:
+        block_q, block_k, warps, stages = tiles
+        c = _constexprs(q, k, st)
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)]
+        return tuple(launch(
+            _fwd_tma_kernel, q, k, v, out_shape=out_shape,
+            grid=(q_pad // block_q, batch, heads), name="mtjax_triton_flash_attention_fwd_tma",
+            num_warps=warps, num_stages=stages, BLOCK_Q=block_q, BLOCK_K=block_k, WARP_SPECIALIZE=True,
+            **{name: c[name] for name in ("Q_PAD", "KV_PAD", "HEADS", "KV_HEADS", "HEAD_DIM", "Q_LEN", "KV_LEN",
+                                          "HAS_LO", "LO", "HAS_HI", "HI", "C")},
+        ))
     b = st.blocks
     out, lse = launch(
         _fwd_kernel, q, k, v, *_optional(q_seg, kv_seg, seed),

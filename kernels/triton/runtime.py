@@ -39,7 +39,61 @@ def _jax_triton() -> Any:
         return reason
     import jax_triton
 
+    _launch_as_compiled(jax_triton)
     return jax_triton
+
+
+# The metadata dict of the kernel Triton's CUDA backend compiled last in this thread.
+_compiled = threading.local()
+
+
+class _KernelLibAsCompiled:
+    """jaxlib's Triton kernel library as jax-triton 0.3 calls it, making each kernel as Triton
+    compiled it: jax-triton 0.3 passes the warp count it asked for and no global scratch, while a
+    warp-specialized kernel runs more warps than asked (its producer and consumer partitions) and a
+    kernel that builds TMA descriptors on the device writes them to a per-program global scratch
+    buffer, which jaxlib allocates at launch when told its size."""
+
+    def __init__(self, lib: Any):
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def TritonKernel(self, name: str, num_warps: int, num_ctas: int, shared: int, binary: str, ttir: str,  # noqa: N802
+                     capability: int) -> Any:
+        metadata = getattr(_compiled, "metadata", None) or {}
+        if metadata.get("name") != name:
+            return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, ttir, capability)
+        num_warps = metadata.get("num_warps") or num_warps
+        scratch = metadata.get("global_scratch_size") or 0
+        if not scratch:
+            return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, ttir, capability)
+        return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, ttir, capability, scratch,
+                                      metadata.get("global_scratch_align") or 1)
+
+
+def _launch_as_compiled(jax_triton: Any) -> None:
+    """Teach jax-triton 0.3 the launch parameters Triton's compiler decides (`_KernelLibAsCompiled`):
+    the CUDA backend's ``make_llir`` leaves them in its metadata dict, which is recorded here; the
+    kernel's name, filled in by ``make_ptx`` later, ties the record to the kernel jax-triton makes next.
+    jax-triton 0.4 passes them itself."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    triton_lib = jax_triton.triton_lib
+    if isinstance(triton_lib.triton_kernel_call_lib, _KernelLibAsCompiled) or getattr(jax_triton, "__version__",
+                                                                                       "0.3").startswith("0.4"):
+        return
+    make_llir = nvidia.CUDABackend.make_llir
+
+    @functools.wraps(make_llir)
+    def recording_make_llir(self, src, metadata, *args, **kwargs):
+        out = make_llir(self, src, metadata, *args, **kwargs)
+        _compiled.metadata = metadata
+        return out
+
+    nvidia.CUDABackend.make_llir = recording_make_llir
+    triton_lib.triton_kernel_call_lib = _KernelLibAsCompiled(triton_lib.triton_kernel_call_lib)
 
 
 def compute_capability() -> int:

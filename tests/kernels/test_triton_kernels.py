@@ -146,6 +146,56 @@ def test_attention_compiles_for_hopper(head_dim):
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
+TMA_FORWARD_CASES = {
+    # name: (q_len, kv_len, kv_heads, head_dim, options): lengths off the 128-row tiles
+    "causal_gqa_q_shorter": (200, 330, 1, 64, {"mask_type": "causal"}),
+    "window": (256, 256, 2, 128, {"window_size": (100, 20)}),
+    "full_kv_tail": (130, 70, 2, 64, {}),
+}
+
+
+@pytest.mark.parametrize("case", TMA_FORWARD_CASES)
+def test_attention_tma_forward_matches_reference(interpret, monkeypatch, case):
+    """The warp-specialized TMA forward (16-bit inputs without segments, soft-cap or dropout): its
+    output against the reference, its log-sum-exp against `_fwd_kernel`'s."""
+    from mtjax.kernels.triton import flash_attention as native
+
+    monkeypatch.setattr(native, "TMA_FORWARD", True)
+    q_len, kv_len, kv_heads, head_dim, options = TMA_FORWARD_CASES[case]
+    q, k, v = _inputs(7, (2, q_len, 2, head_dim), (2, kv_len, kv_heads, head_dim), (2, kv_len, kv_heads, head_dim),
+                      dtype=jnp.bfloat16)
+    causal = options.get("mask_type") == "causal"
+    with runtime.record_launches() as launches:
+        got = native.flash_attention(q, k, v, scale=0.2, causal=causal, window_size=options.get("window_size"))
+    assert {r.name for r in launches} == {"mtjax_triton_flash_attention_fwd_tma"}
+    want = ops.attention(q, k, v, scale=0.2, implementation="xla", **options)
+    _tree_allclose([got], [want], 2e-2, ["out"])
+    if not causal and "window_size" not in options:
+        _, lse = native.flash_attention_forward(q, k, v, scale=0.2)
+        monkeypatch.setattr(native, "TMA_FORWARD", False)
+        _, want_lse = native.flash_attention_forward(q, k, v, scale=0.2)
+        _tree_allclose([lse], [want_lse], 1e-3, ["lse"])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_tma_forward_is_warp_specialized_on_hopper(monkeypatch, head_dim):
+    """Compiled for sm_90, the TMA forward splits into producer and consumer partitions (more warps
+    than launched with), builds its descriptors in global scratch and fits an SM."""
+    from mtjax.kernels.triton import flash_attention as native
+
+    monkeypatch.setattr(native, "TMA_FORWARD", True)
+    q = jax.ShapeDtypeStruct((2, 4096, 8, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 4096, 2, head_dim), jnp.bfloat16)
+    with runtime.record_launches() as launches:
+        jax.eval_shape(lambda q, k, v: native.flash_attention(q, k, v, scale=0.1, causal=True), q, k, k)
+    [record] = [r for r in launches if r.name == "mtjax_triton_flash_attention_fwd_tma"]
+    compiled = runtime.compile_launch(record, 90)
+    assert compiled.metadata.num_warps > record.num_warps
+    assert compiled.metadata.global_scratch_size > 0
+    assert compiled.metadata.shared <= HOPPER_SHARED_MEMORY
+    assert "setmaxnreg" in compiled.asm["ptx"] and "cp.async.bulk.tensor" in compiled.asm["ptx"]
+
+
 def test_export_for_cuda_carries_the_triton_kernels():
     """`jax.export` for cuda on this CPU-only host: jax-triton compiles the kernels for
     ``config.cuda_compute_capability`` while lowering and embeds them as custom calls."""
