@@ -10,7 +10,10 @@ its three kernels as `Launchers` (`mtjax.kernels.common`):
   blocks first and the unmasked ones last (`_for_blocks`), saving the row log-sum-exp;
 - dk/dv, one program per (key block, batch, kv head), looping over the kv head's query heads (GQA
   without repeating K/V);
-- dq, one program per (query block, batch, head).
+- dq, one program per (query block, batch, head);
+- on Hopper, the forward for 16-bit inputs of head_dim 128 without segments, soft-capping or
+  dropout as `_fwd_tma_kernel`: TMA descriptors built on the device and Triton's warp
+  specialization (a producer partition loading, consumer partitions computing) over one loop.
 
 Loops over key (or query) blocks are ``tl.range`` loops that Triton software-pipelines over
 ``num_stages`` stages (cp.async on Ampere and Hopper, where ``tl.dot`` becomes wgmma). Dropout redraws
@@ -249,8 +252,7 @@ def _tiles_of(ptr, PAD: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexp
 def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_LEN: tl.constexpr,
                     KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr,
-                    LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr):
+                    LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, C: tl.constexpr):
     """The forward of `_fwd_kernel` without segments, soft-capping or dropout, as one warp-specialized
     loop: Q, K and V tiles come through TMA descriptors built on the device, and Triton splits the
     loop into a producer partition issuing the loads and consumer partitions running the GEMMs and
@@ -271,7 +273,7 @@ def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV
     acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
-    for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
+    for j in tl.range(lo, hi, warp_specialize=True):
         k = k_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
         s = tl.dot(q, tl.trans(k))
         if MASKED:
@@ -429,94 +431,6 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_se
     tl.store(dq_ptr + q_offsets, (dq * SCALE).to(dq_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _dkdv_tma_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, Q_PAD: tl.constexpr,
-                     KV_PAD: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_LO: tl.constexpr, LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr,
-                     SCALE: tl.constexpr, C: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """`_dkdv_kernel` for the TMA forward's cases: one warp-specialized loop over (query head of the
-    kv head, query block) pairs, Q and dO through TMA, masks on every block."""
-    OFFSET: tl.constexpr = KV_LEN - Q_LEN
-    MASKED: tl.constexpr = HAS_LO or HAS_HI or KV_LEN < KV_PAD
-    GROUPS: tl.constexpr = HEADS // KV_HEADS
-    k0 = tl.program_id(0) * BLOCK_K
-    b = tl.program_id(1)
-    kv_h = tl.program_id(2)
-    q_desc = _tiles_of(q_ptr, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q)
-    do_desc = _tiles_of(do_ptr, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q)
-    k_desc = _tiles_of(k_ptr, KV_PAD, KV_HEADS, HEAD_DIM, BLOCK_K)
-    v_desc = _tiles_of(v_ptr, KV_PAD, KV_HEADS, HEAD_DIM, BLOCK_K)
-    k = k_desc.load([b * KV_PAD + k0, kv_h * HEAD_DIM])
-    v = v_desc.load([b * KV_PAD + k0, kv_h * HEAD_DIM])
-    cols = k0 + tl.arange(0, BLOCK_K)
-    lo, _, _, hi = _q_blocks(k0, BLOCK_K, BLOCK_Q, OFFSET, Q_LEN, KV_LEN, HAS_LO, LO, HAS_HI, HI)
-    blocks = hi - lo
-    dk = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
-    for t in tl.range(0, GROUPS * blocks, warp_specialize=WARP_SPECIALIZE):
-        g = t // blocks
-        i = lo + t - g * blocks
-        h = kv_h * GROUPS + g
-        q = q_desc.load([b * Q_PAD + i * BLOCK_Q, h * HEAD_DIM])
-        do = do_desc.load([b * Q_PAD + i * BLOCK_Q, h * HEAD_DIM])
-        q_rows = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        lse = tl.load(lse_ptr + (b * HEADS + h) * Q_PAD + q_rows)
-        delta = tl.load(delta_ptr + (b * HEADS + h) * Q_PAD + q_rows)
-        s_t = tl.dot(k, tl.trans(q))
-        p_t = tl.exp2(s_t * C - lse[None, :])
-        if MASKED:
-            keep_t = _keep(q_rows[None, :], cols[:, None], q_rows[None, :], cols[:, None], True, OFFSET, KV_LEN,
-                           HAS_LO, LO, HAS_HI, HI, False)
-            p_t = tl.where(keep_t, p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do)
-        dp_t = tl.dot(v, tl.trans(do))
-        dk += tl.dot((p_t * (dp_t - delta[None, :])).to(q.dtype), q)
-    kv_offsets = ((b * KV_PAD + cols[:, None]) * KV_HEADS + kv_h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(dk_ptr + kv_offsets, (dk * SCALE).to(dk_ptr.dtype.element_ty))
-    tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _dq_tma_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_LEN: tl.constexpr,
-                   KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr,
-                   LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, SCALE: tl.constexpr, C: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr):
-    """`_dq_kernel` for the TMA forward's cases: one warp-specialized loop over key blocks, K and V
-    through TMA, masks on every block."""
-    OFFSET: tl.constexpr = KV_LEN - Q_LEN
-    MASKED: tl.constexpr = HAS_LO or HAS_HI or KV_LEN < KV_PAD
-    q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    kv_h = h // (HEADS // KV_HEADS)
-    q_desc = _tiles_of(q_ptr, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q)
-    do_desc = _tiles_of(do_ptr, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q)
-    k_desc = _tiles_of(k_ptr, KV_PAD, KV_HEADS, HEAD_DIM, BLOCK_K)
-    v_desc = _tiles_of(v_ptr, KV_PAD, KV_HEADS, HEAD_DIM, BLOCK_K)
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    q = q_desc.load([b * Q_PAD + q0, h * HEAD_DIM])
-    do = do_desc.load([b * Q_PAD + q0, h * HEAD_DIM])
-    lse = tl.load(lse_ptr + (b * HEADS + h) * Q_PAD + rows)
-    delta = tl.load(delta_ptr + (b * HEADS + h) * Q_PAD + rows)
-    lo, _, _, hi = _kv_blocks(q0, BLOCK_Q, BLOCK_K, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI)
-    dq = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
-    for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
-        k = k_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
-        v = v_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * C - lse[:, None])
-        if MASKED:
-            cols = j * BLOCK_K + tl.arange(0, BLOCK_K)
-            keep = _keep(rows[:, None], cols[None, :], rows[:, None], cols[None, :], True, OFFSET, KV_LEN, HAS_LO, LO,
-                         HAS_HI, HI, False)
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k)
-    q_offsets = ((b * Q_PAD + rows[:, None]) * HEADS + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(dq_ptr + q_offsets, (dq * SCALE).to(dq_ptr.dtype.element_ty))
-
-
 # --------------------------------------------------------------------------------------------------
 # Launchers (the interface of `fa.PALLAS`) and entry points
 # --------------------------------------------------------------------------------------------------
@@ -545,24 +459,21 @@ def _optional(q_seg, kv_seg, seed):
     return q_seg, kv_seg, seed_input(seed)
 
 
-# The warp-specialized TMA kernels (`_fwd_tma_kernel`, `_dkdv_tma_kernel`, `_dq_tma_kernel`): on Hopper
-# and newer (and in interpret mode), for 16-bit inputs of head_dim 64 or 128 without segments,
-# soft-capping or dropout. Tiles per head_dim and kernel: (block_q, block_k, num_warps, num_stages).
-TMA_KERNELS = False
-TMA_TILES = {
-    64: {"fwd": (128, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-    128: {"fwd": (128, 64, 4, 2), "dkdv": (64, 64, 4, 2), "dq": (64, 64, 4, 2)},
-}
+# The warp-specialized TMA forward (`_fwd_tma_kernel`) runs on Hopper and newer (and in interpret
+# mode) for 16-bit inputs of these head dims without segments, soft-capping or dropout; its tiles
+# (block_q, block_k, num_warps, num_stages) per head_dim. Where it lost to `_fwd_kernel` (head_dim 64,
+# the backward kernels written the same way): docs/kernels.md.
+TMA_FORWARD_TILES = {128: (128, 128, 4, 2)}
 
 
-def _tma_tiles(q, k, q_seg, st) -> dict[str, tuple[int, int, int, int]] | None:
-    """The TMA kernels' tiles for this call (padded ``q`` and ``k``), or None where the other kernels run."""
-    tiles = TMA_TILES.get(q.shape[-1])
-    if not TMA_KERNELS or tiles is None or q.dtype not in (jnp.bfloat16, jnp.float16):
+def _tma_forward_tiles(q, k, q_seg, st) -> tuple[int, int, int, int] | None:
+    """The TMA forward's tiles for this call (padded ``q`` and ``k``), or None where `_fwd_kernel` runs."""
+    tiles = TMA_FORWARD_TILES.get(q.shape[-1])
+    if tiles is None or q.dtype not in (jnp.bfloat16, jnp.float16):
         return None
     if q_seg is not None or st.soft_cap is not None or st.dropout_rate > 0.0:
         return None
-    if any(q.shape[1] % block_q or k.shape[1] % block_k for block_q, block_k, _, _ in tiles.values()):
+    if q.shape[1] % tiles[0] or k.shape[1] % tiles[1]:
         return None
     # TMA needs Hopper; a CPU host lowers for ``cuda`` (export) at ``config.cuda_compute_capability``.
     if not interpret() and (backend.platform() not in ("cuda", "cpu") or compute_capability() < 90):
@@ -570,25 +481,20 @@ def _tma_tiles(q, k, q_seg, st) -> dict[str, tuple[int, int, int, int]] | None:
     return tiles
 
 
-_TMA_CONSTEXPRS = ("Q_PAD", "KV_PAD", "HEADS", "KV_HEADS", "HEAD_DIM", "Q_LEN", "KV_LEN", "HAS_LO", "LO", "HAS_HI",
-                   "HI", "C")
-
-
-def _tma_launch(kernel, name, tiles, grid, *arrays, out_shape, q, k, st, **constexprs):
-    block_q, block_k, warps, stages = tiles
-    c = _constexprs(q, k, st)
-    return launch(kernel, *arrays, out_shape=out_shape, grid=grid, name=name, num_warps=warps, num_stages=stages,
-                  BLOCK_Q=block_q, BLOCK_K=block_k, WARP_SPECIALIZE=True, **{n: c[n] for n in _TMA_CONSTEXPRS},
-                  **constexprs)
-
-
 def _forward(q, k, v, q_seg, kv_seg, seed, st):
     batch, q_pad, heads, _ = q.shape
-    tma = _tma_tiles(q, k, q_seg, st)
-    if tma is not None:
+    tiles = _tma_forward_tiles(q, k, q_seg, st)
+    if tiles is not None:
+        block_q, block_k, warps, stages = tiles
+        constexprs = _constexprs(q, k, st)
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)]
-        return tuple(_tma_launch(_fwd_tma_kernel, "mtjax_triton_flash_attention_fwd_tma", tma["fwd"],
-                                 (q_pad // tma["fwd"][0], batch, heads), q, k, v, out_shape=out_shape, q=q, k=k, st=st))
+        return tuple(launch(
+            _fwd_tma_kernel, q, k, v, out_shape=out_shape,
+            grid=(q_pad // block_q, batch, heads), name="mtjax_triton_flash_attention_fwd_tma", num_warps=warps,
+            num_stages=stages, BLOCK_Q=block_q, BLOCK_K=block_k,
+            **{n: constexprs[n] for n in ("Q_PAD", "KV_PAD", "HEADS", "KV_HEADS", "HEAD_DIM", "Q_LEN", "KV_LEN",
+                                          "HAS_LO", "LO", "HAS_HI", "HI", "C")},
+        ))
     b = st.blocks
     out, lse = launch(
         _fwd_kernel, q, k, v, *_optional(q_seg, kv_seg, seed),
@@ -607,16 +513,6 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     # delta_i = sum_d dO_id O_id, the softmax-backward row term; a cheap fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
     do = do.astype(q.dtype)
-    tma = _tma_tiles(q, k, q_seg, st)
-    if tma is not None:
-        dk, dv = _tma_launch(_dkdv_tma_kernel, "mtjax_triton_flash_attention_dkdv_tma", tma["dkdv"],
-                             (kv_pad // tma["dkdv"][1], batch, kv_heads), q, k, v, do, lse, delta,
-                             out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                             q=q, k=k, st=st, SCALE=st.scale)
-        [dq] = _tma_launch(_dq_tma_kernel, "mtjax_triton_flash_attention_dq_tma", tma["dq"],
-                           (q_pad // tma["dq"][0], batch, heads), q, k, v, do, lse, delta,
-                           out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)], q=q, k=k, st=st, SCALE=st.scale)
-        return dq, dk, dv
     optional = _optional(q_seg, kv_seg, seed)
     constexprs = dict(_constexprs(q, k, st), SCALE=st.scale)
     dk, dv = launch(
