@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -212,7 +213,22 @@ int Candidates() {
   return count;
 }
 
-// The CUDA driver's event timing, looked up in the driver library the process already has loaded.
+// A CUDA driver function, looked up in the driver library the process already has loaded (so the
+// library links cuBLASLt only); the first name found of `names`, or nullptr.
+template <typename Function>
+Function DriverFunction(std::initializer_list<const char*> names) {
+  static void* library = [] {
+    void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return handle != nullptr ? handle : dlopen("libcuda.so.1", RTLD_NOW);
+  }();
+  if (library == nullptr) return nullptr;
+  for (const char* name : names) {
+    if (void* symbol = dlsym(library, name)) return reinterpret_cast<Function>(symbol);
+  }
+  return nullptr;
+}
+
+// The CUDA driver's event timing.
 struct Timer {
   using EventCreate = int (*)(void**, unsigned int);
   using EventRecord = int (*)(void*, void*);
@@ -230,18 +246,13 @@ struct Timer {
 
 const Timer* LoadTimer() {
   static const Timer* timer = []() -> const Timer* {
-    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_NOW);
-    if (library == nullptr) return nullptr;
     auto* found = new Timer;
-    found->create = reinterpret_cast<Timer::EventCreate>(dlsym(library, "cuEventCreate"));
-    found->record = reinterpret_cast<Timer::EventRecord>(dlsym(library, "cuEventRecord"));
-    found->synchronize = reinterpret_cast<Timer::EventSynchronize>(dlsym(library, "cuEventSynchronize"));
-    void* elapsed = dlsym(library, "cuEventElapsedTime_v2");
-    if (elapsed == nullptr) elapsed = dlsym(library, "cuEventElapsedTime");
-    found->elapsed = reinterpret_cast<Timer::EventElapsedTime>(elapsed);
-    found->destroy = reinterpret_cast<Timer::EventDestroy>(dlsym(library, "cuEventDestroy_v2"));
-    found->capturing = reinterpret_cast<Timer::StreamIsCapturing>(dlsym(library, "cuStreamIsCapturing"));
+    found->create = DriverFunction<Timer::EventCreate>({"cuEventCreate"});
+    found->record = DriverFunction<Timer::EventRecord>({"cuEventRecord"});
+    found->synchronize = DriverFunction<Timer::EventSynchronize>({"cuEventSynchronize"});
+    found->elapsed = DriverFunction<Timer::EventElapsedTime>({"cuEventElapsedTime_v2", "cuEventElapsedTime"});
+    found->destroy = DriverFunction<Timer::EventDestroy>({"cuEventDestroy_v2"});
+    found->capturing = DriverFunction<Timer::StreamIsCapturing>({"cuStreamIsCapturing"});
     if (!found->create || !found->record || !found->synchronize || !found->elapsed || !found->destroy ||
         !found->capturing) {
       return nullptr;
@@ -418,8 +429,7 @@ ffi::Error BlockFp8Gemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 // Grouped GEMMs
 // ------------------------------------------------------------------------------------------------
 
-// The CUDA driver calls the grouped GEMMs need (read group sizes and scales, copy and zero rows),
-// looked up in the driver library the process already has loaded, so the library links cuBLASLt only.
+// The CUDA driver calls the grouped GEMMs need (read group sizes and scales, copy and zero rows).
 struct Driver {
   using MemcpyDtoHAsync = int (*)(void*, unsigned long long, size_t, void*);
   using MemcpyDtoDAsync = int (*)(unsigned long long, unsigned long long, size_t, void*);
@@ -433,14 +443,11 @@ struct Driver {
 
 const Driver* LoadDriver() {
   static const Driver* driver = []() -> const Driver* {
-    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_NOW);
-    if (library == nullptr) return nullptr;
     auto* found = new Driver;
-    found->memcpy_dtoh = reinterpret_cast<Driver::MemcpyDtoHAsync>(dlsym(library, "cuMemcpyDtoHAsync_v2"));
-    found->memcpy_dtod = reinterpret_cast<Driver::MemcpyDtoDAsync>(dlsym(library, "cuMemcpyDtoDAsync_v2"));
-    found->memset_d8 = reinterpret_cast<Driver::MemsetD8Async>(dlsym(library, "cuMemsetD8Async"));
-    found->synchronize = reinterpret_cast<Driver::StreamSynchronize>(dlsym(library, "cuStreamSynchronize"));
+    found->memcpy_dtoh = DriverFunction<Driver::MemcpyDtoHAsync>({"cuMemcpyDtoHAsync_v2"});
+    found->memcpy_dtod = DriverFunction<Driver::MemcpyDtoDAsync>({"cuMemcpyDtoDAsync_v2"});
+    found->memset_d8 = DriverFunction<Driver::MemsetD8Async>({"cuMemsetD8Async"});
+    found->synchronize = DriverFunction<Driver::StreamSynchronize>({"cuStreamSynchronize"});
     if (!found->memcpy_dtoh || !found->memcpy_dtod || !found->memset_d8 || !found->synchronize) return nullptr;
     return found;
   }();
