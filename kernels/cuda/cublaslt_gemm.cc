@@ -344,20 +344,19 @@ ffi::Error Run(cublasLtHandle_t handle, const Gemm& g, const void* a, const void
     std::lock_guard<std::mutex> lock(Mutex());
     auto found = Algorithms().find(key);
     cached = found != Algorithms().end();
-    if (cached) {
-      algo = found->second;
-    } else {
-      std::vector<cublasLtMatmulAlgo_t> algos;
-      if (ffi::Error error = Heuristics(handle, desc, alignments, Candidates(), &algos); error.failure()) {
-        return error;
-      }
-      algo = Fastest(algos, stream, [&](const cublasLtMatmulAlgo_t& candidate) {
-        const float zero = 0.0f;
-        return cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d,
-                              &candidate, workspace, kWorkspaceBytes, stream);
-      });
-      Algorithms().emplace(key, algo);
-    }
+    if (cached) algo = found->second;
+  }
+  if (!cached) {
+    // Chosen without the lock: timing waits for the stream, which other threads' GEMMs must not.
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    if (ffi::Error error = Heuristics(handle, desc, alignments, Candidates(), &algos); error.failure()) return error;
+    algo = Fastest(algos, stream, [&](const cublasLtMatmulAlgo_t& candidate) {
+      const float zero = 0.0f;
+      return cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, &candidate,
+                            workspace, kWorkspaceBytes, stream);
+    });
+    std::lock_guard<std::mutex> lock(Mutex());
+    Algorithms().emplace(key, algo);
   }
   const float beta = 0.0f;
   auto matmul = [&] {

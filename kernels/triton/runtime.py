@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,7 @@ def _jax_triton() -> Any:
 
 # The metadata dict of the kernel Triton's CUDA backend compiled last in this thread.
 _compiled = threading.local()
+_patch_lock = threading.Lock()
 
 
 class _KernelLibAsCompiled:
@@ -60,17 +62,15 @@ class _KernelLibAsCompiled:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._lib, name)
 
-    def TritonKernel(self, name: str, num_warps: int, num_ctas: int, shared: int, binary: str, ttir: str,  # noqa: N802
-                     capability: int) -> Any:
+    def TritonKernel(self, name: str, num_warps: int, *args: Any) -> Any:  # noqa: N802
         metadata = getattr(_compiled, "metadata", None) or {}
         if metadata.get("name") != name:
-            return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, ttir, capability)
+            return self._lib.TritonKernel(name, num_warps, *args)
         num_warps = metadata.get("num_warps") or num_warps
         scratch = metadata.get("global_scratch_size") or 0
-        if not scratch:
-            return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, ttir, capability)
-        return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, ttir, capability, scratch,
-                                      metadata.get("global_scratch_align") or 1)
+        if not scratch or len(args) != 5:  # (num_ctas, shared memory, binary, ttir, capability)
+            return self._lib.TritonKernel(name, num_warps, *args)
+        return self._lib.TritonKernel(name, num_warps, *args, scratch, metadata.get("global_scratch_align") or 1)
 
 
 def _launch_as_compiled(jax_triton: Any) -> None:
@@ -80,20 +80,21 @@ def _launch_as_compiled(jax_triton: Any) -> None:
     jax-triton 0.4 passes them itself."""
     from triton.backends.nvidia import compiler as nvidia
 
+    version = tuple(int(part) for part in re.findall(r"\d+", getattr(jax_triton, "__version__", "0.3"))[:2])
     triton_lib = jax_triton.triton_lib
-    if isinstance(triton_lib.triton_kernel_call_lib, _KernelLibAsCompiled) or getattr(jax_triton, "__version__",
-                                                                                       "0.3").startswith("0.4"):
-        return
-    make_llir = nvidia.CUDABackend.make_llir
+    with _patch_lock:
+        if version >= (0, 4) or isinstance(triton_lib.triton_kernel_call_lib, _KernelLibAsCompiled):
+            return
+        make_llir = nvidia.CUDABackend.make_llir
 
-    @functools.wraps(make_llir)
-    def recording_make_llir(self, src, metadata, *args, **kwargs):
-        out = make_llir(self, src, metadata, *args, **kwargs)
-        _compiled.metadata = metadata
-        return out
+        @functools.wraps(make_llir)
+        def recording_make_llir(self, src, metadata, *args, **kwargs):
+            out = make_llir(self, src, metadata, *args, **kwargs)
+            _compiled.metadata = metadata
+            return out
 
-    nvidia.CUDABackend.make_llir = recording_make_llir
-    triton_lib.triton_kernel_call_lib = _KernelLibAsCompiled(triton_lib.triton_kernel_call_lib)
+        nvidia.CUDABackend.make_llir = recording_make_llir
+        triton_lib.triton_kernel_call_lib = _KernelLibAsCompiled(triton_lib.triton_kernel_call_lib)
 
 
 def compute_capability() -> int:

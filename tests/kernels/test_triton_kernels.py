@@ -149,6 +149,7 @@ def test_attention_compiles_for_hopper(head_dim):
 TMA_CASES = {
     # name: (q_len, kv_len, kv_heads, options): lengths off the 128-row tiles, head_dim 128
     "causal_gqa_q_shorter": (200, 330, 1, {"mask_type": "causal"}),
+    "causal_q_longer": (300, 250, 2, {"mask_type": "causal"}),  # the first rows see no key
     "window": (256, 256, 2, {"window_size": (100, 20)}),
     "full_kv_tail": (130, 70, 2, {}),
 }
@@ -169,11 +170,13 @@ def test_attention_tma_forward_matches_reference(interpret, monkeypatch, case):
     assert "mtjax_triton_flash_attention_fwd_tma" in {r.name for r in launches}
     want = _attention_out_and_grads("xla", q, k, v, do, scale=0.2, **options)
     _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
-    if not options:
-        _, lse = native.flash_attention_forward(q, k, v, scale=0.2)
+    if "window_size" not in options:  # flash_attention_forward takes no window
+        causal = options.get("mask_type") == "causal"
+        _, lse = native.flash_attention_forward(q, k, v, scale=0.2, causal=causal)
         monkeypatch.setattr(native, "TMA_FORWARD_TILES", {})
-        _, want_lse = native.flash_attention_forward(q, k, v, scale=0.2)
-        _tree_allclose([lse], [want_lse], 1e-3, ["lse"])
+        _, want_lse = native.flash_attention_forward(q, k, v, scale=0.2, causal=causal)
+        # Rows that see no key have an infinite log-sum-exp in both.
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-3)
 
 
 def test_attention_tma_forward_is_warp_specialized_on_hopper():
