@@ -475,6 +475,8 @@ def _tma_forward_tiles(q, k, q_seg, st) -> tuple[int, int, int, int] | None:
         return None
     if q.shape[1] % tiles[0] or k.shape[1] % tiles[1]:
         return None
+    if st.blocks != fa.BlockSizes.default(q.shape[-1]).clamp(st.mask.q_len, st.mask.kv_len):
+        return None  # tiles the caller chose (`block_sizes=`) are the forward's too
     # Measured on Hopper only (sm_12x's shared memory would not hold the tiles); a CPU host lowers for
     # ``cuda`` (export) at ``config.cuda_compute_capability``.
     if not interpret() and (backend.platform() not in ("cuda", "cpu") or compute_capability() // 10 != 9):

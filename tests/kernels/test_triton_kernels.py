@@ -179,6 +179,19 @@ def test_attention_tma_forward_matches_reference(interpret, monkeypatch, case):
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-3)
 
 
+def test_attention_explicit_tiles_keep_the_forward_kernel():
+    """``block_sizes=`` given: the forward runs `_fwd_kernel` on those tiles, not the TMA forward."""
+    from mtjax.kernels import flash_attention as fa
+    from mtjax.kernels.triton import flash_attention as native
+
+    q = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    for blocks, name in ((None, "mtjax_triton_flash_attention_fwd_tma"),
+                         (fa.BlockSizes(block_q=64, block_k=64), "mtjax_triton_flash_attention_fwd")):
+        with runtime.record_launches() as launches:
+            jax.eval_shape(lambda q, k, v: native.flash_attention(q, k, v, scale=0.1, block_sizes=blocks), q, q, q)
+        assert [r.name for r in launches] == [name]
+
+
 def test_attention_tma_forward_is_warp_specialized_on_hopper():
     """Compiled for sm_90, the TMA forward splits into producer and consumer partitions (more warps
     than launched with), builds its descriptors in global scratch and fits an SM."""
