@@ -78,8 +78,10 @@ def _launch_as_compiled(jax_triton: Any) -> None:
     the CUDA backend's ``make_llir`` leaves them in its metadata dict, which is recorded here; the
     kernel's name, filled in by ``make_ptx`` later, ties the record to the kernel jax-triton makes next.
     jax-triton 0.4 passes them itself."""
-    from triton.backends.nvidia import compiler as nvidia
-
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+    except ImportError:  # a Triton without its NVIDIA backend: nothing compiles for CUDA here
+        return
     version = tuple(int(part) for part in re.findall(r"\d+", getattr(jax_triton, "__version__", "0.3"))[:2])
     triton_lib = jax_triton.triton_lib
     with _patch_lock:

@@ -820,3 +820,35 @@ def test_interpret_mode_catches_unwritten_outputs(interpret):
     [out] = runtime.launch(_write_first_half, jnp.ones((8,), jnp.float32),
                            out_shape=[jax.ShapeDtypeStruct((8,), jnp.float32)], grid=(1,), name="half", N=8)
     assert np.isnan(np.asarray(out[4:])).all() and (np.asarray(out[:4]) == 2.0).all()
+
+
+def test_jax_triton_kernels_are_made_as_compiled(monkeypatch):
+    """jax-triton 0.3 makes each kernel with the warp count and global scratch Triton's compiler
+    recorded (a warp-specialized kernel runs more warps than launched with; TMA descriptors built on
+    the device need scratch); other kernels pass through unchanged, and jax-triton 0.4 is left alone."""
+    import types
+
+    from triton.backends.nvidia import compiler as nvidia
+
+    made = []
+    lib = types.SimpleNamespace(TritonKernel=lambda *args: made.append(args), get_compute_capability=lambda d: 90)
+    jax_triton = types.SimpleNamespace(__version__="0.3.1",
+                                       triton_lib=types.SimpleNamespace(triton_kernel_call_lib=lib))
+    monkeypatch.setattr(nvidia.CUDABackend, "make_llir", lambda self, src, metadata, *args: metadata.update(src))
+    runtime._launch_as_compiled(jax_triton)
+    runtime._launch_as_compiled(jax_triton)  # once only
+    patched = jax_triton.triton_lib.triton_kernel_call_lib
+    assert patched.get_compute_capability(0) == 90
+
+    metadata = {}
+    nvidia.CUDABackend.make_llir(None, {"num_warps": 12, "global_scratch_size": 640, "global_scratch_align": 128},
+                                 metadata, None, 90)
+    metadata["name"] = "ws_kernel"  # make_ptx names the kernel
+    patched.TritonKernel("ws_kernel", 4, 1, 1024, "ptx", "ttir", 90)
+    patched.TritonKernel("other_kernel", 4, 1, 1024, "ptx", "ttir", 90)
+    assert made == [("ws_kernel", 12, 1, 1024, "ptx", "ttir", 90, 640, 128),
+                    ("other_kernel", 4, 1, 1024, "ptx", "ttir", 90)]
+
+    newer = types.SimpleNamespace(__version__="0.4.1", triton_lib=types.SimpleNamespace(triton_kernel_call_lib=lib))
+    runtime._launch_as_compiled(newer)
+    assert newer.triton_lib.triton_kernel_call_lib is lib
