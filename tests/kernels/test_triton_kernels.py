@@ -672,6 +672,7 @@ def test_block_fp8_compiles_for_hopper():
     (64, 8, {"mask_type": "causal"}),
     (128, 2, {"mask_type": "no_mask"}),
     (128, 8, {"mask_type": "causal", "window_size": (256, 0), "logits_soft_cap": 30.0}),
+    (128, 4, {"mask_type": "causal", "window_size": (300, 0)}),  # the TMA forward with a band
     (256, 8, {"mask_type": "causal"}),
 ])
 def test_attention_on_gpu(head_dim, kv_heads, options):
