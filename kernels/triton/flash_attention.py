@@ -176,6 +176,28 @@ def _query_block(q_seg_ptr, seed_ptr, k_ptr, v_ptr, kv_seg_ptr, Q_PAD: tl.conste
 
 
 @triton.jit
+def _softmax_step(m, l, s, C: tl.constexpr):
+    """One key block of the online softmax: from the running max ``m`` and normaliser ``l`` and the
+    block's logits ``s`` (masked ones -inf), ``(m_new, alpha, p, l_new)``: the rescale factor of what
+    was accumulated and the block's weights, in base 2 (``C``: the scale times log2 e)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1) * C)  # C > 0: the max of the scaled row
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s * C - m_safe[:, None])
+    return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _store_forward(o_ptr, lse_ptr, acc, m, l, o_offsets, lse_offsets):
+    """The normalised output and the row log-sum-exp (base 2) of a query block."""
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty))
+    # +inf for rows that saw nothing: the backward pass then recomputes p = exp2(s - lse) = 0.
+    tl.store(lse_ptr + lse_offsets, tl.where(empty, float("inf"), m + tl.log2(tl.where(empty, 1.0, l))))
+
+
+@triton.jit
 def _fwd_blocks(acc, m, l, q, q_seg, rows, row_ids, seed, k_base, v_base, kv_seg_base, start, end,
                 EDGE: tl.constexpr, KV_STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                 C: tl.constexpr, OFFSET: tl.constexpr, KV_LEN: tl.constexpr, HAS_LO: tl.constexpr, LO: tl.constexpr,
@@ -192,11 +214,7 @@ def _fwd_blocks(acc, m, l, q, q_seg, rows, row_ids, seed, k_base, v_base, kv_seg
             keep = _keep(rows[:, None], cols[None, :], q_seg[:, None], kv_seg[None, :], EDGE, OFFSET, KV_LEN,
                          HAS_LO, LO, HAS_HI, HI, SEGMENTS)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1) * C)  # C > 0: the max of the scaled row
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s * C - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)  # the normaliser counts dropped entries too
+        m_new, alpha, p, l = _softmax_step(m, l, s, C)  # the normaliser counts dropped entries too
         p = _dropped(p, seed, row_ids[:, None], cols[None, :], DROPOUT, THRESHOLD, KEEP_SCALE)
         v = tl.load(v_base + cols[:, None] * KV_STRIDE + dims[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -232,12 +250,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, q_seg_ptr, kv_seg_ptr, seed_ptr, o_ptr, lse
     acc, m, l = _fwd_blocks(acc, m, l, q, q_seg, rows, row_ids, seed, k_base, v_base, kv_seg_base, full_lo, full_hi,
                             False, KV_STRIDE, HEAD_DIM, BLOCK_K, C, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI, SEGMENTS,
                             SOFT_CAP, CAP2, CAP_SCALE, PRECISION, DROPOUT, THRESHOLD, KEEP_SCALE)
-    empty = l == 0.0
-    out = acc / tl.where(empty, 1.0, l)[:, None]
-    tl.store(o_ptr + q_offsets, out.to(o_ptr.dtype.element_ty))
-    # +inf for rows that saw nothing: the backward pass then recomputes p = exp2(s - lse) = 0.
-    lse = tl.where(empty, float("inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-    tl.store(lse_ptr + (b * HEADS + h) * Q_PAD + rows, lse)
+    _store_forward(o_ptr, lse_ptr, acc, m, l, q_offsets, (b * HEADS + h) * Q_PAD + rows)
 
 
 @triton.jit
@@ -281,20 +294,12 @@ def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV
             keep = _keep(rows[:, None], cols[None, :], rows[:, None], cols[None, :], True, OFFSET, KV_LEN, HAS_LO, LO,
                          HAS_HI, HI, False)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1) * C)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s * C - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l = _softmax_step(m, l, s, C)
         v = v_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    empty = l == 0.0
-    out = acc / tl.where(empty, 1.0, l)[:, None]
     q_offsets = ((b * Q_PAD + rows[:, None]) * HEADS + h) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(o_ptr + q_offsets, out.to(o_ptr.dtype.element_ty))
-    lse = tl.where(empty, float("inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-    tl.store(lse_ptr + (b * HEADS + h) * Q_PAD + rows, lse)
+    _store_forward(o_ptr, lse_ptr, acc, m, l, q_offsets, (b * HEADS + h) * Q_PAD + rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -459,10 +464,10 @@ def _optional(q_seg, kv_seg, seed):
     return q_seg, kv_seg, seed_input(seed)
 
 
-# The warp-specialized TMA forward (`_fwd_tma_kernel`) runs on Hopper and newer (and in interpret
-# mode) for 16-bit inputs of these head dims without segments, soft-capping or dropout; its tiles
-# (block_q, block_k, num_warps, num_stages) per head_dim. Where it lost to `_fwd_kernel` (head_dim 64,
-# the backward kernels written the same way): docs/kernels.md.
+# The warp-specialized TMA forward (`_fwd_tma_kernel`) runs on Hopper (and in interpret mode) for
+# 16-bit inputs of these head dims without segments, soft-capping or dropout; its tiles (block_q,
+# block_k, num_warps, num_stages) per head_dim. Where it lost to `_fwd_kernel` (head_dim 64, the
+# backward kernels written the same way): docs/kernels.md.
 TMA_FORWARD_TILES = {128: (128, 128, 4, 2)}
 
 
