@@ -30,9 +30,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -164,9 +162,9 @@ ffi::Error Workspace(ffi::ScratchAllocator& scratch, void** workspace) {
   return Scratch(scratch, kWorkspaceBytes, workspace);
 }
 
-// Up to `count` of cuBLASLt's algorithms for the GEMM of `desc`, best first by its heuristic.
-ffi::Error Heuristics(cublasLtHandle_t handle, Descriptors& desc, const uint32_t (&alignments)[3], int count,
-                      std::vector<cublasLtMatmulAlgo_t>* algos) {
+// cuBLASLt's heuristic's best algorithm for the GEMM of `desc`.
+ffi::Error Heuristic(cublasLtHandle_t handle, Descriptors& desc, const uint32_t (&alignments)[3],
+                     cublasLtMatmulAlgo_t* algo) {
   if (desc.preference == nullptr) {
     MTJAX_RETURN_IF_ERROR("preference", cublasLtMatmulPreferenceCreate(&desc.preference));
   }
@@ -183,34 +181,13 @@ ffi::Error Heuristics(cublasLtHandle_t handle, Descriptors& desc, const uint32_t
     MTJAX_RETURN_IF_ERROR("alignment preference",
                           cublasLtMatmulPreferenceSetAttribute(desc.preference, attribute, &bytes, sizeof(bytes)));
   }
-  std::vector<cublasLtMatmulHeuristicResult_t> results(std::max(count, 1));
+  cublasLtMatmulHeuristicResult_t result;
   int found = 0;
   MTJAX_RETURN_IF_ERROR("heuristic", cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
-                                                                      desc.preference, static_cast<int>(results.size()),
-                                                                      results.data(), &found));
+                                                                      desc.preference, 1, &result, &found));
   if (found == 0) return ffi::Error::Internal("mtjax cuBLASLt GEMM: cuBLASLt has no algorithm for this GEMM");
-  algos->clear();
-  for (int i = 0; i < found; ++i) algos->push_back(results[i].algo);
+  *algo = result.algo;
   return ffi::Error::Success();
-}
-
-ffi::Error Heuristic(cublasLtHandle_t handle, Descriptors& desc, const uint32_t (&alignments)[3],
-                     cublasLtMatmulAlgo_t* algo) {
-  std::vector<cublasLtMatmulAlgo_t> algos;
-  if (ffi::Error error = Heuristics(handle, desc, alignments, 1, &algos); error.failure()) return error;
-  *algo = algos[0];
-  return ffi::Error::Success();
-}
-
-// How many of cuBLASLt's candidate algorithms a GEMM shape's first call times, keeping the fastest
-// ($MTJAX_CUBLASLT_CANDIDATES; 1: take the heuristic's first, no timing).
-int Candidates() {
-  static const int count = [] {
-    const char* text = std::getenv("MTJAX_CUBLASLT_CANDIDATES");
-    const int parsed = text == nullptr ? 1 : std::atoi(text);
-    return std::clamp(parsed, 1, 32);
-  }();
-  return count;
 }
 
 // A CUDA driver function, looked up in the driver library the process already has loaded (so the
@@ -226,74 +203,6 @@ Function DriverFunction(std::initializer_list<const char*> names) {
     if (void* symbol = dlsym(library, name)) return reinterpret_cast<Function>(symbol);
   }
   return nullptr;
-}
-
-// The CUDA driver's event timing.
-struct Timer {
-  using EventCreate = int (*)(void**, unsigned int);
-  using EventRecord = int (*)(void*, void*);
-  using EventSynchronize = int (*)(void*);
-  using EventElapsedTime = int (*)(float*, void*, void*);
-  using EventDestroy = int (*)(void*);
-  using StreamIsCapturing = int (*)(void*, int*);
-  EventCreate create = nullptr;
-  EventRecord record = nullptr;
-  EventSynchronize synchronize = nullptr;
-  EventElapsedTime elapsed = nullptr;
-  EventDestroy destroy = nullptr;
-  StreamIsCapturing capturing = nullptr;
-};
-
-const Timer* LoadTimer() {
-  static const Timer* timer = []() -> const Timer* {
-    auto* found = new Timer;
-    found->create = DriverFunction<Timer::EventCreate>({"cuEventCreate"});
-    found->record = DriverFunction<Timer::EventRecord>({"cuEventRecord"});
-    found->synchronize = DriverFunction<Timer::EventSynchronize>({"cuEventSynchronize"});
-    found->elapsed = DriverFunction<Timer::EventElapsedTime>({"cuEventElapsedTime_v2", "cuEventElapsedTime"});
-    found->destroy = DriverFunction<Timer::EventDestroy>({"cuEventDestroy_v2"});
-    found->capturing = DriverFunction<Timer::StreamIsCapturing>({"cuStreamIsCapturing"});
-    if (!found->create || !found->record || !found->synchronize || !found->elapsed || !found->destroy ||
-        !found->capturing) {
-      return nullptr;
-    }
-    return found;
-  }();
-  return timer;
-}
-
-// The fastest of `algos` by `run` (one warm-up and three timed runs each on `stream`, which this waits
-// for), or the first when timing is not possible (the stream is being captured into a CUDA graph, or
-// the driver lacks the calls). Candidates that fail to run are skipped.
-template <typename RunAlgo>
-cublasLtMatmulAlgo_t Fastest(const std::vector<cublasLtMatmulAlgo_t>& algos, cudaStream_t stream, RunAlgo run) {
-  const Timer* timer = LoadTimer();
-  int capture_status = 0;
-  if (algos.size() < 2 || timer == nullptr || timer->capturing(stream, &capture_status) != 0 || capture_status != 0) {
-    return algos[0];
-  }
-  void* start = nullptr;
-  void* stop = nullptr;
-  if (timer->create(&start, 0) != 0 || timer->create(&stop, 0) != 0) return algos[0];
-  cublasLtMatmulAlgo_t best = algos[0];
-  float best_ms = std::numeric_limits<float>::infinity();
-  for (const cublasLtMatmulAlgo_t& algo : algos) {
-    if (run(algo) != CUBLAS_STATUS_SUCCESS) continue;
-    bool ran = timer->record(start, stream) == 0;
-    for (int i = 0; i < 3 && ran; ++i) ran = run(algo) == CUBLAS_STATUS_SUCCESS;
-    float ms = 0.0f;
-    if (!ran || timer->record(stop, stream) != 0 || timer->synchronize(stop) != 0 ||
-        timer->elapsed(&ms, start, stop) != 0) {
-      continue;
-    }
-    if (ms < best_ms) {
-      best_ms = ms;
-      best = algo;
-    }
-  }
-  timer->destroy(start);
-  timer->destroy(stop);
-  return best;
 }
 
 ffi::Error Run(cublasLtHandle_t handle, const Gemm& g, const void* a, const void* b, void* d, void* workspace,
@@ -347,14 +256,7 @@ ffi::Error Run(cublasLtHandle_t handle, const Gemm& g, const void* a, const void
     if (cached) algo = found->second;
   }
   if (!cached) {
-    // Chosen without the lock: timing waits for the stream, which other threads' GEMMs must not.
-    std::vector<cublasLtMatmulAlgo_t> algos;
-    if (ffi::Error error = Heuristics(handle, desc, alignments, Candidates(), &algos); error.failure()) return error;
-    algo = Fastest(algos, stream, [&](const cublasLtMatmulAlgo_t& candidate) {
-      const float zero = 0.0f;
-      return cublasLtMatmul(handle, desc.op, &g.alpha, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, &candidate,
-                            workspace, kWorkspaceBytes, stream);
-    });
+    if (ffi::Error error = Heuristic(handle, desc, alignments, &algo); error.failure()) return error;
     std::lock_guard<std::mutex> lock(Mutex());
     Algorithms().emplace(key, algo);
   }
