@@ -346,19 +346,14 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_
                  BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr, LO: tl.constexpr, HAS_HI: tl.constexpr,
                  HI: tl.constexpr, SEGMENTS: tl.constexpr, SCALE: tl.constexpr, C: tl.constexpr,
                  SOFT_CAP: tl.constexpr, CAP2: tl.constexpr, CAP_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr,
-                 GROUP_SPLIT: tl.constexpr):
+                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K
     b = tl.program_id(1)
-    part = tl.program_id(2)  # KV head, and which of its GROUP_SPLIT slices of query heads
-    kv_h = part // GROUP_SPLIT
+    kv_h = tl.program_id(2)
     GROUPS: tl.constexpr = HEADS // KV_HEADS
-    PART_GROUPS: tl.constexpr = GROUPS // GROUP_SPLIT
-    first_h = kv_h * GROUPS + (part % GROUP_SPLIT) * PART_GROUPS
     cols = k0 + tl.arange(0, BLOCK_K)
     dims = tl.arange(0, HEAD_DIM)
     kv_offsets = ((b * KV_PAD + cols[:, None]) * KV_HEADS + kv_h) * HEAD_DIM + dims[None, :]
-    part_offsets = ((b * KV_PAD + cols[:, None]) * KV_HEADS * GROUP_SPLIT + part) * HEAD_DIM + dims[None, :]
     k = tl.load(k_ptr + kv_offsets)
     v = tl.load(v_ptr + kv_offsets)
     kv_seg = tl.load(kv_seg_ptr + b * KV_PAD + cols) if SEGMENTS else cols
@@ -367,8 +362,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_
     lo, full_lo, full_hi, hi = _q_blocks(k0, BLOCK_K, BLOCK_Q, OFFSET, Q_LEN, KV_LEN, HAS_LO, LO, HAS_HI, HI)
     dk = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
-    for g in range(PART_GROUPS):
-        h = first_h + g
+    for g in range(GROUPS):
+        h = kv_h * GROUPS + g
         dk, dv = _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr,
                               full_hi, hi, True, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET, KV_LEN, HAS_LO, LO,
                               HAS_HI, HI, SEGMENTS, SOFT_CAP, CAP2, CAP_SCALE, PRECISION, DROPOUT, THRESHOLD,
@@ -381,8 +376,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_
                               full_lo, full_hi, False, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET, KV_LEN,
                               HAS_LO, LO, HAS_HI, HI, SEGMENTS, SOFT_CAP, CAP2, CAP_SCALE, PRECISION, DROPOUT,
                               THRESHOLD, KEEP_SCALE)
-    tl.store(dk_ptr + part_offsets, (dk * SCALE).to(dk_ptr.dtype.element_ty))
-    tl.store(dv_ptr + part_offsets, dv.to(dv_ptr.dtype.element_ty))
+    tl.store(dk_ptr + kv_offsets, (dk * SCALE).to(dk_ptr.dtype.element_ty))
+    tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -519,21 +514,6 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st):
     return out, lse
 
 
-# The dK/dV kernel runs one program per key block and KV head, looping over the head's group of query
-# heads. With grouped-query attention that can leave too few programs to fill the GPU: below
-# `DKDV_MIN_PROGRAMS` programs a group is split over several, each writing float32 partial sums.
-DKDV_MIN_PROGRAMS = 1024
-
-
-def _group_split(programs: int, groups: int) -> int:
-    """How many programs share one KV head's query-head group in the dK/dV kernel: the smallest
-    divisor of ``groups`` that gives at least `DKDV_MIN_PROGRAMS` programs (``groups`` if none does)."""
-    for split in range(1, groups + 1):
-        if groups % split == 0 and programs * split >= DKDV_MIN_PROGRAMS:
-            return split
-    return groups
-
-
 def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     batch, q_pad, heads, _ = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -543,19 +523,13 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     do = do.astype(q.dtype)
     optional = _optional(q_seg, kv_seg, seed)
     constexprs = dict(_constexprs(q, k, st), SCALE=st.scale)
-    split = _group_split(kv_pad // b.dkdv_block_k * batch * kv_heads, heads // kv_heads)
-    # Split query-head groups write float32 partial sums per slice, added here.
-    part_shape = (batch, kv_pad, kv_heads * split, k.shape[-1])
     dk, dv = launch(
         _dkdv_kernel, q, k, v, do, lse, delta, *optional,
-        out_shape=[jax.ShapeDtypeStruct(part_shape, k.dtype if split == 1 else jnp.float32),
-                   jax.ShapeDtypeStruct(part_shape, v.dtype if split == 1 else jnp.float32)],
-        grid=(kv_pad // b.dkdv_block_k, batch, kv_heads * split), name="mtjax_triton_flash_attention_dkdv",
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        grid=(kv_pad // b.dkdv_block_k, batch, kv_heads), name="mtjax_triton_flash_attention_dkdv",
         num_warps=b.dkdv_num_warps, num_stages=b.dkdv_num_stages,
-        BLOCK_Q=b.dkdv_block_q, BLOCK_K=b.dkdv_block_k, GROUP_SPLIT=split, **constexprs,
+        BLOCK_Q=b.dkdv_block_q, BLOCK_K=b.dkdv_block_k, **constexprs,
     )
-    if split > 1:
-        dk, dv = (x.reshape(*k.shape[:3], split, k.shape[-1]).sum(3).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
     [dq] = launch(
         _dq_kernel, q, k, v, do, lse, delta, *optional,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],

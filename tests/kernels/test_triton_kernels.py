@@ -111,32 +111,6 @@ def test_attention_multi_block_bfloat16(interpret):
     _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
 
 
-@pytest.mark.parametrize("split", [1, 2, 4])
-def test_attention_gqa_group_split(interpret, monkeypatch, split):
-    """The dK/dV kernel with each KV head's query-head group split over ``split`` programs (float32
-    partial sums added after the kernel) matches the reference, dropout and segments included."""
-    from mtjax.kernels.triton import flash_attention as native
-
-    monkeypatch.setattr(native, "_group_split", lambda programs, groups: split)
-    q, k, v, do = _inputs(9, (2, 24, 8, 16), (2, 40, 2, 16), (2, 40, 2, 16), (2, 24, 8, 16))
-    options = dict(mask_type="padding_causal", q_segment_ids=_segments(3, 2, 24), kv_segment_ids=_segments(4, 2, 40),
-                   dropout_rate=0.2, dropout_rng=jax.random.key(5))
-    got = _attention_out_and_grads("triton", q, k, v, do, **options)
-    want = _attention_out_and_grads("xla", q, k, v, do, **options)
-    _tree_allclose(got, want, 1e-5, ("out", "dq", "dk", "dv"))
-
-
-def test_group_split_fills_the_programs(monkeypatch):
-    from mtjax.kernels.triton import flash_attention as native
-
-    monkeypatch.setattr(native, "DKDV_MIN_PROGRAMS", 1024)
-    assert native._group_split(4096, 1) == 1  # multi-head attention: never split
-    assert native._group_split(2048, 8) == 1  # enough programs already
-    assert native._group_split(512, 8) == 2
-    assert native._group_split(300, 8) == 4
-    assert native._group_split(16, 6) == 6  # never more than the group
-
-
 def test_attention_with_lse_matches_reference(interpret):
     """The forward and backward kernels alone (ring attention's per-block calls)."""
     q, k, v, do = _inputs(4, (1, 20, 2, 16), (1, 30, 1, 16), (1, 30, 1, 16), (1, 20, 2, 16))
