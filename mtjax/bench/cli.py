@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'mtjax fp8 [recipe=block]', ...), e.g. to fit a time-limited GPU call")
     parser.add_argument("--sweep", action="store_true",
                         help="gemm suite: also time each candidate tile of the block-scaled FP8 GEMM kernel")
+    parser.add_argument("--layouts", action="store_true",
+                        help="gemm suite: also time a layer's forward, dgrad and wgrad GEMMs alone, per-tensor FP8 "
+                             "against block-scaled")
     parser.add_argument("--profile", metavar="DIR",
                         help="train and decode suites: write a per-op GPU-time profile of each step into DIR")
     from mtjax.bench import decode, moe
@@ -81,7 +84,7 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
         return module.run(args.quick, presets=args.moe_presets, tiles=module.tiles_from_args(args),
                           parts=args.moe_parts, gemm_experts=args.moe_gemm_experts, train_batch=args.moe_train_batch)
     if name == "gemm":
-        return module.run(args.quick, sweep=args.sweep)
+        return module.run(args.quick, sweep=args.sweep, layouts=args.layouts)
     return module.run(args.quick)
 
 

@@ -11,7 +11,12 @@ machine's per-tensor FP8 GEMM ceiling: the dispatched op, then (first shape) eac
 that runs here (``[pallas_triton]``, ``[triton]``, ``[mosaic_gpu]``, ``[cublaslt]``: cuBLASLt's block
 modes once `mtjax.kernels.cublaslt` is built); ``--sweep`` adds one row per
 candidate tile of the Pallas Triton and Mosaic GPU kernels (`mtjax.kernels.block_fp8_gemm.SWEEP_CONFIGS`,
-`mtjax.kernels.mosaic_gpu.block_fp8_gemm.SWEEP_CONFIGS`).
+`mtjax.kernels.mosaic_gpu.block_fp8_gemm.SWEEP_CONFIGS`). ``--layouts`` adds ``gemm layout`` rows:
+each GEMM of a layer's forward and backward alone, in the shape it has there (``fwd`` ``[M, K] x [K,
+N]``, ``dgrad`` ``[M, N] x [N, K]``, ``wgrad`` ``[K, M] x [M, N]``; operands cast beforehand, bf16
+output): ``xla bf16``, ``per-tensor fp8`` (``lax.dot_general`` on E4M3 operands, the peer) and the
+dispatched block-scaled GEMM with its second operand in 128x128 blocks (``block 1x128 x 128x128``:
+`BlockScaling`'s forward and dgrad) or in 1x128 tiles (``block 1x128 x 1x128``: its wgrad).
 
 Each row's ``extra`` counts the GEMMs of the compiled program (`gemm_calls`: ``fp8_gemms`` should be
 3 per fwd+bwd on a GPU for per-tensor FP8, forward, dgrad and wgrad all on cuBLASLt's FP8 GEMM;
@@ -21,7 +26,7 @@ Triton kernels, which block scaling's GEMMs and large casts are). The FP8 rows c
 the bf16 peer with XLA's defaults.
 
 Shapes: 8192^3, and the four GEMMs of a 1.3B GPT layer (hidden 2048, ffn 8192) at 8192 tokens.
-``python -m mtjax.bench.gemm [--quick] [--sweep]`` prints the rows as a table.
+``python -m mtjax.bench.gemm [--quick] [--sweep] [--layouts]`` prints the rows as a table.
 """
 
 from __future__ import annotations
@@ -183,9 +188,76 @@ def _block_variants(first_shape: bool, sweep: bool) -> list:
     return variants
 
 
-def run(quick: bool, sweep: bool = False) -> list[dict]:
+# layout -> (a's shape, b's shape) of ``a @ b^T`` from a layer's (M, K, N): both operands contract
+# their last axis, as FP8 tensor cores and `mtjax.ops.block_fp8_gemm` take them.
+LAYOUTS = {"fwd": lambda m, k, n: ((m, k), (n, k)), "dgrad": lambda m, k, n: ((m, n), (k, n)),
+           "wgrad": lambda m, k, n: ((k, m), (n, m))}
+FP8 = jnp.float8_e4m3fn
+
+
+def _per_tensor_fp8_gemm(a, b):
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
+@jax.jit
+def layout_operands(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
+    """``a [m, k]`` and ``b [n, k]`` (bf16) with their E4M3 and block-scaled forms: ``(a, b, a8, b8, aq,
+    sa, bq_tiles, sb_tiles, bq_blocks, sb_blocks)``, the operands `LAYOUT_VARIANTS` pick from."""
+    aq, sa = ops.tile_quantize(a, FP8)
+    bq, sb = ops.tile_quantize(b, FP8)
+    _, bq_blocks, sb_blocks = ops.block_quantize(b.T, FP8)  # b^T [k, n]: its transpose is b's blocks
+    return a, b, a.astype(FP8), b.astype(FP8), aq, sa, bq, sb, bq_blocks, sb_blocks.T
+
+
+def _layout_operands(a_shape: tuple, b_shape: tuple, seed: int) -> list[tuple]:
+    keys = jax.random.split(jax.random.key(seed), 32)
+
+    def make(i):
+        ka, kb = jax.random.split(keys[i])
+        return layout_operands(timing.random_array(ka, a_shape, jnp.bfloat16),
+                               timing.random_array(kb, b_shape, jnp.bfloat16))
+
+    return timing.rotating(make)
+
+
+LAYOUT_VARIANTS = {  # implementation -> (fn, indices of its operands in `layout_operands`)
+    "xla bf16": (jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())))), (0, 1)),
+    "per-tensor fp8": (jax.jit(_per_tensor_fp8_gemm), (2, 3)),
+    "block 1x128 x 128x128": (jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)),
+                              (4, 5, 8, 9)),
+    "block 1x128 x 1x128": (jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)),
+                            (4, 5, 6, 7)),
+}
+
+
+def _layout_rows(label: str, m: int, k: int, n: int, seed: int, quick: bool) -> list[dict]:
+    rows = []
+    for layout, shapes in LAYOUTS.items():
+        (am, ak), (bn, _) = shapes(m, k, n)
+        name = f"gemm layout {layout} {label} ({am}x{ak}x{bn})"
+        operand_sets = _layout_operands(*shapes(m, k, n), seed=seed)
+        for implementation, (fn, picks) in LAYOUT_VARIANTS.items():
+            sets = [tuple(xs[i] for i in picks) for xs in operand_sets]
+            try:
+                compiled, _ = timing.compile_lowered(fn.lower(*sets[0]), fp8.compiler_options())
+                t = timing.measure(compiled, sets, runs=3 if quick else 20)
+            except Exception as err:  # noqa: BLE001 - a kernel that fails becomes a row; the run goes on
+                rows.append(timing.error_row("gemm", name, implementation, err))
+                continue
+            bf16 = implementation == "xla bf16"
+            rows.append(timing.row(
+                "gemm", name, implementation, t, flops=2 * am * ak * bn,
+                peer=None if implementation in ("xla bf16", "per-tensor fp8") else "per-tensor fp8",
+                ceiling="bf16_gemm_tflops" if bf16 else "fp8_gemm_tflops", shape=[am, ak, bn],
+                dtype="bf16" if bf16 else "fp8 e4m3", **gemm_calls(compiled.as_text())))
+    return rows
+
+
+def run(quick: bool, sweep: bool = False, layouts: bool = False) -> list[dict]:
     """Rows (`timing.row`, suite ``"gemm"``) for every shape, mode and variant; peer: ``xla bf16``.
-    ``sweep``: also the block-scaled GEMM with each candidate tile of its kernel (where it runs)."""
+    ``sweep``: also the block-scaled GEMM with each candidate tile of its kernel (where it runs).
+    ``layouts``: also each GEMM of a layer's forward and backward alone (`LAYOUTS`), per-tensor FP8
+    against block-scaled."""
     rows = []
     for index, (label, m, k, n) in enumerate(QUICK_SHAPES if quick else SHAPES):
         inputs = _inputs(m, k, n, seed=index)
@@ -205,6 +277,8 @@ def run(quick: bool, sweep: bool = False) -> list[dict]:
                     ceiling="fp8_gemm_tflops" if is_fp8 else "bf16_gemm_tflops",
                     shape=[m, k, n], dtype=DTYPES[implementation], **gemm_calls(compiled.as_text())))
         rows += _gemm_only_rows(label, m, k, n, inputs, _block_variants(index == 0, sweep), quick)
+        if layouts:
+            rows += _layout_rows(label, m, k, n, index, quick)
     return rows
 
 
@@ -217,13 +291,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--sweep", action="store_true", help="also time each candidate tile of the block GEMM kernel")
+    parser.add_argument("--layouts", action="store_true",
+                        help="also time forward, dgrad and wgrad GEMMs alone: per-tensor FP8 against block-scaled")
     args = parser.parse_args()
-    rows = run(args.quick, sweep=args.sweep)
+    rows = run(args.quick, sweep=args.sweep, layouts=args.layouts)
     times = {(r["name"], r["implementation"]): r["time_ms"] for r in rows}
-    print(f"{'case':<48} {'implementation':<40} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} {'fp8 GEMMs':>9}")
+    print(f"{'case':<56} {'implementation':<40} {'ms':>8} {'TFLOP/s':>8} {'vs peer':>8} {'fp8 GEMMs':>9}")
     for r in rows:
-        ratio = times[(r["name"], r["peer"])] / r["time_ms"] if r["peer"] else 1.0
-        print(f"{r['name']:<48} {r['implementation']:<40} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio:7.2f}x "
+        if r["time_ms"] is None:  # a variant that failed: its error is in the label
+            print(f"{r['name']:<56} {r['implementation']}")
+            continue
+        peer_ms = times.get((r["name"], r["peer"])) if r["peer"] else None
+        ratio = f"{peer_ms / r['time_ms']:7.2f}x" if peer_ms else f"{'':>8}"
+        print(f"{r['name']:<56} {r['implementation']:<40} {r['time_ms']:8.3f} {r['tflops']:8.1f} {ratio} "
               f"{r['extra']['fp8_gemms']:9d}")
 
 
