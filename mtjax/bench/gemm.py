@@ -195,8 +195,15 @@ LAYOUTS = {"fwd": lambda m, k, n: ((m, k), (n, k)), "dgrad": lambda m, k, n: ((m
 FP8 = jnp.float8_e4m3fn
 
 
+CONTRACT_LAST = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k]
+
+
 def _per_tensor_fp8_gemm(a, b):
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    return lax.dot_general(a, b, CONTRACT_LAST, preferred_element_type=jnp.bfloat16)
+
+
+def _block_scaled_gemm(a, a_scale_inv, b, b_scale_inv):
+    return ops.block_fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype=jnp.bfloat16)
 
 
 @jax.jit
@@ -221,12 +228,10 @@ def _layout_operands(a_shape: tuple, b_shape: tuple, seed: int) -> list[tuple]:
 
 
 LAYOUT_VARIANTS = {  # implementation -> (fn, indices of its operands in `layout_operands`)
-    "xla bf16": (jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())))), (0, 1)),
+    "xla bf16": (jax.jit(functools.partial(lax.dot_general, dimension_numbers=CONTRACT_LAST)), (0, 1)),
     "per-tensor fp8": (jax.jit(_per_tensor_fp8_gemm), (2, 3)),
-    "block 1x128 x 128x128": (jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)),
-                              (4, 5, 8, 9)),
-    "block 1x128 x 1x128": (jax.jit(lambda a, sa, b, sb: ops.block_fp8_gemm(a, sa, b, sb, out_dtype=jnp.bfloat16)),
-                            (4, 5, 6, 7)),
+    "block 1x128 x 128x128": (jax.jit(_block_scaled_gemm), (4, 5, 8, 9)),
+    "block 1x128 x 1x128": (jax.jit(_block_scaled_gemm), (4, 5, 6, 7)),
 }
 
 
