@@ -153,7 +153,7 @@ def check_fp8(state, var_collect, input_shape, label_shape):
     "Check if model includes FP8."
     func_jaxpr = str(
         jax.make_jaxpr(apply_model)(
-            state, jnp.empty(input_shape, dtype=jnp.bfloat16), jnp.empty(label_shape, dtype=jnp.bfloat16), var_collect
+            state, jnp.empty(input_shape, dtype=jnp.bfloat16), jnp.empty(label_shape, dtype=jnp.int32), var_collect
         )
     )
     assert "f8_e5m2" in func_jaxpr or "f8_e4m3" in func_jaxpr

@@ -172,8 +172,10 @@ def compile_launch(record: Launch, capability: int = 90) -> Any:
     # jax-triton 0.3 empties TRITON_CACHE_DIR when imported, and triton.compile needs a cache.
     with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope():
         triton.knobs.cache.dir = cache
+        # FP fusion on, as jax-triton compiles its launches (Triton's own default is changing).
         return triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": record.num_warps, "num_stages": record.num_stages})
+                              options={"num_warps": record.num_warps, "num_stages": record.num_stages,
+                                       "enable_fp_fusion": True})
 
 
 def launch(kernel: Any, *inputs: jax.Array, out_shape: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...],
