@@ -92,6 +92,24 @@ def test_attention_matches_reference(interpret, case):
     _tree_allclose(got, want, 1e-5, ("out", "dq", "dk", "dv"))
 
 
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_dq_by_atomic_add_matches_reference(interpret, monkeypatch, case):
+    """The backward with dq added up atomically in the dK/dV kernel (no dq kernel)."""
+    from mtjax.kernels.triton import flash_attention as native
+
+    monkeypatch.setattr(native, "DQ_BY_ATOMIC_ADD", True)
+    batch, q_len, kv_len, heads, kv_heads, head_dim, options = ATTENTION_CASES[case]
+    q, k, v, do = _inputs(20 + len(case), (batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim),
+                          (batch, kv_len, kv_heads, head_dim), (batch, q_len, heads, head_dim))
+    if options.get("mask_type") == "padding_causal":
+        options = dict(options, q_segment_ids=_segments(1, batch, q_len), kv_segment_ids=_segments(2, batch, kv_len))
+    with runtime.record_launches() as launches:
+        got = _attention_out_and_grads("triton", q, k, v, do, **options)
+    assert "mtjax_triton_flash_attention_dq" not in {launch.name for launch in launches}
+    want = _attention_out_and_grads("xla", q, k, v, do, **options)
+    _tree_allclose(got, want, 1e-5, ("out", "dq", "dk", "dv"))
+
+
 def test_attention_multi_block_bfloat16(interpret):
     """Tiles far smaller than the sequences: every program loops over masked and unmasked blocks."""
     from mtjax.kernels import flash_attention as fa
@@ -109,6 +127,24 @@ def test_attention_multi_block_bfloat16(interpret):
     want = out_and_grads(lambda q, k, v: ops.attention(q, k, v, scale=0.25, mask_type="causal", window_size=(20, -1),
                                                        implementation="xla"))
     _tree_allclose(got, want, 2e-2, ("out", "dq", "dk", "dv"))
+
+
+def test_attention_dq_by_atomic_add_compiles_for_hopper(monkeypatch):
+    """The dK/dV kernel with dq's atomic adds, at the default tiles, compiles for sm_90 and fits in an
+    SM's shared memory; no dq kernel is launched."""
+    from mtjax.kernels.triton import flash_attention as native
+
+    monkeypatch.setattr(native, "DQ_BY_ATOMIC_ADD", True)
+    q = jax.ShapeDtypeStruct((2, 512, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
+
+    def f(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: native.flash_attention(q, k, v, scale=0.1, causal=True), q, k, v)
+        return vjp(out)
+
+    shared = _compile_all(f, q, k, k)
+    assert "mtjax_triton_flash_attention_dq" not in shared
+    assert shared["mtjax_triton_flash_attention_dkdv"] <= HOPPER_SHARED_MEMORY, shared
 
 
 def test_attention_with_lse_matches_reference(interpret):
