@@ -336,10 +336,10 @@ def _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr,
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dp_t = _dropped(dp_t, seed, row_ids[None, :], cols[:, None], DROPOUT, THRESHOLD, KEEP_SCALE)
         ds_t = _soft_cap_grad(p_t * (dp_t - delta[None, :]), s_t, SOFT_CAP, CAP2)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        ds_t = ds_t.to(q.dtype)
+        dk += tl.dot(ds_t, q, input_precision=PRECISION)
         if DQ_ATOMIC:  # this key block's share of dq, added into the float32 accumulator
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION)
-            tl.atomic_add(dq_ptr + offsets, dq, sem="relaxed")
+            tl.atomic_add(dq_ptr + offsets, tl.dot(tl.trans(ds_t), k, input_precision=PRECISION), sem="relaxed")
     return dk, dv
 
 
@@ -534,9 +534,7 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     do = do.astype(q.dtype)
     optional = _optional(q_seg, kv_seg, seed)
     constexprs = dict(_constexprs(q, k, st), SCALE=st.scale)
-    atomic = DQ_BY_ATOMIC_ADD
-    # With `DQ_BY_ATOMIC_ADD` the dK/dV kernel also adds each key block's share of dq into a float32
-    # accumulator (one kernel, five block GEMMs); else the dq kernel recomputes the probabilities.
+    atomic = DQ_BY_ATOMIC_ADD  # else the dq output is a one-element stand-in the kernel never writes
     dq_shape = q.shape if atomic else (1,)
     dk, dv, dq_sum = launch(
         _dkdv_kernel, q, k, v, do, lse, delta, *optional,

@@ -190,6 +190,8 @@ def launch(kernel: Any, *inputs: jax.Array, out_shape: Sequence[jax.ShapeDtypeSt
     grid = tuple(int(g) for g in grid)
     if min(grid) < 1:
         raise ValueError(f"{name}: empty launch grid {grid}")
+    if any(not 0 <= i < len(out_shape) for i in zeroed_outputs):
+        raise ValueError(f"{name}: zeroed_outputs {tuple(zeroed_outputs)} must index the {len(out_shape)} outputs")
     for launches in _recorders:
         launches.append(Launch(kernel, name, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs),
                                tuple(out_shape), grid, num_warps, num_stages, dict(constexprs)))

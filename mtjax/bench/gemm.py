@@ -238,9 +238,10 @@ LAYOUT_VARIANTS = {  # implementation -> (fn, indices of its operands in `layout
 def _layout_rows(label: str, m: int, k: int, n: int, seed: int, quick: bool) -> list[dict]:
     rows = []
     for layout, shapes in LAYOUTS.items():
-        (am, ak), (bn, _) = shapes(m, k, n)
+        a_shape, b_shape = shapes(m, k, n)
+        (am, ak), bn = a_shape, b_shape[0]
         name = f"gemm layout {layout} {label} ({am}x{ak}x{bn})"
-        operand_sets = _layout_operands(*shapes(m, k, n), seed=seed)
+        operand_sets = _layout_operands(a_shape, b_shape, seed=seed)
         for implementation, (fn, picks) in LAYOUT_VARIANTS.items():
             sets = [tuple(xs[i] for i in picks) for xs in operand_sets]
             try:

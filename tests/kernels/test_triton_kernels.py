@@ -889,3 +889,12 @@ def test_jax_triton_kernels_are_made_as_compiled(monkeypatch):
     newer = types.SimpleNamespace(__version__="0.4.1", triton_lib=types.SimpleNamespace(triton_kernel_call_lib=lib))
     runtime._launch_as_compiled(newer)
     assert newer.triton_lib.triton_kernel_call_lib is lib
+
+
+def test_launch_rejects_an_empty_grid_and_zeroed_outputs_it_does_not_have():
+    x = jnp.ones((4,), jnp.float32)
+    out = [jax.ShapeDtypeStruct((4,), jnp.float32)]
+    with pytest.raises(ValueError, match="empty launch grid"):
+        runtime.launch(None, x, out_shape=out, grid=(0,), name="k")
+    with pytest.raises(ValueError, match=r"zeroed_outputs \(1,\) must index the 1 outputs"):
+        runtime.launch(None, x, out_shape=out, grid=(1,), name="k", zeroed_outputs=(1,))
