@@ -17,7 +17,7 @@ import triton.language as tl
 from mtjax.dtypes import fp8_max
 from mtjax.kernels import activation as pallas_activation
 from mtjax.kernels.common import Launchers, check_size, reduce_tile_maxima
-from mtjax.kernels.triton.language import saturate, tanh
+from mtjax.kernels.triton.language import saturate, tanh, tanh_approx
 from mtjax.kernels.triton.runtime import launch, stand_in
 
 # The activation of each name as the kernels' ACT code (the activated half's function) and GATE code
@@ -38,12 +38,16 @@ def _sigmoid_linear(x, k):
 
 
 @triton.jit
-def activation_fn(x, ACT: tl.constexpr):
+def activation_fn(x, ACT: tl.constexpr, APPROX_TANH: tl.constexpr = False):
     """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS` (gelu: sqrt(2 / pi)
     = 0.7978845608028654, cubic coefficient 0.044715; quick_gelu's 1.702; literals, which Triton's
     compiler and interpreter both take inside a kernel)."""
     if ACT == 0:
-        t = tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        if APPROX_TANH:
+            t = tanh_approx(u)
+        else:
+            t = tanh(u)
         y = 0.5 * x * (1.0 + t)
         dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
     elif ACT == 2:

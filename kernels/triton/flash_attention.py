@@ -262,15 +262,41 @@ def _tiles_of(ptr, PAD: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _band_masked(s, rows, j, BLOCK_K: tl.constexpr, OFFSET: tl.constexpr, KV_LEN: tl.constexpr, HAS_LO: tl.constexpr,
+                 LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, ROW_LIMITS: tl.constexpr):
+    """The logits ``s`` of query ``rows`` and key block ``j``, -inf outside the band and the keys.
+
+    ``ROW_LIMITS``: the band and the key tail become each row's first and last visible column of the
+    block (vectors), so a logit costs one or two comparisons against its column; else `_keep`.
+    """
+    cols = tl.arange(0, BLOCK_K)
+    if ROW_LIMITS:
+        k0 = j * BLOCK_K
+        last = tl.full(rows.shape, KV_LEN - 1, tl.int32) - k0
+        if HAS_HI:
+            last = tl.minimum(last, rows + (OFFSET + HI) - k0)
+        keep = cols[None, :] <= last[:, None]
+        if HAS_LO:
+            keep = keep & (cols[None, :] >= (rows + (OFFSET + LO) - k0)[:, None])
+    else:
+        cols = j * BLOCK_K + cols
+        keep = _keep(rows[:, None], cols[None, :], rows[:, None], cols[None, :], True, OFFSET, KV_LEN, HAS_LO, LO,
+                     HAS_HI, HI, False)
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
 def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_LEN: tl.constexpr,
                     KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr,
-                    LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, C: tl.constexpr):
+                    LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
+                    ROW_LIMITS: tl.constexpr):
     """The forward of `_fwd_kernel` without segments, soft-capping or dropout, as one warp-specialized
     loop: Q, K and V tiles come through TMA descriptors built on the device, and Triton splits the
     loop into a producer partition issuing the loads and consumer partitions running the GEMMs and
     the softmax. Triton's warp specialization takes one loop per kernel, so the band's edge blocks
-    run in the same loop with the mask applied to every block."""
+    run in the same loop, the mask applied to every block (a branch on the block there stops
+    Triton from specializing the loop)."""
     OFFSET: tl.constexpr = KV_LEN - Q_LEN
     MASKED: tl.constexpr = HAS_LO or HAS_HI or KV_LEN < KV_PAD
     q0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
@@ -290,10 +316,7 @@ def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV
         k = k_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
         s = tl.dot(q, tl.trans(k))
         if MASKED:
-            cols = j * BLOCK_K + tl.arange(0, BLOCK_K)
-            keep = _keep(rows[:, None], cols[None, :], rows[:, None], cols[None, :], True, OFFSET, KV_LEN, HAS_LO, LO,
-                         HAS_HI, HI, False)
-            s = tl.where(keep, s, float("-inf"))
+            s = _band_masked(s, rows, j, BLOCK_K, OFFSET, KV_LEN, HAS_LO, LO, HAS_HI, HI, ROW_LIMITS)
         m_new, alpha, p, l = _softmax_step(m, l, s, C)
         v = v_desc.load([b * KV_PAD + j * BLOCK_K, kv_h * HEAD_DIM])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -474,6 +497,8 @@ def _optional(q_seg, kv_seg, seed):
 # block_k, num_warps, num_stages) per head_dim. Where it lost to `_fwd_kernel` (head_dim 64, the
 # backward kernels written the same way): docs/kernels.md.
 TMA_FORWARD_TILES = {128: (128, 128, 4, 2)}
+# Whether the TMA forward masks a block by per-row column limits (`_band_masked`) instead of `_keep`.
+TMA_ROW_LIMITS = True
 
 
 def _tma_forward_tiles(q, k, q_seg, st) -> tuple[int, int, int, int] | None:
@@ -504,7 +529,7 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st):
         return tuple(launch(
             _fwd_tma_kernel, q, k, v, out_shape=out_shape,
             grid=(q_pad // block_q, batch, heads), name="mtjax_triton_flash_attention_fwd_tma", num_warps=warps,
-            num_stages=stages, BLOCK_Q=block_q, BLOCK_K=block_k,
+            num_stages=stages, BLOCK_Q=block_q, BLOCK_K=block_k, ROW_LIMITS=TMA_ROW_LIMITS,
             **{n: constexprs[n] for n in ("Q_PAD", "KV_PAD", "HEADS", "KV_HEADS", "HEAD_DIM", "Q_LEN", "KV_LEN",
                                           "HAS_LO", "LO", "HAS_HI", "HI", "C")},
         ))

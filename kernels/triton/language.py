@@ -41,6 +41,13 @@ def tanh(x):
 
 
 @triton.jit
+def tanh_approx(x):
+    """``tanh`` of a float32 tensor by NVIDIA's ``tanh.approx.f32`` (one special-function instruction,
+    relative error about 2^-11): for kernels whose output is FP8, far coarser than that error."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def saturate(x, FP8_MAX: tl.constexpr):
     """Clip a float32 tensor to ``[-FP8_MAX, FP8_MAX]`` before an FP8 cast (`common.saturate_cast`);
     NaN stays NaN."""

@@ -188,6 +188,9 @@ TMA_CASES = {
     "causal_q_longer": (300, 250, 2, {"mask_type": "causal"}),  # the first rows see no key
     "window": (256, 256, 2, {"window_size": (100, 20)}),
     "full_kv_tail": (130, 70, 2, {}),
+    # blocks inside the band between masked edge blocks (`TMA_EDGE_MASK_ONLY` skips their mask)
+    "causal_long": (640, 640, 1, {"mask_type": "causal"}),
+    "window_long": (640, 768, 2, {"window_size": (300, 0)}),
 }
 
 
@@ -700,6 +703,22 @@ def test_block_fp8_compiles_for_hopper():
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
+def test_gelu_tile_casts_use_the_approximate_tanh_on_the_gpu(monkeypatch):
+    """Compiled (not interpreted), GELU's tile casts take tanh from ``tanh.approx.f32``."""
+    from mtjax.kernels.triton import block_fp8 as native
+
+    monkeypatch.setattr(native, "interpret", lambda: False)
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    f8 = jnp.float8_e4m3fn
+    with runtime.record_launches() as launches:
+        jax.eval_shape(lambda x: (
+            native.activation_tile_quantize(x, None, f8, activation="gelu", transpose=True, fp8_max=448.0),
+            native.activation_grad_tile_quantize(x, None, x, f8, activation="gelu", fp8_max=448.0)), x)
+    assert len(launches) == 2
+    for record in launches:
+        assert "tanh.approx.f32" in runtime.compile_launch(record, 90).asm["ptx"], record.name
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 
@@ -825,7 +844,7 @@ def test_paged_attention_on_gpu():
 
 @pytest.mark.gpu
 def test_block_fp8_on_gpu():
-    from tests.kernels.test_block_fp8 import _assert_equal, _x, assert_same_tiles
+    from tests.kernels.test_block_fp8 import _assert_equal, _x, assert_same_dequantized, assert_same_tiles
 
     x = _x(0, (4096, 2048), jnp.bfloat16)
     w = _x(1, (1024, 2048), jnp.bfloat16, 0.05)
@@ -839,6 +858,12 @@ def test_block_fp8_on_gpu():
     h = x.reshape(4096, 2, 1024)
     assert_same_tiles(ops.activation_tile_fp8(h, "swiglu", transpose=True, implementation="triton"),
                       ops.activation_tile_fp8(h, "swiglu", transpose=True, implementation="xla"))
+    # GELU's tanh by the approximate instruction: within the tile casts' rounding of the reference
+    g, dy = x[:, :1024], _x(3, (4096, 1024), jnp.bfloat16)
+    assert_same_dequantized(ops.activation_tile_fp8(g, "gelu", transpose=True, implementation="triton"),
+                            ops.activation_tile_fp8(g, "gelu", transpose=True, implementation="xla"))
+    assert_same_dequantized(ops.activation_grad_tile_fp8(g, dy, "gelu", implementation="triton")[:4],
+                            ops.activation_grad_tile_fp8(g, dy, "gelu", implementation="xla")[:4])
     a, a_s = ops.tile_quantize(x, jnp.float8_e4m3fn, implementation="xla")
     b, _, b_s = ops.block_quantize(w, jnp.float8_e4m3fn, implementation="xla")
     got = ops.block_fp8_gemm(a, a_s, b, b_s, out_dtype=jnp.float32, implementation="triton")
