@@ -41,7 +41,8 @@ def _sigmoid_linear(x, k):
 def activation_fn(x, ACT: tl.constexpr, APPROX_TANH: tl.constexpr = False):
     """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS` (gelu: sqrt(2 / pi)
     = 0.7978845608028654, cubic coefficient 0.044715; quick_gelu's 1.702; literals, which Triton's
-    compiler and interpreter both take inside a kernel)."""
+    compiler and interpreter both take inside a kernel). ``APPROX_TANH``: GELU's tanh by `tanh_approx`
+    (for kernels writing FP8; compiled only, the interpreter runs no PTX)."""
     if ACT == 0:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         if APPROX_TANH:
