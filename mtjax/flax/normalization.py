@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtjax import axes, ops
+from mtjax import axes, fp8, ops
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.ops import LAYERNORM_TYPES
 from mtjax.ops.checks import check_choice
@@ -44,7 +44,8 @@ def input_norm(module: nn.Module, x: jax.Array, residual: jax.Array | None, *, a
     Returns ``(x, norm, new_residual)``: ``norm`` is left for the module's GEMM to apply (fused with
     its FP8 input under fp8_autocast) unless ``apply_now``, or a ``residual`` is to be added first,
     in which case the norm kernel adds it (`mtjax.ops.residual_norm`), normalizes the sum into ``x``
-    and returns the sum as ``new_residual``.
+    and returns the sum as ``new_residual``; outside fp8_autocast a norm that folds into the GEMM
+    (`mtjax.ops.Norm.folds_into_gemm`: few rows) is left to it with the sum as ``x``.
     """
     if not module.enable_layernorm:
         if residual is not None:
@@ -57,6 +58,9 @@ def input_norm(module: nn.Module, x: jax.Array, residual: jax.Array | None, *, a
         ln_bias_init=module.ln_bias_init, ln_bias_axes=module.ln_bias_axes, param_dtype=module.param_dtype,
     )
     if residual is not None:
+        if not apply_now and norm.folds_into_gemm(x) and fp8.current_autocast() is None:
+            new_residual = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(residual.dtype)
+            return new_residual.astype(x.dtype), norm, new_residual
         x, new_residual = norm.with_residual(x, residual)
         return x, None, new_residual
     return (norm(x), None, None) if apply_now else (x, norm, None)

@@ -46,7 +46,7 @@ The FP8 dtypes are `mtjax.dtypes`'; the quantize, cast_transpose and FP8 GEMM op
 from mtjax.dtypes import FP8_DTYPES, fp8_max
 from mtjax.fp8.block_scaling import block_fp8_matmul
 from mtjax.fp8.context import Autocast, autocast, current_autocast, fp8_autocast
-from mtjax.fp8.dot_general import DotGeneral, Prologue, compiler_options, fp8_dot_general
+from mtjax.fp8.dot_general import DotGeneral, Prologue, compiler_options, dot_with_prologue, fp8_dot_general
 from mtjax.fp8.gradients import (
                                  Optimizer,
                                  accumulate_gradients,
@@ -92,7 +92,8 @@ __all__ = [
     "Prologue", "Recipe", "accumulate_gradients", "amax", "amax_jump", "autocast", "block_fp8_matmul",
     "cast_transpose",
     "cast_transpose_reference", "compiler_options",
-    "compute_scale", "current_autocast", "dequantize", "finalize_accumulated", "fp8_autocast", "fp8_dot_general",
+    "compute_scale", "current_autocast", "dequantize", "dot_with_prologue", "finalize_accumulated", "fp8_autocast",
+    "fp8_dot_general",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
     "map_param_gradients", "max_margin", "quantize", "recipe_by_name",
     "roll_amax_history", "split_gradients",

@@ -315,6 +315,16 @@ def _check_lhs_prologue(fn: str, lhs: jax.Array, dimension_numbers: Any,
     return operand
 
 
+def dot_with_prologue(lhs: jax.Array, prologue: Prologue | None, dot: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``dot(prologue(lhs))`` for a ``dot`` contracting the last axis of its operand (not in FP8): an
+    RMSNorm of few rows folds into the GEMM (`mtjax.ops.Norm.folded_dot`)."""
+    if prologue is None:
+        return dot(lhs)
+    if isinstance(prologue, Norm) and prologue.folds_into_gemm(lhs):
+        return prologue.folded_dot(lhs, dot)
+    return dot(prologue(lhs))
+
+
 # --------------------------------------------------------------------------------------------------
 # The linen module every mtjax GEMM runs in
 # --------------------------------------------------------------------------------------------------
@@ -340,9 +350,8 @@ class DotGeneral(nn.Module):
         state = current_autocast()
         if state is None:
             _check_lhs_prologue("DotGeneral", lhs, dimension_numbers, lhs_prologue)
-            lhs = lhs if lhs_prologue is None else lhs_prologue(lhs)
-            return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                                   preferred_element_type=preferred_element_type)
+            return dot_with_prologue(lhs, lhs_prologue, lambda x: lax.dot_general(
+                x, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type))
         return fp8_dot_general(lhs, rhs, dimension_numbers, self.fp8_meta(), recipe=state.recipe,
                                mesh_axes=state.mesh_axes, preferred_element_type=preferred_element_type,
                                lhs_prologue=lhs_prologue)

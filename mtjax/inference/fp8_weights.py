@@ -228,8 +228,9 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
     ``weight_scale``. Returns ``lhs``'s dtype (or ``preferred_element_type``)."""
     if mode not in MODES:
         raise ValueError(f"fp8_weight_dot_general: mode={mode!r}; accepted: {', '.join(MODES)}")
-    if lhs_prologue is not None:
-        lhs = lhs_prologue(lhs)
+    if lhs_prologue is not None:  # mtjax's modules pass one only with its output's last axis contracted
+        return fp8.dot_with_prologue(lhs, lhs_prologue, lambda x: fp8_weight_dot_general(
+            weight_scale, x, rhs, dimension_numbers, precision, preferred_element_type, mode=mode))
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if lhs_batch or rhs_batch:
         raise ValueError("fp8_weight_dot_general: GEMMs with batch dimensions are not supported")

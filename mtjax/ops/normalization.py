@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,11 @@ from mtjax.ops.block_quantization import tile_quantize_reference
 from mtjax.ops.checks import check_choice, check_float, check_fp8_output, check_rank, check_shape, check_tile_options
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
+# A GEMM of at most this many input rows (a decoding step) applies an RMSNorm in front of it by its
+# row scale after the product, `Norm.folded_dot` (docs/inference-kernels.md).
+FOLD_MAX_ROWS = 8
+# Whether `Norm.folded_dot` folds at all (off: the norm runs in front of the GEMM at any row count).
+FOLD_INTO_GEMM = True
 
 
 def _scale(gamma: jax.Array, zero_centered_gamma: bool) -> jax.Array:
@@ -271,6 +278,25 @@ class Norm:
         if self.layernorm_type == "rmsnorm":
             return rmsnorm(x, self.gamma, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
         return layernorm(x, self.gamma, self.beta, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
+
+    def folds_into_gemm(self, x: jax.Array | jax.ShapeDtypeStruct) -> bool:
+        """Whether a GEMM of ``norm(x)`` runs as `folded_dot`: an RMSNorm of at most `FOLD_MAX_ROWS` rows."""
+        return (FOLD_INTO_GEMM and self.layernorm_type == "rmsnorm"
+                and math.prod(jnp.shape(x)[:-1]) <= FOLD_MAX_ROWS)
+
+    def folded_dot(self, x: jax.Array, dot: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """``dot(norm(x))`` for a ``dot`` contracting the last axis of its operand, whose output starts
+        with the operand's other axes, as ``dot(x * gamma) * rsqrt(mean(x**2) + epsilon)``: the norm's
+        per-row scale applied to the product, in float32, so with few rows the norm needs no kernel
+        of its own (``x * gamma`` fuses into the GEMM's operand, the scale into its output). RMSNorm
+        only (`folds_into_gemm`)."""
+        if self.layernorm_type != "rmsnorm":
+            raise ValueError(f"Norm.folded_dot: layernorm_type={self.layernorm_type!r}; only 'rmsnorm' folds")
+        xf = x.astype(jnp.float32)
+        row_scale = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + self.epsilon)
+        y = dot((xf * _scale(self.gamma, self.zero_centered_gamma)).astype(x.dtype))
+        row_scale = row_scale.reshape(row_scale.shape + (1,) * (y.ndim - row_scale.ndim))
+        return (y.astype(jnp.float32) * row_scale).astype(y.dtype)
 
     def with_residual(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`residual_norm`: ``(norm(x + residual), x + residual)`` in one pass."""

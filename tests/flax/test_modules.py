@@ -381,6 +381,50 @@ def test_residual_fused_into_the_mlp_norm():
     jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-5), grads, grads_ref)
 
 
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_rmsnorm_folds_into_gemms_of_few_rows(monkeypatch, zero_centered_gamma):
+    """An RMSNorm in front of a GEMM of at most ``FOLD_MAX_ROWS`` rows is applied as its row scale after
+    the product (`Norm.folded_dot`), a residual added in front included: the same values and
+    gradients as the norm applied first; LayerNorm and more rows keep the norm in front."""
+    from mtjax.ops import normalization
+
+    folded = []
+    original = ops.Norm.folded_dot
+    monkeypatch.setattr(ops.Norm, "folded_dot", lambda self, x, dot: folded.append(x.shape) or original(self, x, dot))
+    kw = dict(layernorm_type="rmsnorm", zero_centered_gamma=zero_centered_gamma)
+    dense = LayerNormDenseGeneral(features=(4, 8), **kw)
+    mlp = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), intermediate_dropout_rate=0.0, **kw)
+    for rows in (1, normalization.FOLD_MAX_ROWS, normalization.FOLD_MAX_ROWS + 1):
+        branch, stream = rand(rows, (rows, 1, 16)), rand(rows + 1, (rows, 1, 16), 3.0)
+        for module, kwargs in ((dense, {}), (mlp, {"deterministic": True})):
+            p = perturbed(init_params(module, stream))
+
+            def loss(p, branch, stream, module=module, kwargs=kwargs):
+                y, _, new_stream = module.apply({"params": p}, branch, residual=stream, **kwargs)
+                return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(new_stream)), (y, new_stream)
+
+            folded.clear()
+            got = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(p, branch, stream)
+            assert len(folded) == (rows <= normalization.FOLD_MAX_ROWS), (rows, folded)
+            with monkeypatch.context() as m:
+                m.setattr(normalization, "FOLD_INTO_GEMM", False)
+                want = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(p, branch, stream)
+            close(got, want, rtol=1e-5, atol=1e-5)
+    folded.clear()
+    x = rand(0, (1, 16))
+    norm = ops.Norm(rand(1, (16,)), rand(2, (16,)), layernorm_type="layernorm")
+    p = init_params(LayerNormDenseGeneral(features=8), x)
+    LayerNormDenseGeneral(features=8).apply({"params": p}, x)
+    assert not folded and not norm.folds_into_gemm(x)
+    with pytest.raises(ValueError, match="rmsnorm"):
+        norm.folded_dot(x, lambda a: a)
+    # bfloat16: the product rounds before its row scale
+    x, w = rand(3, (2, 64), 4.0).astype(jnp.bfloat16), rand(4, (64, 32)).astype(jnp.bfloat16)
+    norm = ops.Norm(1.0 + rand(5, (64,), 0.1), layernorm_type="rmsnorm", epsilon=1e-6)
+    close(norm.folded_dot(x, lambda a: a @ w).astype(jnp.float32), (norm(x) @ w).astype(jnp.float32),
+          rtol=2e-2, atol=2e-2)
+
+
 def test_residual_added_in_the_attention_norm_and_deferred():
     """``LayerNorm``, ``LayerNormDenseGeneral`` and ``MultiHeadAttention`` take ``residual=`` (their norm
     adds it and they return the sum); a layer with ``defer_residual_add`` returns (branch, stream)
