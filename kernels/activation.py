@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from mtjax.kernels.common import (
     saturate_cast,
     unsupported_array,
     vary_together,
+    with_ptx,
 )
 from mtjax.kernels.common import (
     pallas_triton as plgpu,
@@ -48,9 +50,9 @@ QUICK_GELU_ALPHA = 1.702
 CLAMP_LIMIT, CLAMP_ALPHA, CLAMP_GATE_OFFSET = 7.0, 1.702, 1.0
 
 
-def _gelu(x):
+def _gelu(x, tanh=jnp.tanh):
     inner = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)
-    t = jnp.tanh(inner)
+    t = tanh(inner)
     y = 0.5 * x * (1.0 + t)
     dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
     return y, dy
@@ -111,6 +113,38 @@ def _gated(activation: str) -> bool:
     return ACTIVATIONS[activation][1] is not None
 
 
+# Whether kernels writing FP8 compute GELU's tanh by NVIDIA's ``tanh.approx.f32`` where they lower for
+# cuda (`with_ptx`): one special-function instruction for libdevice's ``tanhf`` (or the exponential
+# form), relative error about 2^-11, far below an FP8 step. Kernels writing 16-bit values keep the
+# exact tanh.
+GELU_TANH_APPROX = True
+_TANH_ACTIVATIONS = ("gelu", "geglu")
+
+
+def _tanh_approx(x):
+    [t] = plgpu.elementwise_inline_asm("tanh.approx.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return t
+
+
+def fp8_output_activation(activation: str, ptx: bool) -> tuple[Callable, Callable | None]:
+    """``ACTIVATIONS[activation]`` for a kernel whose output is FP8: with ``ptx`` (lowering for cuda)
+    and `GELU_TANH_APPROX`, GELU's tanh is ``tanh.approx.f32``."""
+    act, gate_fn = ACTIVATIONS[activation]
+    if ptx and activation in _TANH_ACTIVATIONS:
+        act = functools.partial(_gelu, tanh=_tanh_approx)
+    return act, gate_fn
+
+
+def with_fp8_activation_ptx(activation: str, run: Callable[..., Any], *args: Any) -> Any:
+    """``run(ptx, *args)`` for a kernel writing FP8 through `fp8_output_activation`: ``ptx`` per
+    lowering platform (`with_ptx`) where the activation has a tanh and `GELU_TANH_APPROX` is on, else
+    False (one kernel, no platform branch)."""
+    if GELU_TANH_APPROX and activation in _TANH_ACTIVATIONS:
+        return with_ptx(run, *args)
+    return run(False, *args)
+
+
 @dataclasses.dataclass(frozen=True)
 class ActSpec:
     """Static description of a launch: ``m`` rows, ``hidden`` output columns, the tile, the activation."""
@@ -169,9 +203,10 @@ def _load_inputs(spec: ActSpec, x_ref, bias_ref, rows, cols, mask):
     return halves
 
 
-def _input_grads(spec: ActSpec, halves, dy):
-    """``d act(x) / dx`` times ``dy`` for each half of the input (float32)."""
-    act, gate_fn = ACTIVATIONS[spec.activation]
+def _input_grads(spec: ActSpec, halves, dy, ptx: bool = False):
+    """``d act(x) / dx`` times ``dy`` for each half of the input (float32); ``ptx``: for an FP8
+    output (`fp8_output_activation`)."""
+    act, gate_fn = fp8_output_activation(spec.activation, ptx)
     y, dact = act(halves[0][0])
     if gate_fn is not None:
         gate, dgate = gate_fn(halves[1][0])
@@ -179,7 +214,7 @@ def _input_grads(spec: ActSpec, halves, dy):
     return [dy * dact]
 
 
-def _forward_kernel(*refs, spec: ActSpec, out_fp8):
+def _forward_kernel(*refs, spec: ActSpec, out_fp8, ptx):
     refs = list(refs)
     x_ref = refs.pop(0)
     bias_ref = refs.pop(0) if spec.has_bias else None
@@ -188,7 +223,7 @@ def _forward_kernel(*refs, spec: ActSpec, out_fp8):
     amax_ref = refs.pop(0) if out_fp8 is not None else None
     rows, cols, mask = _indices(spec)
     halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
-    act, gate_fn = ACTIVATIONS[spec.activation]
+    act, gate_fn = fp8_output_activation(spec.activation, ptx)
     y, _ = act(halves[0][0])
     if gate_fn is not None:
         y = y * gate_fn(halves[1][0])[0]
@@ -210,14 +245,17 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
         out_shape.append(jax.ShapeDtypeStruct(spec.grid, jnp.float32))
-    outs = list(pallas_call(
-        functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8),
-        out_shape=out_shape,
-        grid=spec.grid,
-        compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
-        interpret=interpret(),
-        name=f"mtjax_{activation}_fwd",
-    )(*inputs))
+    def run(ptx, *inputs):
+        return pallas_call(
+            functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8, ptx=ptx),
+            out_shape=out_shape,
+            grid=spec.grid,
+            compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
+            interpret=interpret(),
+            name=f"mtjax_{activation}_fwd",
+        )(*inputs)
+
+    outs = list(run(False, *inputs) if out_fp8 is None else with_fp8_activation_ptx(activation, run, *inputs))
     if scale is not None:
         outs[-1] = reduce_tile_maxima(outs[-1])
     return tuple(outs)
@@ -257,7 +295,7 @@ def backward(x, bias, dy, *, activation: str, tile_override=None):
 BACKWARD_FP8_TILE = (64, 64, 8)
 
 
-def _backward_fp8_kernel(*refs, spec: ActSpec, out_fp8):
+def _backward_fp8_kernel(*refs, spec: ActSpec, out_fp8, ptx):
     refs = list(refs)
     x_ref = refs.pop(0)
     bias_ref = refs.pop(0) if spec.has_bias else None
@@ -267,7 +305,7 @@ def _backward_fp8_kernel(*refs, spec: ActSpec, out_fp8):
     mask = None if spec.exact else mask
     halves = _load_inputs(spec, x_ref, bias_ref, rows, cols, mask)
     dy = _load(dy_ref.at[rows[:, None], cols[None, :]], mask)
-    grads = _input_grads(spec, halves, dy)  # 0 where masked: dy loads as 0 there
+    grads = _input_grads(spec, halves, dy, ptx)  # 0 where masked: dy loads as 0 there
     amax = jnp.max(jnp.abs(grads[0]))
     if len(grads) == 2:
         amax = jnp.maximum(amax, jnp.max(jnp.abs(grads[1])))
@@ -294,14 +332,17 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
                  jax.ShapeDtypeStruct(spec.grid, jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((spec.grid[0], k), jnp.float32))
-    outs = pallas_call(
-        functools.partial(_backward_fp8_kernel, spec=spec, out_fp8=jnp.dtype(out_dtype)),
-        out_shape=out_shape,
-        grid=spec.grid,
-        compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
-        interpret=interpret(),
-        name=f"mtjax_{activation}_bwd_fp8",
-    )(*inputs)
+    def run(ptx, *inputs):
+        return pallas_call(
+            functools.partial(_backward_fp8_kernel, spec=spec, out_fp8=jnp.dtype(out_dtype), ptx=ptx),
+            out_shape=out_shape,
+            grid=spec.grid,
+            compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
+            interpret=interpret(),
+            name=f"mtjax_{activation}_bwd_fp8",
+        )(*inputs)
+
+    outs = with_fp8_activation_ptx(activation, run, *inputs)
     dbias = jnp.sum(outs[3], axis=0) if bias is not None else None
     return outs[0], outs[1], reduce_tile_maxima(outs[2]), dbias
 

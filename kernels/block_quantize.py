@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.activation import ACTIVATIONS
+from mtjax.kernels.activation import ACTIVATIONS, fp8_output_activation, with_fp8_activation_ptx
 from mtjax.kernels.common import (
     interpret,
     pallas_call,
@@ -99,6 +99,7 @@ class ActivationPrologue:
 
     activation: str
     has_bias: bool
+    ptx: bool = False  # `mtjax.kernels.activation.fp8_output_activation`'s
 
     @property
     def gated(self) -> bool:
@@ -147,7 +148,7 @@ def _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact):
         if prologue.has_beta:
             y = y + _load_vector(rest[0], cols, k, exact)[None, :]
     else:
-        fn, gate_fn = ACTIVATIONS[prologue.activation]
+        fn, gate_fn = fp8_output_activation(prologue.activation, prologue.ptx)
         if prologue.has_bias:
             x = x + _load_vector(operands[0], cols, k, exact)[None, :]
         y = fn(x)[0]
@@ -197,14 +198,20 @@ def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: 
     out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((m, grid[1]), jnp.float32)]
     if transpose:
         out_shape += [jax.ShapeDtypeStruct((k, m), out_dtype), jax.ShapeDtypeStruct((k, grid[0]), jnp.float32)]
-    kernel = functools.partial(_tile_kernel, m=m, k=k, rows_per_program=rows, transpose=transpose, fp8_max=fp8_max,
-                               power_of_two=power_of_two, amax_epsilon=amax_epsilon, prologue=prologue,
-                               num_operands=len(operands))
-    return tuple(pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret(), name=kernel_name(prologue),
-    )(x, *operands))
+    def run(ptx, x, *operands):
+        kernel = functools.partial(
+            _tile_kernel, m=m, k=k, rows_per_program=rows, transpose=transpose, fp8_max=fp8_max,
+            power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_operands=len(operands),
+            prologue=dataclasses.replace(prologue, ptx=ptx) if isinstance(prologue, ActivationPrologue) else prologue)
+        return tuple(pallas_call(
+            kernel, out_shape=tuple(out_shape), grid=grid,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret(), name=kernel_name(prologue),
+        )(x, *operands))
+
+    if isinstance(prologue, ActivationPrologue):
+        return with_fp8_activation_ptx(prologue.activation, run, x, *operands)
+    return run(False, x, *operands)
 
 
 def kernel_name(prologue: Prologue | None, prefix: str = "mtjax") -> str:
@@ -244,7 +251,7 @@ def unsupported_activation_grad(shape, activation: str) -> str | None:
     return None
 
 
-def _activation_grad_kernel(*refs, m, hidden, activation, has_bias, fp8_max, power_of_two, amax_epsilon):
+def _activation_grad_kernel(*refs, m, hidden, activation, has_bias, fp8_max, power_of_two, amax_epsilon, ptx):
     refs = list(refs)
     x_ref = refs.pop(0)
     bias_ref = refs.pop(0) if has_bias else None
@@ -254,7 +261,7 @@ def _activation_grad_kernel(*refs, m, hidden, activation, has_bias, fp8_max, pow
     rows = i * TILE + jnp.arange(TILE)
     cols = j * TILE + jnp.arange(TILE)
     exact = m % TILE == 0 and hidden % TILE == 0
-    fn, gate_fn = ACTIVATIONS[activation]
+    fn, gate_fn = fp8_output_activation(activation, ptx)
     halves = []  # (the biased input of each half, its column offset in x)
     for offset in ((0, hidden) if gate_fn is not None else (0,)):
         part, mask = _load(x_ref, rows, offset + cols, m, offset + hidden, exact)
@@ -310,14 +317,17 @@ def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.
                  jax.ShapeDtypeStruct((width, m), out_dtype), jax.ShapeDtypeStruct((width, grid[0]), jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((grid[0], width), jnp.float32))
-    kernel = functools.partial(_activation_grad_kernel, m=m, hidden=hidden, activation=activation,
-                               has_bias=bias is not None, fp8_max=fp8_max, power_of_two=power_of_two,
-                               amax_epsilon=amax_epsilon)
-    outs = pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret(), name="mtjax_activation_grad_tile_quantize",
-    )(*inputs)
+    def run(ptx, *inputs):
+        kernel = functools.partial(_activation_grad_kernel, m=m, hidden=hidden, activation=activation,
+                                   has_bias=bias is not None, fp8_max=fp8_max, power_of_two=power_of_two,
+                                   amax_epsilon=amax_epsilon, ptx=ptx)
+        return pallas_call(
+            kernel, out_shape=tuple(out_shape), grid=grid,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret(), name="mtjax_activation_grad_tile_quantize",
+        )(*inputs)
+
+    outs = with_fp8_activation_ptx(activation, run, *inputs)
     dbias = None if bias is None else jnp.sum(outs[4], axis=0)
     return (*outs[:4], dbias)
 

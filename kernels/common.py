@@ -8,6 +8,7 @@ Offsets are int32 inside the kernels: launchers reject arrays of ``2**31`` eleme
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,16 @@ def vary_together(*arrays):
 def interpret() -> bool:
     """Whether launchers run Pallas in interpret mode (CPU tests), read at trace time."""
     return bool(config.pallas_interpret)
+
+
+def with_ptx(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(ptx, *args)``, ``ptx`` True where the lowering platform is ``cuda`` (a Triton that takes
+    NVIDIA's inline PTX), False on other platforms (rocm, plugins) and in interpret mode, decided per
+    lowering platform as kernel selection is (`jax.lax.platform_dependent`): an export for cuda from a
+    CPU host gets the PTX."""
+    if interpret():
+        return run(False, *args)
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(run, True), default=functools.partial(run, False))
 
 
 def next_power_of_2(n: int) -> int:

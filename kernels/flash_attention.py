@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep, pallas_call, vary_together
+from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep, pallas_call, vary_together, with_ptx
 from mtjax.kernels.common import pallas_triton as pltriton
 
 LOG2E = math.log2(math.e)
@@ -661,11 +661,10 @@ def _check_blockwise(name, q, k, v, q_segment_ids, kv_segment_ids, ptx_exp2, int
 
 
 def _per_platform(ptx_exp2, interpret, run, *args):
-    """``run(ptx, *args)``; ``ptx_exp2=None`` decides per lowering platform, as kernel selection does:
-    an export for cuda from a CPU host gets the PTX, a rocm or plugin lowering (a Triton that takes
-    no PTX) the libdevice form."""
+    """``run(ptx, *args)``; ``ptx_exp2=None`` decides per lowering platform (`with_ptx`): a rocm or
+    plugin lowering (a Triton that takes no PTX) gets the libdevice form."""
     if ptx_exp2 is None and not interpret:
-        return lax.platform_dependent(*args, cuda=functools.partial(run, True), default=functools.partial(run, False))
+        return with_ptx(run, *args)
     return run(bool(ptx_exp2), *args)
 
 

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from mtjax.kernels import block_fp8_gemm as pallas_gemm
 from mtjax.kernels import block_quantize as pallas_quantize
-from mtjax.kernels.activation import ACTIVATIONS
-from mtjax.kernels.common import Launchers, interpret
+from mtjax.kernels.activation import ACTIVATIONS, with_fp8_activation_ptx
+from mtjax.kernels.common import Launchers
 from mtjax.kernels.triton.activation import CODES, GATE_CODES, activation_fn, gate_fn
 from mtjax.kernels.triton.language import saturate
 from mtjax.kernels.triton.runtime import launch, stand_in
@@ -142,13 +142,6 @@ def _tile_kernel(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, q_ptr, s_ptr, qt_ptr, st_ptr
 
 _NO_PROLOGUE = dict(PROLOGUE=0, RMS=False, ZERO_CENTERED=False, HAS_SHIFT=False, ACT=0, GATE=0, GATED=False,
                     APPROX_TANH=False)
-# Whether the activation casts compute GELU's tanh by the GPU's approximate instruction (their output
-# is FP8); never in interpret mode, which runs no PTX.
-APPROX_TANH = True
-
-
-def _approx_tanh() -> bool:
-    return APPROX_TANH and not interpret()
 
 
 def _tile_launch(x, operands, k, out_dtype, *, name, transpose, fp8_max, power_of_two, amax_epsilon, num_warps,
@@ -207,11 +200,15 @@ def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *,
     _check(x2, out_dtype, "activation_tile_quantize")
     gated = pallas_quantize.ActivationPrologue(activation, has_bias=bias is not None).gated
     bias = None if bias is None else bias.reshape(-1)
-    return _tile_launch(x2, (bias, None, None, None), x.shape[-1], out_dtype,
-                        name="mtjax_triton_activation_tile_quantize", transpose=transpose, fp8_max=fp8_max,
-                        power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=2,
-                        HAS_SHIFT=bias is not None, ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0),
-                        GATED=gated, APPROX_TANH=_approx_tanh())
+
+    def run(ptx, x2, *bias):  # the bias, if any, as an operand of the platform branches
+        return _tile_launch(x2, (bias[0] if bias else None, None, None, None), x.shape[-1], out_dtype,
+                            name="mtjax_triton_activation_tile_quantize", transpose=transpose, fp8_max=fp8_max,
+                            power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=2,
+                            HAS_SHIFT=bool(bias), ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0),
+                            GATED=gated, APPROX_TANH=ptx)
+
+    return with_fp8_activation_ptx(activation, run, x2, *([] if bias is None else [bias]))
 
 
 @triton.jit
@@ -287,14 +284,18 @@ def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.
                  jax.ShapeDtypeStruct((m, triton.cdiv(width, TILE)), jnp.float32),
                  jax.ShapeDtypeStruct((width, m), out_dtype), jax.ShapeDtypeStruct((width, grid[0]), jnp.float32),
                  jax.ShapeDtypeStruct((grid[0], width) if bias is not None else (1,), jnp.float32)]
-    outs = launch(
-        _activation_grad_kernel, x2, stand_in() if bias is None else bias.reshape(-1), dy, out_shape=out_shape,
-        grid=grid, name="mtjax_triton_activation_grad_tile_quantize", num_warps=num_warps, num_stages=1,
-        M=m, HIDDEN=hidden, TILE=TILE, EXACT=m % TILE == 0 and hidden % TILE == 0, FP8_MAX=float(fp8_max),
-        POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon), HAS_BIAS=bias is not None,
-        ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0), GATED=ACTIVATIONS[activation][1] is not None,
-        APPROX_TANH=_approx_tanh(),
-    )
+    def run(ptx, x2, bias, dy):
+        return launch(
+            _activation_grad_kernel, x2, bias, dy, out_shape=out_shape,
+            grid=grid, name="mtjax_triton_activation_grad_tile_quantize", num_warps=num_warps, num_stages=1,
+            M=m, HIDDEN=hidden, TILE=TILE, EXACT=m % TILE == 0 and hidden % TILE == 0, FP8_MAX=float(fp8_max),
+            POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon), HAS_BIAS=has_bias,
+            ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0), GATED=ACTIVATIONS[activation][1] is not None,
+            APPROX_TANH=ptx,
+        )
+
+    has_bias = bias is not None
+    outs = with_fp8_activation_ptx(activation, run, x2, bias.reshape(-1) if has_bias else stand_in(), dy)
     return (*outs[:4], None if bias is None else jnp.sum(outs[4], axis=0))
 
 

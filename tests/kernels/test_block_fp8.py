@@ -327,6 +327,28 @@ def test_quantize_kernels_lower_for_cuda(shape):
     assert _triton_calls(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16)) == 5
 
 
+def test_gelu_fp8_kernels_lower_with_the_approximate_tanh_for_cuda(monkeypatch):
+    """The kernels writing GELU's output or gradient in FP8 (per-tensor and 1x128 tiles) take its tanh
+    from ``tanh.approx.f32`` when lowered for cuda; `GELU_TANH_APPROX` off, none does."""
+    from mtjax.kernels import activation as activation_kernels
+
+    x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    one = jnp.float32(1.0)
+
+    def lowered():
+        def fn(x, dy):  # a new function each time: jit's trace cache does not see the flag
+            return (ops.activation_tile_fp8(x, "gelu", transpose=True), ops.activation_grad_tile_fp8(x, dy, "gelu"),
+                    ops.activation_fp8(x, "gelu", scale=one), ops.activation_grad_fp8(x, dy, "gelu", scale=one))
+
+        with backend.abstract_gpu():
+            return jax.jit(fn).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()
+    assert text.count("__gpu$xla.gpu.triton") == 4 and text.count("tanh.approx.f32") == 4
+    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", False)
+    assert "tanh.approx" not in lowered()
+
+
 def test_block_scaled_dense_lowers_to_kernels_for_cuda():
     """Forward and both backward GEMMs of a block-scaled dense layer, and the large casts, are kernels."""
     dims = (((1,), (0,)), ((), ()))

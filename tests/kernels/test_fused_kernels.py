@@ -406,9 +406,12 @@ def test_activation_kernels_on_gpu(activation):
     bias = _random(1, shape, jnp.bfloat16)
     check_kernel(lambda x, b, implementation: ops.activation(x, activation, b, implementation=implementation),
                  (x, bias), (0, 1), jnp.bfloat16, interpret=False)
+    # The FP8 kernels take GELU's tanh from tanh.approx.f32 (relative error about 2^-11, far below an
+    # FP8 step): their amaxes are that close to the reference's.
+    amax_rtol = 1e-3 if activation in ("gelu", "geglu") else 1e-5
     q, amax = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="pallas_triton")
     q_ref, amax_ref = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="xla")
-    np.testing.assert_allclose(amax, amax_ref, rtol=1e-5)
+    np.testing.assert_allclose(amax, amax_ref, rtol=amax_rtol)
     assert np.mean(np.asarray(q, np.float32) == np.asarray(q_ref, np.float32)) > 0.99
     for rows, hidden in ((777, 1500), (1024, 1536)):  # partial, then whole 64x64 tiles of the FP8 backward
         x = _random(3, (rows, 2, hidden) if ops.is_gated(activation) else (rows, hidden), jnp.bfloat16, 2.0)
@@ -419,7 +422,7 @@ def test_activation_kernels_on_gpu(activation):
         assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
         np.testing.assert_array_equal(np.asarray(got[1], np.float32),
                                       np.asarray(got[0], np.float32).reshape(rows, -1).T)
-        np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+        np.testing.assert_allclose(got[2], want[2], rtol=amax_rtol)
         np.testing.assert_allclose(got[3], want[3], rtol=1e-3, atol=1e-3 * float(np.max(np.abs(want[3]))))
 
 

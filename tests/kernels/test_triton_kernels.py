@@ -703,20 +703,25 @@ def test_block_fp8_compiles_for_hopper():
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
-def test_gelu_tile_casts_use_the_approximate_tanh_on_the_gpu(monkeypatch):
-    """Compiled (not interpreted), GELU's tile casts take tanh from ``tanh.approx.f32``."""
+def test_gelu_tile_casts_use_the_approximate_tanh_on_cuda(monkeypatch):
+    """Lowered for cuda (not interpreted), GELU's tile casts take tanh from ``tanh.approx.f32``; the
+    other platforms' branch keeps the exact form."""
+    from mtjax.config import config
     from mtjax.kernels.triton import block_fp8 as native
 
-    monkeypatch.setattr(native, "interpret", lambda: False)
+    monkeypatch.setattr(config, "pallas_interpret", False)
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     f8 = jnp.float8_e4m3fn
     with runtime.record_launches() as launches:
         jax.eval_shape(lambda x: (
-            native.activation_tile_quantize(x, None, f8, activation="gelu", transpose=True, fp8_max=448.0),
+            native.activation_tile_quantize(x, x[0], f8, activation="gelu", transpose=True, fp8_max=448.0),
             native.activation_grad_tile_quantize(x, None, x, f8, activation="gelu", fp8_max=448.0)), x)
-    assert len(launches) == 2
+    names = ("mtjax_triton_activation_grad_tile_quantize", "mtjax_triton_activation_tile_quantize")
+    assert sorted((r.name, r.constexprs["APPROX_TANH"]) for r in launches) == [
+        (name, approx) for name in names for approx in (False, True)]
     for record in launches:
-        assert "tanh.approx.f32" in runtime.compile_launch(record, 90).asm["ptx"], record.name
+        ptx = runtime.compile_launch(record, 90).asm["ptx"]
+        assert ("tanh.approx.f32" in ptx) == record.constexprs["APPROX_TANH"], record.name
 
 
 # -------------------------------------------------------------------------------------------------- GPU
