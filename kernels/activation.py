@@ -233,6 +233,18 @@ def _forward_kernel(*refs, spec: ActSpec, out_fp8, ptx):
     plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y.astype(y_ref.dtype), mask=mask)
 
 
+def _launcher(kernel, spec: ActSpec, out_shape, name: str) -> Callable[..., Any]:
+    """``run(ptx, *inputs)``: ``kernel`` (which takes ``ptx``) over ``spec``'s grid."""
+    def run(ptx, *inputs):
+        return pallas_call(
+            functools.partial(kernel, ptx=ptx), out_shape=out_shape, grid=spec.grid,
+            compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
+            interpret=interpret(), name=name,
+        )(*inputs)
+
+    return run
+
+
 def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_override=None):
     """Launch the forward kernel on 2-D ``x [m, k]``; returns ``(y,)`` or ``(y_fp8, amax)`` with ``scale``."""
     m, k = x.shape
@@ -245,16 +257,8 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
         out_shape.append(jax.ShapeDtypeStruct(spec.grid, jnp.float32))
-    def run(ptx, *inputs):
-        return pallas_call(
-            functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8, ptx=ptx),
-            out_shape=out_shape,
-            grid=spec.grid,
-            compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
-            interpret=interpret(),
-            name=f"mtjax_{activation}_fwd",
-        )(*inputs)
-
+    run = _launcher(functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8), spec, out_shape,
+                    f"mtjax_{activation}_fwd")
     outs = list(run(False, *inputs) if out_fp8 is None else with_fp8_activation_ptx(activation, run, *inputs))
     if scale is not None:
         outs[-1] = reduce_tile_maxima(outs[-1])
@@ -332,16 +336,8 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
                  jax.ShapeDtypeStruct(spec.grid, jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((spec.grid[0], k), jnp.float32))
-    def run(ptx, *inputs):
-        return pallas_call(
-            functools.partial(_backward_fp8_kernel, spec=spec, out_fp8=jnp.dtype(out_dtype), ptx=ptx),
-            out_shape=out_shape,
-            grid=spec.grid,
-            compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=1),
-            interpret=interpret(),
-            name=f"mtjax_{activation}_bwd_fp8",
-        )(*inputs)
-
+    run = _launcher(functools.partial(_backward_fp8_kernel, spec=spec, out_fp8=jnp.dtype(out_dtype)), spec,
+                    out_shape, f"mtjax_{activation}_bwd_fp8")
     outs = with_fp8_activation_ptx(activation, run, *inputs)
     dbias = jnp.sum(outs[3], axis=0) if bias is not None else None
     return outs[0], outs[1], reduce_tile_maxima(outs[2]), dbias
