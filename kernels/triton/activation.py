@@ -123,12 +123,12 @@ def _store(ptr, offsets, value, mask, EXACT: tl.constexpr):
 def _forward_kernel(x_ptr, bias_ptr, scale_ptr, y_ptr, amax_ptr, M: tl.constexpr, HIDDEN: tl.constexpr,
                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
                     GATE: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr,
-                    FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                    FP8: tl.constexpr, FP8_MAX: tl.constexpr, APPROX_TANH: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
-    y, _ = activation_fn(a, ACT)
+    y, _ = activation_fn(a, ACT, APPROX_TANH)
     if GATED:
         g, _ = gate_fn(gate, GATE)
         y = y * g
@@ -154,14 +154,18 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
     spec = pallas_activation._spec(m, hidden, activation, bias is not None, tile_override)
     fp8 = scale is not None
     y_dtype = out_dtype or x.dtype
-    y, amax = launch(
-        _forward_kernel, x, stand_in() if bias is None else bias,
-        stand_in() if scale is None else jnp.reshape(scale, (1,)).astype(jnp.float32),
-        out_shape=[jax.ShapeDtypeStruct((m, hidden), y_dtype), jax.ShapeDtypeStruct(spec.grid if fp8 else (1,),
-                                                                                   jnp.float32)],
-        grid=spec.grid, name=f"mtjax_triton_{activation}_fwd", num_warps=spec.num_warps, num_stages=1,
-        FP8=fp8, FP8_MAX=fp8_max(y_dtype) if fp8 else 1.0, **_constexprs(spec, k, activation),
-    )
+    def run(ptx, *inputs):
+        return launch(
+            _forward_kernel, *inputs,
+            out_shape=[jax.ShapeDtypeStruct((m, hidden), y_dtype),
+                       jax.ShapeDtypeStruct(spec.grid if fp8 else (1,), jnp.float32)],
+            grid=spec.grid, name=f"mtjax_triton_{activation}_fwd", num_warps=spec.num_warps, num_stages=1,
+            FP8=fp8, FP8_MAX=fp8_max(y_dtype) if fp8 else 1.0, APPROX_TANH=ptx, **_constexprs(spec, k, activation),
+        )
+
+    inputs = (x, stand_in() if bias is None else bias,
+              stand_in() if scale is None else jnp.reshape(scale, (1,)).astype(jnp.float32))
+    y, amax = pallas_activation.with_fp8_activation_ptx(activation, run, *inputs) if fp8 else run(False, *inputs)
     return (y, reduce_tile_maxima(amax)) if fp8 else (y,)
 
 
@@ -212,13 +216,13 @@ def _backward_fp8_half(grad, dx_ptr, dxt_ptr, dbias_ptr, rows, cols, mask, offse
 def _backward_fp8_kernel(x_ptr, bias_ptr, dy_ptr, scale_ptr, dx_ptr, dxt_ptr, amax_ptr, dbias_ptr, M: tl.constexpr,
                          HIDDEN: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         EXACT: tl.constexpr, FP8_MAX: tl.constexpr):
+                         EXACT: tl.constexpr, FP8_MAX: tl.constexpr, APPROX_TANH: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
     dy = _load(dy_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, EXACT)  # 0 where masked: so are the grads
-    y, dact = activation_fn(a, ACT)
+    y, dact = activation_fn(a, ACT, APPROX_TANH)
     scale = tl.load(scale_ptr)
     if GATED:
         g, dg = gate_fn(gate, GATE)
@@ -244,11 +248,15 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
     out_shape = [jax.ShapeDtypeStruct((m, k), out_dtype), jax.ShapeDtypeStruct((k, m), out_dtype),
                  jax.ShapeDtypeStruct(spec.grid, jnp.float32),
                  jax.ShapeDtypeStruct((spec.grid[0], k) if bias is not None else (1,), jnp.float32)]
-    dx_q, dx_q_t, amax, dbias = launch(
-        _backward_fp8_kernel, x, stand_in() if bias is None else bias, dy, jnp.reshape(scale, (1,)).astype(jnp.float32),
-        out_shape=out_shape, grid=spec.grid, name=f"mtjax_triton_{activation}_bwd_fp8", num_warps=spec.num_warps,
-        num_stages=1, FP8_MAX=fp8_max(out_dtype), **_constexprs(spec, k, activation),
-    )
+    def run(ptx, *inputs):
+        return launch(
+            _backward_fp8_kernel, *inputs, out_shape=out_shape, grid=spec.grid,
+            name=f"mtjax_triton_{activation}_bwd_fp8", num_warps=spec.num_warps, num_stages=1,
+            FP8_MAX=fp8_max(out_dtype), APPROX_TANH=ptx, **_constexprs(spec, k, activation),
+        )
+
+    dx_q, dx_q_t, amax, dbias = pallas_activation.with_fp8_activation_ptx(
+        activation, run, x, stand_in() if bias is None else bias, dy, jnp.reshape(scale, (1,)).astype(jnp.float32))
     return dx_q, dx_q_t, reduce_tile_maxima(amax), None if bias is None else jnp.sum(dbias, axis=0)
 
 

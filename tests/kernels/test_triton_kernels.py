@@ -703,20 +703,25 @@ def test_block_fp8_compiles_for_hopper():
     assert max(shared.values()) <= HOPPER_SHARED_MEMORY, shared
 
 
-def test_gelu_tile_casts_use_the_approximate_tanh_on_cuda(monkeypatch):
-    """Lowered for cuda (not interpreted), GELU's tile casts take tanh from ``tanh.approx.f32``; the
-    other platforms' branch keeps the exact form."""
+def test_gelu_fp8_kernels_use_the_approximate_tanh_on_cuda(monkeypatch):
+    """Lowered for cuda (not interpreted), the kernels writing GELU's output or gradient in FP8 (tile
+    casts and per-tensor) take tanh from ``tanh.approx.f32``; the other platforms' branch keeps the
+    exact form."""
     from mtjax.config import config
+    from mtjax.kernels.triton import activation as native_activation
     from mtjax.kernels.triton import block_fp8 as native
 
     monkeypatch.setattr(config, "pallas_interpret", False)
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
-    f8 = jnp.float8_e4m3fn
+    f8, one = jnp.float8_e4m3fn, jnp.float32(1.0)
     with runtime.record_launches() as launches:
         jax.eval_shape(lambda x: (
             native.activation_tile_quantize(x, x[0], f8, activation="gelu", transpose=True, fp8_max=448.0),
-            native.activation_grad_tile_quantize(x, None, x, f8, activation="gelu", fp8_max=448.0)), x)
-    names = ("mtjax_triton_activation_grad_tile_quantize", "mtjax_triton_activation_tile_quantize")
+            native.activation_grad_tile_quantize(x, None, x, f8, activation="gelu", fp8_max=448.0),
+            native_activation.forward(x, None, one, activation="gelu", out_dtype=f8),
+            native_activation.backward_fp8(x, None, x, one, activation="gelu", out_dtype=f8)), x)
+    names = ("mtjax_triton_activation_grad_tile_quantize", "mtjax_triton_activation_tile_quantize",
+             "mtjax_triton_gelu_bwd_fp8", "mtjax_triton_gelu_fwd")
     assert sorted((r.name, r.constexprs["APPROX_TANH"]) for r in launches) == [
         (name, approx) for name in names for approx in (False, True)]
     for record in launches:
@@ -805,6 +810,14 @@ def test_activations_softmax_and_casts_on_gpu():
     want = ops.activation_grad_fp8(x, dy, "swiglu", bias, scale=jnp.float32(100.0), implementation="xla")
     assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
     np.testing.assert_allclose(got[2], want[2], rtol=1e-3)
+    # GELU's FP8 kernels take tanh from tanh.approx.f32 (relative error about 2^-11)
+    h = x[:, 0]
+    for op, args in ((ops.activation_fp8, (h, "gelu")), (ops.activation_grad_fp8, (h, dy, "gelu"))):
+        got = op(*args, scale=jnp.float32(50.0), implementation="triton")
+        want = op(*args, scale=jnp.float32(50.0), implementation="xla")
+        assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
+        amax = 1 if op is ops.activation_fp8 else 2
+        np.testing.assert_allclose(got[amax], want[amax], rtol=1e-3)
     logits, dl = _inputs(7, (4, 8, 1024, 1024), (4, 8, 1024, 1024), dtype=jnp.bfloat16)
 
     def softmax(implementation):
