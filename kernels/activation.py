@@ -116,8 +116,8 @@ def _gated(activation: str) -> bool:
 # Whether kernels writing FP8 compute GELU's tanh by NVIDIA's ``tanh.approx.f32`` where they lower for
 # cuda (`with_ptx`): one special-function instruction for libdevice's ``tanhf`` (or the exponential
 # form), relative error about 2^-11, far below an FP8 step. Kernels writing 16-bit values keep the
-# exact tanh.
-GELU_TANH_APPROX = True
+# exact tanh. Off until a GPU run has checked and timed it (docs/kernels.md).
+GELU_TANH_APPROX = False
 _TANH_ACTIVATIONS = ("gelu", "geglu")
 
 

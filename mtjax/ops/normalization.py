@@ -45,8 +45,9 @@ LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 # A GEMM of at most this many input rows (a decoding step) applies an RMSNorm in front of it by its
 # row scale after the product, `Norm.folded_dot` (docs/inference-kernels.md).
 FOLD_MAX_ROWS = 8
-# Whether `Norm.folded_dot` folds at all (off: the norm runs in front of the GEMM at any row count).
-FOLD_INTO_GEMM = True
+# Whether `Norm.folds_into_gemm` lets a GEMM fold the norm at all (off: the norm runs in front of the
+# GEMM at any row count). Off until a GPU run shows the decode step faster (docs/inference-kernels.md).
+FOLD_INTO_GEMM = False
 
 
 def _scale(gamma: jax.Array, zero_centered_gamma: bool) -> jax.Array:

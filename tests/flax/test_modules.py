@@ -385,9 +385,11 @@ def test_residual_fused_into_the_mlp_norm():
 def test_rmsnorm_folds_into_gemms_of_few_rows(monkeypatch, zero_centered_gamma):
     """An RMSNorm in front of a GEMM of at most ``FOLD_MAX_ROWS`` rows is applied as its row scale after
     the product (`Norm.folded_dot`), a residual added in front included: the same values and
-    gradients as the norm applied first; LayerNorm and more rows keep the norm in front."""
+    gradients as the norm applied first; LayerNorm and more rows keep the norm in front. (On with
+    `FOLD_INTO_GEMM`.)"""
     from mtjax.ops import normalization
 
+    monkeypatch.setattr(normalization, "FOLD_INTO_GEMM", True)
     folded = []
     original = ops.Norm.folded_dot
     monkeypatch.setattr(ops.Norm, "folded_dot", lambda self, x, dot: folded.append(x.shape) or original(self, x, dot))

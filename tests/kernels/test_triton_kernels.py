@@ -708,10 +708,12 @@ def test_gelu_fp8_kernels_use_the_approximate_tanh_on_cuda(monkeypatch):
     casts and per-tensor) take tanh from ``tanh.approx.f32``; the other platforms' branch keeps the
     exact form."""
     from mtjax.config import config
+    from mtjax.kernels import activation as activation_kernels
     from mtjax.kernels.triton import activation as native_activation
     from mtjax.kernels.triton import block_fp8 as native
 
     monkeypatch.setattr(config, "pallas_interpret", False)
+    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", True)
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     f8, one = jnp.float8_e4m3fn, jnp.float32(1.0)
     with runtime.record_launches() as launches:
@@ -797,7 +799,10 @@ def test_residual_norm_and_fp8_on_gpu():
 
 
 @pytest.mark.gpu
-def test_activations_softmax_and_casts_on_gpu():
+def test_activations_softmax_and_casts_on_gpu(monkeypatch):
+    from mtjax.kernels import activation as activation_kernels
+
+    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", True)  # the GELU FP8 kernels below
     x, dy = _inputs(5, (8192, 2, 4096), (8192, 4096), dtype=jnp.bfloat16)
     bias, = _inputs(6, (2, 4096), dtype=jnp.bfloat16)
 
@@ -810,7 +815,7 @@ def test_activations_softmax_and_casts_on_gpu():
     want = ops.activation_grad_fp8(x, dy, "swiglu", bias, scale=jnp.float32(100.0), implementation="xla")
     assert np.mean(np.asarray(got[0], np.float32) == np.asarray(want[0], np.float32)) > 0.99
     np.testing.assert_allclose(got[2], want[2], rtol=1e-3)
-    # GELU's FP8 kernels take tanh from tanh.approx.f32 (relative error about 2^-11)
+    # GELU's FP8 kernels taking tanh from tanh.approx.f32 (relative error about 2^-11)
     h = x[:, 0]
     for op, args in ((ops.activation_fp8, (h, "gelu")), (ops.activation_grad_fp8, (h, dy, "gelu"))):
         got = op(*args, scale=jnp.float32(50.0), implementation="triton")
@@ -861,8 +866,11 @@ def test_paged_attention_on_gpu():
 
 
 @pytest.mark.gpu
-def test_block_fp8_on_gpu():
+def test_block_fp8_on_gpu(monkeypatch):
+    from mtjax.kernels import activation as activation_kernels
     from tests.kernels.test_block_fp8 import _assert_equal, _x, assert_same_dequantized, assert_same_tiles
+
+    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", True)  # the GELU casts below
 
     x = _x(0, (4096, 2048), jnp.bfloat16)
     w = _x(1, (1024, 2048), jnp.bfloat16, 0.05)
