@@ -257,6 +257,7 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
     if scale is not None:
         inputs.append(scale.astype(jnp.float32).reshape(1))
         out_shape.append(jax.ShapeDtypeStruct(spec.grid, jnp.float32))
+
     run = _launcher(functools.partial(_forward_kernel, spec=spec, out_fp8=out_fp8), spec, out_shape,
                     f"mtjax_{activation}_fwd")
     outs = list(run(False, *inputs) if out_fp8 is None else with_fp8_activation_ptx(activation, run, *inputs))
@@ -336,6 +337,7 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
                  jax.ShapeDtypeStruct(spec.grid, jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((spec.grid[0], k), jnp.float32))
+
     run = _launcher(functools.partial(_backward_fp8_kernel, spec=spec, out_fp8=jnp.dtype(out_dtype)), spec,
                     out_shape, f"mtjax_{activation}_bwd_fp8")
     outs = with_fp8_activation_ptx(activation, run, *inputs)

@@ -284,6 +284,8 @@ def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.
                  jax.ShapeDtypeStruct((m, triton.cdiv(width, TILE)), jnp.float32),
                  jax.ShapeDtypeStruct((width, m), out_dtype), jax.ShapeDtypeStruct((width, grid[0]), jnp.float32),
                  jax.ShapeDtypeStruct((grid[0], width) if bias is not None else (1,), jnp.float32)]
+    has_bias = bias is not None
+
     def run(ptx, x2, bias, dy):
         return launch(
             _activation_grad_kernel, x2, bias, dy, out_shape=out_shape,
@@ -294,7 +296,6 @@ def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.
             APPROX_TANH=ptx,
         )
 
-    has_bias = bias is not None
     outs = with_fp8_activation_ptx(activation, run, x2, bias.reshape(-1) if has_bias else stand_in(), dy)
     return (*outs[:4], None if bias is None else jnp.sum(outs[4], axis=0))
 
