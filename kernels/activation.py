@@ -115,10 +115,10 @@ def _gated(activation: str) -> bool:
 
 # Whether kernels writing FP8 compute GELU's tanh by NVIDIA's ``tanh.approx.f32`` where they lower for
 # cuda (`with_ptx`): one special-function instruction for libdevice's ``tanhf`` (or the exponential
-# form), relative error about 2^-11, far below an FP8 step. Kernels writing 16-bit values keep the
-# exact tanh. Off until a GPU run has checked and timed it (docs/kernels.md).
+# form); its error turns absolute in GELU's negative tail (docs/kernels.md). Kernels writing 16-bit
+# values keep the exact tanh. Read at trace time. Off until a GPU run has checked and timed it.
 GELU_TANH_APPROX = False
-_TANH_ACTIVATIONS = ("gelu", "geglu")
+_TANH_ACTIVATIONS = tuple(name for name, (act, _) in ACTIVATIONS.items() if act is _gelu)
 
 
 def _tanh_approx(x):
@@ -128,8 +128,9 @@ def _tanh_approx(x):
 
 
 def fp8_output_activation(activation: str, ptx: bool) -> tuple[Callable, Callable | None]:
-    """``ACTIVATIONS[activation]`` for a kernel whose output is FP8: with ``ptx`` (lowering for cuda)
-    and `GELU_TANH_APPROX`, GELU's tanh is ``tanh.approx.f32``."""
+    """``ACTIVATIONS[activation]`` for a kernel whose output is FP8: with ``ptx`` (which
+    `with_fp8_activation_ptx` sets where `GELU_TANH_APPROX` is on and the lowering is for cuda),
+    GELU's tanh is ``tanh.approx.f32``."""
     act, gate_fn = ACTIVATIONS[activation]
     if ptx and activation in _TANH_ACTIVATIONS:
         act = functools.partial(_gelu, tanh=_tanh_approx)

@@ -99,7 +99,7 @@ class ActivationPrologue:
 
     activation: str
     has_bias: bool
-    ptx: bool = False  # `mtjax.kernels.activation.fp8_output_activation`'s
+    ptx: bool = False  # set by `tile_quantize` per lowering platform (`activation.with_fp8_activation_ptx`)
 
     @property
     def gated(self) -> bool:

@@ -91,12 +91,12 @@ def interpret() -> bool:
     return bool(config.pallas_interpret)
 
 
-def with_ptx(run: Callable[..., Any], *args: Any) -> Any:
+def with_ptx(run: Callable[..., Any], *args: Any, interpreted: bool | None = None) -> Any:
     """``run(ptx, *args)``, ``ptx`` True where the lowering platform is ``cuda`` (a Triton that takes
-    NVIDIA's inline PTX), False on other platforms (rocm, plugins) and in interpret mode, decided per
-    lowering platform as kernel selection is (`jax.lax.platform_dependent`): an export for cuda from a
-    CPU host gets the PTX."""
-    if interpret():
+    NVIDIA's inline PTX), False on other platforms (rocm, plugins) and in interpret mode
+    (``interpreted``; None: `interpret`), decided per lowering platform as kernel selection is
+    (`jax.lax.platform_dependent`): an export for cuda from a CPU host gets the PTX."""
+    if interpret() if interpreted is None else interpreted:
         return run(False, *args)
     return jax.lax.platform_dependent(*args, cuda=functools.partial(run, True), default=functools.partial(run, False))
 

@@ -664,7 +664,7 @@ def _per_platform(ptx_exp2, interpret, run, *args):
     """``run(ptx, *args)``; ``ptx_exp2=None`` decides per lowering platform (`with_ptx`): a rocm or
     plugin lowering (a Triton that takes no PTX) gets the libdevice form."""
     if ptx_exp2 is None and not interpret:
-        return with_ptx(run, *args)
+        return with_ptx(run, *args, interpreted=False)
     return run(bool(ptx_exp2), *args)
 
 

@@ -42,9 +42,9 @@ def tanh(x):
 
 @triton.jit
 def tanh_approx(x):
-    """``tanh`` of a float32 tensor by NVIDIA's ``tanh.approx.f32`` (one special-function instruction,
-    relative error about 2^-11): for kernels whose output is FP8, far coarser than that error."""
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    """``tanh`` of a float32 tensor by NVIDIA's ``tanh.approx.f32``: one special-function instruction,
+    error about 2^-11 of the result (docs/kernels.md: what that does to GELU's negative tail)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

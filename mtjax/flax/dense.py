@@ -203,7 +203,8 @@ class LayerNormDenseGeneral(nn.Module):
     def __call__(self, inputs: jax.Array, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
         x = inputs.astype(self.dtype)
         # The GEMM applies the norm itself unless the normalized input is wanted as well or the
-        # projection contracts other axes (or a residual is added first).
+        # projection contracts other axes (or a residual is added first, unless the norm folds into the
+        # GEMM: `mtjax.flax.normalization.input_norm`).
         apply_now = self.return_layernorm_output or _input_axes(type(self).__name__, self.axis, x.ndim) != (x.ndim - 1,)
         x, norm, new_residual = input_norm(self, x, residual, apply_now=apply_now)
         y = project(

@@ -90,7 +90,8 @@ class LayerNormMLP(nn.Module):
         if self.intermediate_dim < 1:
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim}; expected a positive int")
         hidden = inputs.shape[-1]
-        # fc1 applies the norm unless the normalized input is returned too (or a residual is added first).
+        # fc1 applies the norm unless the normalized input is returned too (or a residual is added first,
+        # unless the norm folds into fc1: `mtjax.flax.normalization.input_norm`).
         collective = sequence_parallel_axes("LayerNormMLP", self.collective_matmul, inputs)
         x, norm, new_residual = input_norm(self, inputs.astype(self.dtype), residual,
                                            apply_now=self.return_layernorm_output or collective is not None)

@@ -59,6 +59,9 @@ def input_norm(module: nn.Module, x: jax.Array, residual: jax.Array | None, *, a
     )
     if residual is not None:
         if not apply_now and norm.folds_into_gemm(x) and fp8.current_autocast() is None:
+            if residual.shape != x.shape:
+                raise ValueError(f"{type(module).__name__}: residual has shape {residual.shape}; expected the "
+                                 f"input's {x.shape}")
             new_residual = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(residual.dtype)
             return new_residual.astype(x.dtype), norm, new_residual
         x, new_residual = norm.with_residual(x, residual)

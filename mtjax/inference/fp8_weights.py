@@ -228,7 +228,11 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
     ``weight_scale``. Returns ``lhs``'s dtype (or ``preferred_element_type``)."""
     if mode not in MODES:
         raise ValueError(f"fp8_weight_dot_general: mode={mode!r}; accepted: {', '.join(MODES)}")
-    if lhs_prologue is not None:  # mtjax's modules pass one only with its output's last axis contracted
+    if lhs_prologue is not None:
+        (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+        if tuple(lhs_contract) != (jax.eval_shape(lhs_prologue, lhs).ndim - 1,) or lhs_batch:
+            raise ValueError(f"fp8_weight_dot_general: lhs_prologue needs its output contracted over its last "
+                             f"axis alone; got dimension_numbers={dimension_numbers}")
         return fp8.dot_with_prologue(lhs, lhs_prologue, lambda x: fp8_weight_dot_general(
             weight_scale, x, rhs, dimension_numbers, precision, preferred_element_type, mode=mode))
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers

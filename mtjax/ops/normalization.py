@@ -46,7 +46,8 @@ LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 # row scale after the product, `Norm.folded_dot` (docs/inference-kernels.md).
 FOLD_MAX_ROWS = 8
 # Whether `Norm.folds_into_gemm` lets a GEMM fold the norm at all (off: the norm runs in front of the
-# GEMM at any row count). Off until a GPU run shows the decode step faster (docs/inference-kernels.md).
+# GEMM at any row count); read at trace time. Off until a GPU run shows the decode step faster
+# (docs/inference-kernels.md).
 FOLD_INTO_GEMM = False
 
 
@@ -281,8 +282,10 @@ class Norm:
         return layernorm(x, self.gamma, self.beta, epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma)
 
     def folds_into_gemm(self, x: jax.Array | jax.ShapeDtypeStruct) -> bool:
-        """Whether a GEMM of ``norm(x)`` runs as `folded_dot`: an RMSNorm of at most `FOLD_MAX_ROWS` rows."""
+        """Whether a GEMM of ``norm(x)`` runs as `folded_dot`: an RMSNorm of at most `FOLD_MAX_ROWS` rows
+        of a dtype with float32's range (float16's could not hold the unnormalized product)."""
         return (FOLD_INTO_GEMM and self.layernorm_type == "rmsnorm"
+                and jnp.finfo(x.dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
                 and math.prod(jnp.shape(x)[:-1]) <= FOLD_MAX_ROWS)
 
     def folded_dot(self, x: jax.Array, dot: Callable[[jax.Array], jax.Array]) -> jax.Array:
@@ -293,6 +296,7 @@ class Norm:
         only (`folds_into_gemm`)."""
         if self.layernorm_type != "rmsnorm":
             raise ValueError(f"Norm.folded_dot: layernorm_type={self.layernorm_type!r}; only 'rmsnorm' folds")
+        _check_typed("Norm", self.layernorm_type, x, self.gamma, self.beta, self.epsilon)
         xf = x.astype(jnp.float32)
         row_scale = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + self.epsilon)
         y = dot((xf * _scale(self.gamma, self.zero_centered_gamma)).astype(x.dtype))

@@ -216,3 +216,12 @@ def test_gpu_fp8_gemms_read_the_stored_kernels_without_copies(rows):
     assert readers, "no fusion or custom call reads an FP8 parameter"
     copies = [line for line in lines if "f8e4m3fn[" in line and (" transpose(" in line or " copy(" in line)]
     assert not copies, "\n".join(copies[:10])
+
+
+def test_a_prologue_needs_its_output_contracted_over_the_last_axis():
+    from mtjax import ops
+
+    norm = ops.Norm(jnp.ones((4,)), layernorm_type="rmsnorm")
+    with pytest.raises(ValueError, match="lhs_prologue needs its output contracted over its last axis"):
+        fp8_weights.fp8_weight_dot_general(jnp.ones((4,)), jnp.ones((4, 4)), jnp.ones((4, 4)),
+                                           (((0,), (0,)), ((), ())), lhs_prologue=norm)

@@ -188,9 +188,10 @@ TMA_CASES = {
     "causal_q_longer": (300, 250, 2, {"mask_type": "causal"}),  # the first rows see no key
     "window": (256, 256, 2, {"window_size": (100, 20)}),
     "full_kv_tail": (130, 70, 2, {}),
-    # blocks inside the band between masked edge blocks (`TMA_EDGE_MASK_ONLY` skips their mask)
+    # several key blocks a row block: row limits at k0 > 0, a left-only window with a key tail
     "causal_long": (640, 640, 1, {"mask_type": "causal"}),
     "window_long": (640, 768, 2, {"window_size": (300, 0)}),
+    "window_left_kv_tail": (256, 330, 2, {"window_size": (100, -1)}),
 }
 
 
@@ -216,6 +217,25 @@ def test_attention_tma_forward_matches_reference(interpret, monkeypatch, case):
         _, want_lse = native.flash_attention_forward(q, k, v, scale=0.2, causal=causal)
         # Rows that see no key have an infinite log-sum-exp in both.
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["causal_long", "window_left_kv_tail", "full_kv_tail"])
+def test_attention_tma_forward_row_limits_are_the_keep_mask(interpret, monkeypatch, case):
+    """The TMA forward's per-row column limits (`TMA_ROW_LIMITS`) and `_keep` give the same output, to
+    the bit."""
+    from mtjax.kernels.triton import flash_attention as native
+
+    q_len, kv_len, kv_heads, options = TMA_CASES[case]
+    q, k, v = _inputs(8, (1, q_len, 2, 128), (1, kv_len, kv_heads, 128), (1, kv_len, kv_heads, 128),
+                      dtype=jnp.bfloat16)
+    outs = []
+    for row_limits in (True, False):
+        monkeypatch.setattr(native, "TMA_ROW_LIMITS", row_limits)
+        with runtime.record_launches() as launches:
+            outs.append(jax.jit(lambda q, k, v: ops.attention(q, k, v, scale=0.2, implementation="triton",
+                                                              **options))(q, k, v))
+        assert "mtjax_triton_flash_attention_fwd_tma" in {r.name for r in launches}
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
 
 
 def test_attention_explicit_tiles_keep_the_forward_kernel():
@@ -704,9 +724,9 @@ def test_block_fp8_compiles_for_hopper():
 
 
 def test_gelu_fp8_kernels_use_the_approximate_tanh_on_cuda(monkeypatch):
-    """Lowered for cuda (not interpreted), the kernels writing GELU's output or gradient in FP8 (tile
-    casts and per-tensor) take tanh from ``tanh.approx.f32``; the other platforms' branch keeps the
-    exact form."""
+    """Not interpreted, the kernels writing GELU's output or gradient in FP8 (tile casts and per-tensor)
+    are traced for both platform branches: the one with ``APPROX_TANH`` (cuda's) compiles to
+    ``tanh.approx.f32``, the other keeps the exact form."""
     from mtjax.config import config
     from mtjax.kernels import activation as activation_kernels
     from mtjax.kernels.triton import activation as native_activation
