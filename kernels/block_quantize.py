@@ -99,7 +99,6 @@ class ActivationPrologue:
 
     activation: str
     has_bias: bool
-    ptx: bool = False  # set by `tile_quantize` per lowering platform (`activation.with_fp8_activation_ptx`)
 
     @property
     def gated(self) -> bool:
@@ -132,8 +131,9 @@ def _load_vector(ref, index, size, exact):
     return value.astype(jnp.float32)
 
 
-def _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact):
-    """The float32 ``[rows, cols]`` tile of ``prologue(x)`` (of ``x`` without one), 0 where masked,
+def _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact, ptx):
+    """The float32 ``[rows, cols]`` tile of ``prologue(x)`` (of ``x`` without one; ``ptx``: an
+    activation's `fp8_output_activation`), 0 where masked,
     and the mask (None when the tiles cover the array exactly)."""
     x, mask = _load(x_ref, rows, cols, m, k, exact)
     if prologue is None:
@@ -148,7 +148,7 @@ def _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact):
         if prologue.has_beta:
             y = y + _load_vector(rest[0], cols, k, exact)[None, :]
     else:
-        fn, gate_fn = fp8_output_activation(prologue.activation, prologue.ptx)
+        fn, gate_fn = fp8_output_activation(prologue.activation, ptx)
         if prologue.has_bias:
             x = x + _load_vector(operands[0], cols, k, exact)[None, :]
         y = fn(x)[0]
@@ -161,7 +161,7 @@ def _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact):
     return (y, mask) if mask is None else (jnp.where(mask, y, 0.0), mask)
 
 
-def _tile_kernel(*refs, m, k, rows_per_program, transpose, fp8_max, power_of_two, amax_epsilon, prologue,
+def _tile_kernel(*refs, m, k, rows_per_program, transpose, fp8_max, power_of_two, amax_epsilon, prologue, ptx,
                  num_operands):
     x_ref, operands = refs[0], refs[1:1 + num_operands]
     q_ref, s_ref, *rest = refs[1 + num_operands:]
@@ -169,7 +169,7 @@ def _tile_kernel(*refs, m, k, rows_per_program, transpose, fp8_max, power_of_two
     rows = i * rows_per_program + jnp.arange(rows_per_program)
     cols = j * TILE + jnp.arange(TILE)
     exact = m % rows_per_program == 0 and k % TILE == 0
-    x, mask = _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact)
+    x, mask = _prologue_tile(x_ref, operands, prologue, rows, cols, m, k, exact, ptx)
     scale, scale_inv = tile_scales(jnp.max(jnp.abs(x), axis=1), fp8_max, power_of_two, amax_epsilon)
     plgpu.store(q_ref.at[rows[:, None], cols[None, :]], saturate_cast(x * scale[:, None], q_ref.dtype), mask=mask)
     plgpu.store(s_ref.at[rows, j], scale_inv, mask=None if exact else rows < m)
@@ -201,8 +201,8 @@ def tile_quantize(x: jax.Array, out_dtype, *, transpose: bool = False, fp8_max: 
     def run(ptx, x, *operands):
         kernel = functools.partial(
             _tile_kernel, m=m, k=k, rows_per_program=rows, transpose=transpose, fp8_max=fp8_max,
-            power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_operands=len(operands),
-            prologue=dataclasses.replace(prologue, ptx=ptx) if isinstance(prologue, ActivationPrologue) else prologue)
+            power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_operands=len(operands), prologue=prologue,
+            ptx=ptx)
         return tuple(pallas_call(
             kernel, out_shape=tuple(out_shape), grid=grid,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from mtjax import axes, fp8, ops
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.ops import LAYERNORM_TYPES
-from mtjax.ops.checks import check_choice
+from mtjax.ops.checks import check_choice, check_shape
 
 
 def check_layernorm_type(owner: str, layernorm_type: str) -> None:
@@ -59,9 +59,7 @@ def input_norm(module: nn.Module, x: jax.Array, residual: jax.Array | None, *, a
     )
     if residual is not None:
         if not apply_now and norm.folds_into_gemm(x) and fp8.current_autocast() is None:
-            if residual.shape != x.shape:
-                raise ValueError(f"{type(module).__name__}: residual has shape {residual.shape}; expected the "
-                                 f"input's {x.shape}")
+            check_shape(type(module).__name__, "residual", residual, x.shape)
             new_residual = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(residual.dtype)
             return new_residual.astype(x.dtype), norm, new_residual
         x, new_residual = norm.with_residual(x, residual)

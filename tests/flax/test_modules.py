@@ -412,6 +412,8 @@ def test_rmsnorm_folds_into_gemms_of_few_rows(monkeypatch, zero_centered_gamma):
                 m.setattr(normalization, "FOLD_INTO_GEMM", False)
                 want = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(p, branch, stream)
             close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"LayerNormMLP: residual has shape \(1, 1, 8\); expected \(1, 1, 16\)"):
+        mlp.apply({"params": p}, rand(0, (1, 1, 16)), residual=rand(1, (1, 1, 8)), deterministic=True)
     folded.clear()
     x = rand(0, (1, 16))
     norm = ops.Norm(rand(1, (16,)), rand(2, (16,)), layernorm_type="layernorm")
