@@ -70,6 +70,16 @@ def pallas_call(kernel: Callable[..., None], *, out_shape: Any, **kwargs: Any) -
     return call
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``, for ``None``, or where
+    jax does not type them)."""
+    if x is None:
+        return frozenset()
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
 def vary_together(*arrays):
     """``arrays`` (``None`` passes through) cast to vary over every ``shard_map`` axis any of them
     varies over; a no-op outside ``shard_map``. Before a ``custom_vjp``: its backward then returns a
@@ -77,13 +87,9 @@ def vary_together(*arrays):
     (a norm's gamma) over the mesh, as autodiff would. After a kernel call whose output type drops the
     axes (Mosaic GPU's ``plgpu.kernel``, an FFI call): its output varies as its operands do."""
 
-    def axes(x):
-        mat = None if x is None else getattr(jax.typeof(x), "mat", None)
-        return frozenset() if mat is None else frozenset(mat.varying)
-
-    union = frozenset().union(*map(axes, arrays))
-    return tuple(x if x is None or not union - axes(x)
-                 else jax.lax.pcast(x, tuple(sorted(union - axes(x))), to="varying") for x in arrays)
+    union = frozenset().union(*map(varying_axes, arrays))
+    return tuple(x if x is None or not union - varying_axes(x)
+                 else jax.lax.pcast(x, tuple(sorted(union - varying_axes(x))), to="varying") for x in arrays)
 
 
 def interpret() -> bool:

@@ -19,6 +19,7 @@ from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.flax.transformer import TransformerLayer
+from mtjax.kernels.common import varying_axes
 from mtjax.ops.checks import is_finite_number
 from mtjax.sharding import expert as expert_parallel
 
@@ -54,13 +55,6 @@ def _mesh_axes_of(name: str | None) -> tuple[str, ...]:
     return (resolved,) if isinstance(resolved, str) else tuple(resolved)
 
 
-def _varying_axes(x: jax.Array) -> frozenset[str]:
-    """The manual mesh axes ``x`` varies over (jax 0.11: ``manual_axis_type.varying``; older: ``vma``)."""
-    aval = jax.typeof(x)
-    axis_type = getattr(aval, "manual_axis_type", None)
-    return frozenset(axis_type.varying if axis_type is not None else getattr(aval, "vma", ()))
-
-
 def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
     """The arrays marked varying over every manual mesh axis any of them varies over.
 
@@ -69,41 +63,45 @@ def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
     too, so both operands are made to vary over all of them; the transpose of that cast is the
     ``psum`` of the kernels' gradient over the batch axes.
     """
-    union = frozenset().union(*(_varying_axes(a) for a in arrays))
+    union = frozenset().union(*(varying_axes(a) for a in arrays))
     out = []
     for a in arrays:
-        missing = tuple(sorted(union - _varying_axes(a)))
+        missing = tuple(sorted(union - varying_axes(a)))
         out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
     return out
 
 
-def _expert_gemm(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``ops.grouped_gemm``, or under `mtjax.fp8.fp8_autocast` its FP8 variant: block-scaled for
-    `mtjax.fp8.BlockScaling`, current scaling for the per-tensor recipes."""
+def _meta_specs(meta: Mapping[str, jax.Array], ep_spec: str | None) -> dict[str, PartitionSpec]:
+    """The ``shard_map`` specs of a grouped GEMM's delayed-scaling state: the ``kernel`` role's entries
+    (a leading ``[experts]`` axis) live with their experts, the others are replicated."""
+    return {k: PartitionSpec(ep_spec) if k.startswith("kernel_") else PartitionSpec() for k in meta}
+
+
+def _expert_gemm(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, meta: Mapping[str, jax.Array] | None,
+                 ) -> jax.Array:
+    """``ops.grouped_gemm``, or under `mtjax.fp8.fp8_autocast` `mtjax.fp8.fp8_grouped_gemm` with the
+    recipe (``meta``: its delayed-scaling state, else None)."""
     x, kernel = _vary_alike(x, kernel)
     autocast = fp8.current_autocast()
     if autocast is None:
         return ops.grouped_gemm(x, kernel, group_sizes)
-    recipe = autocast.recipe
-    forward, gradient = recipe.fp8_format.dtypes()
-    if isinstance(recipe, fp8.BlockScaling):
-        return ops.grouped_gemm_block_fp8(x, kernel, group_sizes, forward_dtype=forward, gradient_dtype=gradient,
-                                          power_of_two=recipe.power_of_two_scales, amax_epsilon=recipe.amax_epsilon)
-    return ops.grouped_gemm_fp8(x, kernel, group_sizes, forward_dtype=forward, gradient_dtype=gradient)
+    return fp8.fp8_grouped_gemm(x, kernel, group_sizes, meta, recipe=autocast.recipe, mesh_axes=autocast.mesh_axes)
 
 
-def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array,
-               activation: str) -> jax.Array:
+def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array, activation: str,
+               metas: tuple[Mapping[str, jax.Array] | None, Mapping[str, jax.Array] | None] = (None, None),
+               ) -> jax.Array:
     """The experts' MLPs on rows sorted by expert: ``act(x @ wi[e]) @ wo[e]`` as two grouped GEMMs.
 
     ``x [rows, hidden]``, ``group_sizes [experts]``, ``wi [experts, hidden, num_activations, ffn]``
     (the pair axis of a gated activation: slot 0 activated, slot 1 the gate), ``wo [experts, ffn,
-    hidden]``; rows past ``sum(group_sizes)`` give zeros.
+    hidden]``; rows past ``sum(group_sizes)`` give zeros. ``metas``: the two GEMMs' delayed-scaling
+    states under `mtjax.fp8.fp8_autocast` with `mtjax.fp8.DelayedScaling` (`mtjax.fp8.GroupedGemmMeta`).
     """
     experts, hidden, num_activations, ffn = wi.shape
-    h = _expert_gemm(x, wi.reshape(experts, hidden, num_activations * ffn), group_sizes)
+    h = _expert_gemm(x, wi.reshape(experts, hidden, num_activations * ffn), group_sizes, metas[0])
     h = ops.activation(h.reshape(-1, 2, ffn) if num_activations == 2 else h, activation)
-    return _expert_gemm(h, wo, group_sizes)
+    return _expert_gemm(h, wo, group_sizes, metas[1])
 
 
 class MoEBlock(nn.Module):
@@ -306,7 +304,9 @@ class MoEBlock(nn.Module):
                              self.wo_kernel_axes).astype(self.dtype)
         weights = routing.weights.reshape(batch, length, self.experts_per_token)
         experts = routing.experts.reshape(batch, length, self.experts_per_token)
-        y, dropped = self._routed(x, experts, weights, wi, wo, activation)
+        metas = (fp8.GroupedGemmMeta(self.num_experts, name="wi_fp8")(),
+                 fp8.GroupedGemmMeta(self.num_experts, name="wo_fp8")())
+        y, dropped = self._routed(x, experts, weights, wi, wo, metas, activation)
         self.sow(MOE_METRICS, "dropped_fraction", dropped / (batch * length * self.experts_per_token))
 
         if self.num_shared_experts:
@@ -341,11 +341,11 @@ class MoEBlock(nn.Module):
         return ops.expert_capacity(tokens, self.experts_per_token, self.num_experts, self.capacity_factor)
 
     def _routed(self, x: jax.Array, experts: jax.Array, weights: jax.Array, wi: jax.Array, wo: jax.Array,
-                activation: str) -> tuple[jax.Array, jax.Array]:
+                metas: tuple[Any, Any], activation: str) -> tuple[jax.Array, jax.Array]:
         """The routed experts' output ``[batch, length, hidden]`` and the number of dropped slots."""
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
-            return self._local(x, experts, weights, wi, wo, activation, ep_axis=None, mlp_axes=())
+            return self._local(x, experts, weights, wi, wo, metas, activation, ep_axis=None, mlp_axes=())
         batch_axes = _mesh_axes_of(axes.ACTIVATION_BATCH)
         ep_axes = _mesh_axes_of(self.wi_kernel_axes[0])
         mlp_axes = _mesh_axes_of(self.wi_kernel_axes[3])
@@ -361,19 +361,23 @@ class MoEBlock(nn.Module):
         ep_spec = ep_axis  # expert kernels outside the ep axis are gathered (e.g. over fsdp)
         mlp_spec = mlp_axes or None
 
-        def local(x, experts, weights, wi, wo):
-            y, dropped = self._local(x, experts, weights, wi, wo, activation, ep_axis=ep_axis, mlp_axes=mlp_axes)
+        def local(x, experts, weights, wi, wo, metas):
+            metas = tuple(m or None for m in metas)
+            y, dropped = self._local(x, experts, weights, wi, wo, metas, activation, ep_axis=ep_axis,
+                                     mlp_axes=mlp_axes)
             return y, jax.lax.psum(dropped, batch_axes) if batch_axes else dropped
 
+        metas = tuple({} if m is None else m for m in metas)  # no state: an empty tree crosses
         return jax.shard_map(
             local, mesh=mesh, axis_names=manual,
             in_specs=(tokens, tokens, tokens, PartitionSpec(ep_spec, None, None, mlp_spec),
-                      PartitionSpec(ep_spec, mlp_spec, None)),
+                      PartitionSpec(ep_spec, mlp_spec, None), tuple(_meta_specs(m, ep_spec) for m in metas)),
             out_specs=(tokens, PartitionSpec()),
-        )(x, experts, weights, wi, wo)
+        )(x, experts, weights, wi, wo, metas)
 
     def _local(self, x: jax.Array, experts: jax.Array, weights: jax.Array, wi: jax.Array, wo: jax.Array,
-               activation: str, *, ep_axis: str | None, mlp_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+               metas: tuple[Any, Any], activation: str, *, ep_axis: str | None,
+               mlp_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
         """One device's share (or the whole computation without a mesh)."""
         batch, length, hidden = x.shape
         tokens = batch * length
@@ -384,7 +388,7 @@ class MoEBlock(nn.Module):
                                                    align=self.expert_row_alignment)
         dropped = state.num_dropped
         if ep_axis is None:
-            y_sorted = expert_mlp(x_sorted, group_sizes, wi, wo, activation)
+            y_sorted = expert_mlp(x_sorted, group_sizes, wi, wo, activation, metas)
         else:
             rows = x_sorted.shape[0]
             ep = jax.lax.axis_size(ep_axis)
@@ -396,7 +400,7 @@ class MoEBlock(nn.Module):
                 capacity = min(capacity, local_experts * -(-expert_capacity // align) * align)
             x_local, local_sizes, dispatch_state = expert_parallel.dispatch(
                 x_sorted, group_sizes, axis_name=ep_axis, capacity=capacity, payload_dtype=self.dispatch_dtype)
-            y_local = expert_mlp(x_local, local_sizes, wi, wo, activation)
+            y_local = expert_mlp(x_local, local_sizes, wi, wo, activation, metas)
             y_sorted = expert_parallel.combine(y_local, dispatch_state, axis_name=ep_axis, rows=rows)
         if mlp_axes:  # partial sums of the second GEMM over the split expert columns
             y_sorted = jax.lax.psum(y_sorted, mlp_axes)

@@ -37,7 +37,8 @@ Limitation: one `DotGeneral` instance must run once per differentiated function 
 
 The package: `mtjax.fp8.recipes` (formats and recipes), `mtjax.fp8.scaling` (the state and the scale
 math), `mtjax.fp8.context` (`fp8_autocast`, `autocast`), `mtjax.fp8.dot_general` (the FP8 GEMM and
-`DotGeneral`), `mtjax.fp8.mlp` (the fused FP8 MLP) and `mtjax.fp8.gradients` (the meta on
+`DotGeneral`), `mtjax.fp8.mlp` (the fused FP8 MLP), `mtjax.fp8.grouped_gemm` (FP8 grouped GEMMs
+of experts, with a per-expert kernel history under delayed scaling) and `mtjax.fp8.gradients` (the meta on
 gradients and optimizers); `mtjax.fp8.block_scaling` holds the matmul and the fused MLP of
 `BlockScaling` (1x128 tiles, 128x128 weight blocks, no state; docs/fp8-block-scaling.md).
 The FP8 dtypes are `mtjax.dtypes`'; the quantize, cast_transpose and FP8 GEMM ops are `mtjax.ops`', re-exported here.
@@ -54,6 +55,7 @@ from mtjax.fp8.gradients import (
                                  map_param_gradients,
                                  split_gradients,
 )
+from mtjax.fp8.grouped_gemm import GroupedGemmMeta, fp8_grouped_gemm, init_grouped_meta
 from mtjax.fp8.mlp import fp8_mlp, fuses_mlp
 from mtjax.fp8.recipes import (
     AMAX_COMPUTE_ALGOS,
@@ -94,6 +96,7 @@ __all__ = [
     "cast_transpose_reference", "compiler_options",
     "compute_scale", "current_autocast", "dequantize", "dot_with_prologue", "finalize_accumulated", "fp8_autocast",
     "fp8_dot_general",
+    "GroupedGemmMeta", "fp8_grouped_gemm", "init_grouped_meta",
     "fp8_gemm", "fp8_gemm_reference", "fp8_max", "fp8_mlp", "fuses_mlp", "history_amax", "init_meta",
     "map_param_gradients", "max_margin", "quantize", "recipe_by_name",
     "roll_amax_history", "split_gradients",

@@ -31,13 +31,13 @@ from mtjax.fp8.scaling import (
     ROLES,
     _bound_axes,
     _reduce_max,
-    _varying_axes,
     amax,
     compute_scale,
     history_amax,
     init_meta,
     roll_amax_history,
 )
+from mtjax.kernels.common import varying_axes
 from mtjax.ops import Activation, Norm, cast_transpose, fp8_gemm
 
 # What can run in front of an FP8 GEMM, fused with the quantization of its input.
@@ -271,10 +271,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     # sums the gradient of a replicated operand, as autodiff of a plain dot would), and amaxes are
     # max-reduced over every axis the data varies over but the meta does not, so replicated meta
     # stays replicated (plus the bound ``mesh_axes`` the recipe asks to reduce over).
-    data_axes = _varying_axes(lhs) | _varying_axes(rhs)
-    lhs = lax.pcast(lhs, tuple(sorted(data_axes - _varying_axes(lhs))), to="varying")
-    rhs = lax.pcast(rhs, tuple(sorted(data_axes - _varying_axes(rhs))), to="varying")
-    meta_axes = frozenset().union(*(_varying_axes(v) for v in jax.tree.leaves(meta)))
+    data_axes = varying_axes(lhs) | varying_axes(rhs)
+    lhs = lax.pcast(lhs, tuple(sorted(data_axes - varying_axes(lhs))), to="varying")
+    rhs = lax.pcast(rhs, tuple(sorted(data_axes - varying_axes(rhs))), to="varying")
+    meta_axes = frozenset().union(*(varying_axes(v) for v in jax.tree.leaves(meta)))
     reduce_axes = set(data_axes - meta_axes) if meta is not None else set()
     if not isinstance(recipe, DelayedScaling) or recipe.reduce_amax:
         reduce_axes |= set(_bound_axes(mesh_axes))

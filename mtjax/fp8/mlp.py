@@ -22,7 +22,8 @@ from mtjax.fp8.dot_general import (
     _quantized_input_matmul_fwd,
 )
 from mtjax.fp8.recipes import BlockScaling, DelayedScaling
-from mtjax.fp8.scaling import _bound_axes, _varying_axes
+from mtjax.fp8.scaling import _bound_axes
+from mtjax.kernels.common import varying_axes
 from mtjax.ops import Activation, Norm, is_gated
 
 
@@ -65,7 +66,7 @@ def fuses_mlp(*arrays: jax.Array) -> bool:
     `fp8_dot_general`'s path, one GEMM at a time)."""
     state = current_autocast()
     return (state is not None and isinstance(state.recipe, (DelayedScaling, BlockScaling))
-            and not any(_varying_axes(a) for a in arrays))
+            and not any(varying_axes(a) for a in arrays))
 
 
 def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.Array] | None,
@@ -113,7 +114,7 @@ def fp8_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, meta1: Mapping[str, jax.
                          f"{activation.activation_type!r}; expected {expected}")
     if w2.ndim != 2 or w2.shape[0] != w1.shape[-1]:
         raise ValueError(f"fp8_mlp: w2 of shape {w2.shape}; expected [mlp, out] with mlp = {w1.shape[-1]}")
-    if any(_varying_axes(a) for a in (x, w1, w2)):
+    if any(varying_axes(a) for a in (x, w1, w2)):
         raise ValueError("fp8_mlp: operands vary over shard_map axes; use fp8_dot_general per GEMM there")
     reduce_axes = _bound_axes(mesh_axes) if isinstance(recipe, DelayedScaling) and recipe.reduce_amax else ()
     h_dtype = jnp.result_type(x.dtype, w1.dtype)

@@ -39,13 +39,6 @@ def _bound_axes(mesh_axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(bound)
 
 
-def _varying_axes(x: Any) -> frozenset[str]:
-    """The shard_map axes ``x`` varies over (empty outside shard_map or without its type checks)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.11; earlier versions called it ``vma``
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
 def _reduce_max(value: jax.Array, axes: Sequence[str]) -> jax.Array:
     return lax.pmax(value, tuple(axes)) if axes else value
 
@@ -103,17 +96,19 @@ def amax_jump(fp8_meta: Any) -> jax.Array:
 
 
 def roll_amax_history(history: jax.Array, amax: jax.Array) -> jax.Array:
-    """``[amax, history[0], ..., history[-2]]``; a NaN/Inf amax enters as 0 (it carries no scale)."""
+    """``[amax, history[0], ..., history[-2]]`` along the last axis (``history [..., L]``, ``amax
+    [...]``: one history per group too); a NaN/Inf amax enters as 0 (it carries no scale)."""
     amax = jnp.asarray(amax, jnp.float32)
     amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
-    return jnp.concatenate([amax[None], history[:-1]])
+    return jnp.concatenate([amax[..., None], history[..., :-1]], axis=-1)
 
 
 def history_amax(history: jax.Array, amax_compute_algo: str) -> jax.Array:
-    """The amax a scale is computed from: the history's ``"max"`` or its ``"most_recent"`` entry."""
+    """The amax a scale is computed from: the ``"max"`` or the ``"most_recent"`` entry of ``history
+    [..., L]`` (along the last axis)."""
     if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(f"history_amax(amax_compute_algo={amax_compute_algo!r}): accepted: {AMAX_COMPUTE_ALGOS}")
-    return jnp.max(history) if amax_compute_algo == "max" else history[0]
+    return jnp.max(history, axis=-1) if amax_compute_algo == "max" else history[..., 0]
 
 
 def init_meta(amax_history_len: int = 1024) -> dict[str, jax.Array]:

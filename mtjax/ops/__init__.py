@@ -33,7 +33,13 @@ from mtjax.ops.context_parallel import (
 )
 from mtjax.ops.cross_entropy import softmax_cross_entropy
 from mtjax.ops.gemm import fp8_gemm
-from mtjax.ops.grouped_gemm import grouped_gemm, grouped_gemm_block_fp8, grouped_gemm_fp8, grouped_gemm_wgrad
+from mtjax.ops.grouped_gemm import (
+    GroupedFP8Scales,
+    grouped_gemm,
+    grouped_gemm_block_fp8,
+    grouped_gemm_fp8,
+    grouped_gemm_wgrad,
+)
 from mtjax.ops.normalization import LAYERNORM_TYPES, Norm, layernorm, norm_fp8, norm_tile_fp8, residual_norm, rmsnorm
 from mtjax.ops.paged_attention import PAGE_DTYPES, paged_attention
 from mtjax.ops.permutation import PermuteState, expert_capacity, permute, unpermute
@@ -57,7 +63,7 @@ __all__ = [
     "COLLECTIVE_MATMUL_KINDS", "all_gather_matmul", "matmul_reduce_scatter", "sequence_parallel_matmul",
     "CONTEXT_PARALLEL_STRATEGIES", "all_gather_attention", "attention_with_lse", "attention_with_lse_backward",
     "context_parallel_attention", "merge_attention", "ring_attention",
-    "grouped_gemm", "grouped_gemm_block_fp8", "grouped_gemm_fp8", "grouped_gemm_wgrad",
+    "GroupedFP8Scales", "grouped_gemm", "grouped_gemm_block_fp8", "grouped_gemm_fp8", "grouped_gemm_wgrad",
     "PermuteState", "expert_capacity", "permute", "unpermute",
     "SCORE_FUNCTIONS", "RouterOutput", "expert_counts", "load_balancing_loss", "route", "router_z_loss",
     "update_expert_bias",

@@ -16,12 +16,13 @@ gradient with ``rhs`` transposed, ``d rhs`` the per-group ``lhs^T dy`` into ``[G
 (`mtjax.kernels.triton.grouped_gemm`), ``"mosaic_gpu"`` a warp-specialised Hopper kernel, ``"cublaslt"``
 one cuBLASLt GEMM per group (`mtjax.kernels.cublaslt`; the group sizes are read to the host first).
 
-`grouped_gemm_fp8` is the FP8 variant (E4M3 operands, E5M2 output gradient by default) with current
-scaling: a per-tensor scale for ``lhs`` and the output gradient, a per-group scale for ``rhs``,
-computed from each tensor's amax in the same step. Accumulation is float32; the dequantization scales
-multiply the float32 accumulator in the kernels' epilogue (one ``[G]`` scale per group), so no float32
-product is ever written out. ``d lhs`` multiplies E5M2 gradients by E4M3 weights: on cuBLASLt as they
-are, elsewhere on their values dequantized to the model's dtype (`grouped_gemm_tensor_scaled`).
+`grouped_gemm_fp8` is the FP8 variant (E4M3 operands, E5M2 output gradient by default): a per-tensor
+scale for ``lhs`` and the output gradient, a per-group scale for ``rhs``, computed from each tensor's
+amax in the same step (current scaling) or given by the caller (delayed scaling, `GroupedFP8Scales`).
+Accumulation is float32; the dequantization scales multiply the float32 accumulator in the kernels'
+epilogue (one ``[G]`` scale per group), so no float32 product is ever written out. ``d lhs``
+multiplies E5M2 gradients by E4M3 weights: on cuBLASLt as they are, elsewhere on their values
+dequantized to the model's dtype (`grouped_gemm_tensor_scaled`).
 
 `grouped_gemm_block_fp8` has `mtjax.fp8.BlockScaling`'s numerics: 1x128 tiles for the activations
 and gradients, 128x128 blocks per group for ``rhs``.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ from mtjax import backend
 from mtjax.dtypes import check_fp8_dtype, is_fp8, widen_fp8
 from mtjax.kernels import grouped_gemm as gg_kernels
 from mtjax.kernels.common import interpret as kernel_interpret
-from mtjax.kernels.common import saturate_cast
+from mtjax.kernels.common import saturate_cast, varying_axes
 from mtjax.kernels.grouped_gemm import BlockSizes, GemmTiles
 from mtjax.ops.block_quantization import TILE, block_dequantize, block_quantize, tile_dequantize, tile_quantize
 from mtjax.ops.checks import check_choice, check_float, check_rank, check_tile_options
@@ -377,37 +378,70 @@ def _fp8_scale(amax: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(usable, jnp.float32(jnp.finfo(dtype).max) / jnp.where(usable, amax, 1.0), 1.0)
 
 
-def _quantize_tensor(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``(saturate_cast(x * scale), 1 / scale)`` with one scale for the whole tensor."""
-    scale = _fp8_scale(jnp.max(jnp.abs(x)), dtype)
-    return saturate_cast(x.astype(jnp.float32) * scale, dtype), 1.0 / scale
+class GroupedFP8Scales(NamedTuple):
+    """The scales `grouped_gemm_fp8` quantizes with when a caller keeps them (delayed scaling):
+    ``q = saturate_cast(x * scale)``, float32.
+
+    Attributes:
+      lhs: ``[]``, the scale of ``lhs``.
+      rhs: ``[G]``, one per group of ``rhs``.
+      grad: ``[]``, the scale of the output gradient.
+    """
+
+    lhs: jax.Array
+    rhs: jax.Array
+    grad: jax.Array
 
 
-def _quantize_groups(rhs: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """Per-group scales of ``rhs [G, ...]``: ``(q [G, ...], scale_inv [G])``."""
-    scale = _fp8_scale(jnp.max(jnp.abs(rhs), axis=(1, 2)), dtype)
-    return saturate_cast(rhs.astype(jnp.float32) * scale[:, None, None], dtype), 1.0 / scale
+def _amax(x: jax.Array, axis: Any = None) -> jax.Array:
+    return jnp.max(jnp.abs(x), axis=axis).astype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
-    return _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks,
+def _cast(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return saturate_cast(x.astype(jnp.float32) * scale, dtype)
+
+
+def _observed(amax: jax.Array, scale: jax.Array) -> jax.Array:
+    """``amax`` typed as ``scale`` is inside ``shard_map``: max-reduced over the axes the data varies
+    over and the scale does not (the cotangent of a scale must vary as the scale does)."""
+    extra = varying_axes(amax) - varying_axes(scale)
+    if extra:
+        amax = lax.pmax(amax, tuple(sorted(extra)))
+    missing = varying_axes(scale) - varying_axes(amax)
+    return lax.pcast(amax, tuple(sorted(missing)), to="varying") if missing else amax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _grouped_gemm_fp8(lhs, rhs, group_sizes, scales, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
+    return _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, scales, forward_dtype, gradient_dtype, out_dtype, blocks,
                                  implementation)[0]
 
 
-def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, out_dtype, blocks, implementation):
-    lhs_q, lhs_scale_inv = _quantize_tensor(lhs, forward_dtype)
-    rhs_q, rhs_scale_inv = _quantize_groups(rhs, forward_dtype)
+def _grouped_gemm_fp8_fwd(lhs, rhs, group_sizes, scales, forward_dtype, gradient_dtype, out_dtype, blocks,
+                          implementation):
+    lhs_amax, rhs_amax = _amax(lhs), _amax(rhs, axis=(1, 2))
+    if scales is None:  # current scaling: from this step's amaxes
+        lhs_scale, rhs_scale, observed = _fp8_scale(lhs_amax, forward_dtype), _fp8_scale(rhs_amax, forward_dtype), None
+    else:
+        lhs_scale, rhs_scale = scales.lhs, scales.rhs
+        observed = (_observed(lhs_amax, scales.lhs), _observed(rhs_amax, scales.rhs))
+    lhs_q, lhs_scale_inv = _cast(lhs, lhs_scale, forward_dtype), 1.0 / lhs_scale
+    rhs_q, rhs_scale_inv = _cast(rhs, rhs_scale[:, None, None], forward_dtype), 1.0 / rhs_scale
     # Written as [G, N, K], contraction innermost: Hopper's FP8 tensor-core GEMM takes both operands
     # K-major (the transpose rides along in the cast's fusion).
     out = _gmm(lhs_q, jnp.swapaxes(rhs_q, 1, 2), group_sizes, True, out_dtype, blocks.forward, implementation,
                group_scale=rhs_scale_inv * lhs_scale_inv)
-    return out, (lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes)
+    return out, (lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes, scales, observed)
 
 
 def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, implementation, residuals, grad):
-    lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes = residuals
-    grad_q, grad_scale_inv = _quantize_tensor(grad, gradient_dtype)
+    lhs_q, lhs_scale_inv, rhs_q, rhs_scale_inv, group_sizes, scales, observed = residuals
+    grad_amax = _amax(grad)
+    if scales is None:
+        grad_scale, d_scales = _fp8_scale(grad_amax, gradient_dtype), None
+    else:  # the "gradient" of the scales: the amaxes this step observed (the state's next entries)
+        grad_scale, d_scales = scales.grad, GroupedFP8Scales(*observed, _observed(grad_amax, scales.grad))
+    grad_q, grad_scale_inv = _cast(grad, grad_scale, gradient_dtype), 1.0 / grad_scale
     grad_dq = _dequantize(grad_q, grad_scale_inv, out_dtype)
     # d lhs = grad @ rhs[g]^T: FP8 operands of two formats (`grouped_gemm_tensor_scaled`).
     d_lhs = _scaled_gmm("grouped_gemm_tensor_scaled", grad_q, grad_scale_inv, rhs_q, rhs_scale_inv, group_sizes,
@@ -416,7 +450,7 @@ def _grouped_gemm_fp8_bwd(forward_dtype, gradient_dtype, out_dtype, blocks, impl
     # laid out here: on the dequantized values.
     d_rhs = _tgmm(_dequantize(lhs_q, lhs_scale_inv, out_dtype), grad_dq, group_sizes, out_dtype, blocks.wgrad,
                   implementation)
-    return d_lhs, d_rhs, None
+    return d_lhs, d_rhs, None, d_scales
 
 
 def _dequantize(q: jax.Array, scale_inv: jax.Array, dtype: Any) -> jax.Array:
@@ -503,25 +537,31 @@ def _scaled_gmm(op, a_q, a_scale_inv, rhs_q, rhs_scale_inv, group_sizes, dtype, 
 
 def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                      forward_dtype: DTypeLike = jnp.float8_e4m3fn, gradient_dtype: DTypeLike = jnp.float8_e5m2,
-                     block_sizes: BlockSizes | None = None, implementation: str | None = None) -> jax.Array:
-    """`grouped_gemm` with FP8 operands and current scaling; differentiable.
+                     scales: GroupedFP8Scales | None = None, block_sizes: BlockSizes | None = None,
+                     implementation: str | None = None) -> jax.Array:
+    """`grouped_gemm` with FP8 operands; differentiable.
 
-    ``lhs`` is quantized with one scale (``fp8_max / amax(lhs)``), ``rhs`` with one scale per group
-    (``fp8_max / amax(rhs[g])``), the output gradient with one scale, all from the tensors of this
-    step (no state: TransformerEngine's current scaling). The forward GEMM takes the FP8 operands
+    ``lhs`` is quantized with one scale, ``rhs`` with one scale per group, the output gradient with
+    one scale. Without ``scales`` they come from the tensors of this step (``fp8_max / amax(lhs)``,
+    ``fp8_max / amax(rhs[g])``: TransformerEngine's current scaling); with ``scales`` the caller gives
+    them (delayed scaling: `mtjax.fp8.fp8_grouped_gemm` computes them from amax histories, so the
+    casts need no amax first). The forward GEMM takes the FP8 operands
     (on FP8 tensor cores where a kernel takes them), accumulates in float32 and applies the
     dequantization scales to the accumulator, per row (the row's group's ``rhs`` scale). The backward
     GEMMs take the same quantized values and the quantized output gradient: ``d lhs`` multiplies them
     on FP8 tensor cores on cuBLASLt, and both it elsewhere and the weight gradient (contracted over
     rows, which FP8 tensor-core GEMMs do not take) dequantized to ``lhs.dtype`` (exact for float32,
     within 2^-9 of each value for bfloat16) through the grouped GEMM's kernels (docs/moe-kernels.md).
-    Under `mtjax.fp8.fp8_autocast` a caller picks this op and takes the dtypes from the recipe's
-    ``fp8_format.dtypes()``; a `DelayedScaling` recipe is served with current scaling too here.
 
     Args:
       lhs: ``[M, K]`` float, rows sorted by group; rhs: ``[G, K, N]`` of the same dtype.
       group_sizes: ``[G]`` integer, ``sum <= M``.
       forward_dtype: FP8 dtype of ``lhs`` and ``rhs``; gradient_dtype: of the output gradient.
+      scales: None (current scaling), or `GroupedFP8Scales` (float32 ``lhs []``, ``rhs [G]``, ``grad
+        []``, positive and finite) to quantize with. Differentiating with respect to them gives,
+        instead of a derivative, the amaxes the step observed: ``max |lhs|``, ``max |rhs[g]|`` and
+        ``max |grad|`` (float32; inside ``shard_map`` max-reduced over the axes the tensor varies over
+        and its scale does not), which a delayed-scaling state rolls into its amax histories.
       block_sizes, implementation: as in `grouped_gemm`.
     Returns:
       ``[M, N]`` in ``lhs.dtype``; gradients in ``lhs.dtype`` too.
@@ -529,6 +569,14 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     op = "grouped_gemm_fp8"
     m, k, n, g = _check_operands(op, lhs, rhs, group_sizes, False)
     _check_block_sizes(op, block_sizes, BlockSizes)
+    if scales is not None:
+        if not isinstance(scales, GroupedFP8Scales):
+            raise TypeError(f"{op}(scales={scales!r}): expected None or a GroupedFP8Scales")
+        for name, want in (("lhs", ()), ("rhs", (g,)), ("grad", ())):
+            value = getattr(scales, name)
+            if jnp.shape(value) != want or jnp.result_type(value) != jnp.float32:
+                raise ValueError(f"{op}: scales.{name} is {jnp.result_type(value)}{list(jnp.shape(value))}; "
+                                 f"expected float32{list(want)}")
     fp8 = [jnp.dtype(d) for d in gg_kernels.FP8_DTYPES]
     forward_dtype, gradient_dtype = jnp.dtype(forward_dtype), jnp.dtype(gradient_dtype)
     check_choice(op, "forward_dtype", forward_dtype, fp8)
@@ -539,8 +587,8 @@ def grouped_gemm_fp8(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                                      wgrad=backward.wgrad)
     else:
         blocks = block_sizes
-    return _grouped_gemm_fp8(lhs, rhs, group_sizes, forward_dtype, gradient_dtype, jnp.dtype(lhs.dtype), blocks,
-                             implementation)
+    return _grouped_gemm_fp8(lhs, rhs, group_sizes, scales, forward_dtype, gradient_dtype, jnp.dtype(lhs.dtype),
+                             blocks, implementation)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -143,6 +143,32 @@ def test_fp8_grouped_gemm_under_autocast(recipe):
         assert not np.array_equal(np.asarray(y8), np.asarray(y_current))
 
 
+def test_delayed_scaling_keeps_a_state_per_grouped_gemm_with_a_history_per_expert():
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 32))
+    recipe = fp8.DelayedScaling(amax_history_len=4)
+
+    def loss(variables, x):
+        (y, _), _ = FP8_BLOCK.apply(variables, x, deterministic=True, mutable=[MOE_METRICS])
+        return jnp.sum(y ** 2) / 2, y
+
+    with fp8.fp8_autocast(recipe=recipe):
+        variables = nn.meta.unbox(jax.jit(lambda x: FP8_BLOCK.init(jax.random.PRNGKey(1), x, deterministic=True))(x))
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (_, y1), grads = step(variables, x)
+        params_grads, meta = fp8.split_gradients(grads)
+        (_, y2), _ = step({**variables, fp8.FP8_COLLECTION: meta}, x)
+    assert set(meta) == {"wi_fp8", "wo_fp8"}
+    assert meta["wi_fp8"]["kernel_amax_history"].shape == (4, 4) and meta["wo_fp8"]["kernel_scale"].shape == (4,)
+    wi = variables["params"]["wi_kernel"]
+    np.testing.assert_array_equal(meta["wi_fp8"]["kernel_amax_history"][:, 0], jnp.max(jnp.abs(wi), axis=(1, 2, 3)))
+    assert float(meta["wo_fp8"]["output_grad_amax_history"][0]) > 0
+    y, _, _ = _fp8_block_run(variables["params"], x)
+    # Step 1 quantizes with unit scales (no history yet), step 2 with the amaxes of step 1: E4M3's error.
+    assert float(jnp.linalg.norm(y2 - y) / jnp.linalg.norm(y)) < 0.1
+    assert not np.array_equal(np.asarray(y1), np.asarray(y2))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(params_grads))
+
+
 def test_transformer_layer_with_moe_mlp_and_fused_residual():
     layer = MoETransformerLayer(hidden_size=16, num_attention_heads=2, mlp_activations=("silu", "linear"),
                                 hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,

@@ -151,6 +151,62 @@ def test_fp8_matches_numpy_quantized_product():
     assert_close(d_rhs, np_tgmm(lhs_q, dy_q, gs))
 
 
+def np_quantize_with(x, scale, dtype):
+    """float64 model of a cast with a given scale (broadcast against ``x``): ``saturate(x * scale) / scale``."""
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    scale = np.asarray(scale, np.float32)
+    q = np.clip(np.asarray(x, np.float32) * scale, -fp8_max, fp8_max).astype(dtype).astype(np.float64)
+    return q / scale.astype(np.float64)
+
+
+def test_fp8_with_given_scales_quantizes_with_them_and_reports_amaxes():
+    """Delayed scaling's path: the casts use the caller's scales (some saturate, some waste range), and
+    the cotangent of the scales is the amaxes of lhs, of each group of rhs and of the output gradient."""
+    lhs, rhs, gs, dy = random_case(6, 40, 32, 16, [9, 0, 24, 4])
+    rhs = rhs * np.array([1.0, 3.0, 0.01, 50.0], np.float32)[:, None, None]
+    e4m3, e5m2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+    scales = ops.GroupedFP8Scales(jnp.float32(200.0), jnp.asarray([40.0, 100.0, 9000.0, 1.0], jnp.float32),
+                                  jnp.float32(2000.0))
+    out, vjp = jax.vjp(lambda a, b, s: ops.grouped_gemm_fp8(a, b, gs, scales=s), jnp.asarray(lhs), jnp.asarray(rhs),
+                       scales)
+    d_lhs, d_rhs, d_scales = vjp(jnp.asarray(dy))
+    lhs_q = np_quantize_with(lhs, 200.0, e4m3)
+    rhs_q = np_quantize_with(rhs, np.asarray(scales.rhs)[:, None, None], e4m3)
+    dy_q = np_quantize_with(dy, 2000.0, e5m2)
+    assert_close(out, np_gmm(lhs_q, rhs_q, gs))
+    assert_close(d_lhs, np_gmm(dy_q, rhs_q, gs, transpose_rhs=True))
+    assert_close(d_rhs, np_tgmm(lhs_q, dy_q, gs))
+    assert isinstance(d_scales, ops.GroupedFP8Scales)
+    np.testing.assert_array_equal(d_scales.lhs, np.abs(lhs).max())
+    np.testing.assert_array_equal(d_scales.rhs, np.abs(rhs).max(axis=(1, 2)))
+    np.testing.assert_array_equal(d_scales.grad, np.abs(dy).max())
+
+
+def test_fp8_given_the_current_scales_is_current_scaling():
+    lhs, rhs, gs, dy = map(jnp.asarray, random_case(7, 24, 16, 8, [10, 14]))
+    fp8_scale = lambda amax, dtype: jnp.float32(jnp.finfo(dtype).max) / amax
+    scales = ops.GroupedFP8Scales(fp8_scale(jnp.max(jnp.abs(lhs)), jnp.float8_e4m3fn),
+                                  fp8_scale(jnp.max(jnp.abs(rhs), axis=(1, 2)), jnp.float8_e4m3fn),
+                                  fp8_scale(jnp.max(jnp.abs(dy)), jnp.float8_e5m2))
+    given, vjp_given = jax.vjp(lambda a, b: ops.grouped_gemm_fp8(a, b, gs, scales=scales), lhs, rhs)
+    current, vjp_current = jax.vjp(lambda a, b: ops.grouped_gemm_fp8(a, b, gs), lhs, rhs)
+    np.testing.assert_array_equal(given, current)
+    for a, b in zip(vjp_given(dy), vjp_current(dy)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scales,match", [
+    ((1.0, jnp.ones(2), 1.0), "GroupedFP8Scales"),
+    (ops.GroupedFP8Scales(jnp.float32(1), jnp.ones(3, jnp.float32), jnp.float32(1)), r"scales.rhs .*\[2\]"),
+    (ops.GroupedFP8Scales(jnp.ones(1, jnp.float32), jnp.ones(2, jnp.float32), jnp.float32(1)), "scales.lhs"),
+    (ops.GroupedFP8Scales(jnp.float32(1), jnp.ones(2, jnp.float32), jnp.bfloat16(1)), "scales.grad is bfloat16"),
+])
+def test_fp8_scales_are_checked(scales, match):
+    lhs, rhs, gs, _ = map(jnp.asarray, random_case(8, 8, 4, 4, [3, 5]))
+    with pytest.raises((TypeError, ValueError), match=match):
+        ops.grouped_gemm_fp8(lhs, rhs, gs, scales=scales)
+
+
 def test_fp8_backward_runs_the_grouped_gemm_on_dequantized_operands():
     """bfloat16 inputs: the backward GEMMs are `grouped_gemm` / `grouped_gemm_wgrad` of the quantized
     values dequantized to bfloat16 (the scales folded in), the same numbers to the last bit."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from mtjax import fp8
 from mtjax.flax import MOE_LOSSES, MOE_METRICS, MoEBlock, moe_aux_loss
 from mtjax.sharding import MeshConfig, expert, logical_axis_rules, shard_variables, use_mesh
 
@@ -112,6 +113,35 @@ def test_moe_block_on_ep_mesh_equals_single_device(config, alignment):
     # The experts stay on their devices: dispatch and combine are all-to-alls over ep.
     assert "all-to-all" in hlo
     assert params["wi_kernel"].sharding.spec[0] == "ep"
+
+
+def _delayed_loss(block, variables, x):
+    (y, _), sown = block.apply(variables, x, deterministic=True, mutable=[MOE_LOSSES, MOE_METRICS])
+    return jnp.mean(y ** 2) + moe_aux_loss(sown[MOE_LOSSES])
+
+
+@pytest.mark.parametrize("config", [MeshConfig(ep=8), MeshConfig(dp=2, ep=2, tp=2)], ids=["ep8", "dp2-ep2-tp2"])
+def test_delayed_scaling_on_ep_mesh_equals_single_device(config):
+    """The grouped GEMMs' delayed-scaling state on an ep mesh: each device keeps its experts' kernel
+    histories, the input and gradient amaxes are max-reduced over the devices, so the next state,
+    the loss and the gradients are the single-device block's (second step: scales from a history)."""
+    x, variables, *_ = _single_device()
+    step = jax.jit(jax.value_and_grad(functools.partial(_delayed_loss, BLOCK)))
+    with fp8.fp8_autocast(recipe=fp8.DelayedScaling(amax_history_len=4)):
+        meta = jax.jit(lambda x: BLOCK.init(jax.random.PRNGKey(1), x, deterministic=True))(x)[fp8.FP8_COLLECTION]
+        state = {"params": nn.meta.unbox(variables["params"]), fp8.FP8_COLLECTION: meta}
+        _, grads = step(state, x)
+        state[fp8.FP8_COLLECTION] = fp8.split_gradients(grads)[1]
+        want_loss, want_grads = step(state, x)
+        mesh, rules = config.make_mesh(), logical_axis_rules(config)
+        sharded = shard_variables(state, mesh, rules)
+        with use_mesh(mesh, rules):
+            loss, grads = step(sharded, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _, want_meta = fp8.split_gradients(want_grads)
+    assert float(want_meta["wi_fp8"]["kernel_amax_history"][:, 1].min()) > 0  # two steps rolled in
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_aligned_groups_with_a_capacity_drop_what_packed_ones_drop():
