@@ -113,8 +113,9 @@ class MoEBlock(nn.Module):
     DeepSeek-V3's expert groups, and biased by ``expert_bias`` for auxiliary-loss-free balancing);
     the tokens are sorted by expert (`mtjax.ops.permute`), each expert's MLP runs on its rows as one
     grouped GEMM per layer (`mtjax.ops.grouped_gemm`; under `mtjax.fp8.fp8_autocast`
-    `mtjax.ops.grouped_gemm_block_fp8` for `BlockScaling`, else `mtjax.ops.grouped_gemm_fp8` with
-    current scaling) and the results are combined back with the top-k
+    `mtjax.fp8.fp8_grouped_gemm` with the recipe: under `DelayedScaling` each keeps its state in
+    ``fp8_metas`` as ``wi_fp8`` / ``wo_fp8``, an amax history per expert for the kernel) and the
+    results are combined back with the top-k
     weights (`mtjax.ops.unpermute`). Shared experts are one dense `LayerNormMLP` every token passes
     through, added to the routed result (DeepSeek's shared experts).
 
