@@ -118,6 +118,30 @@ def test_bfloat16_model():
     assert relative_error(want, got) < 0.08
 
 
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_rmsnorm_folds_into_the_weight_only_dot(monkeypatch, dtype, rtol):
+    """A decode-sized call (few rows) of an RMSNorm model with FP8 weights: with `FOLD_INTO_GEMM` the
+    norm in front of the MLP folds into the weight-only dot (applied as the row scale of its product),
+    with the logits of the norm applied first (float32: to rounding; bfloat16: its products round
+    before the row scale)."""
+    from mtjax import ops
+    from mtjax.ops import normalization
+
+    model, params, tokens = tiny(layernorm_type="rmsnorm", dtype=dtype)
+    model8, params8 = fp8_weights.quantize_weights(model, params)
+    few = tokens[:1, :normalization.FOLD_MAX_ROWS]
+    folded = []
+    original = ops.Norm.folded_dot
+    monkeypatch.setattr(ops.Norm, "folded_dot", lambda self, x, dot: folded.append(x.shape) or original(self, x, dot))
+    logits = {}
+    for fold in (False, True):
+        monkeypatch.setattr(normalization, "FOLD_INTO_GEMM", fold)
+        logits[fold] = np.asarray(model8.apply({"params": params8}, few), np.float32)
+    # the MLP's norm in each layer; GQA's attention normalizes first (the query and kv projections share it)
+    assert len(folded) == model.config.num_layers
+    np.testing.assert_allclose(logits[True], logits[False], rtol=rtol, atol=rtol * np.abs(logits[False]).max())
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_weight_only_dot_in_16_bit_inputs(dtype):
     """The weight-only dot of 16-bit inputs against float32: within FP8 rounding, and finite in float16,
