@@ -50,12 +50,16 @@ QUICK_GELU_ALPHA = 1.702
 CLAMP_LIMIT, CLAMP_ALPHA, CLAMP_GATE_OFFSET = 7.0, 1.702, 1.0
 
 
-def _gelu(x, tanh=jnp.tanh):
+def _gelu(x, sigmoid=None):
+    """GELU's tanh form and its derivative; with ``sigmoid``, as ``x * sigmoid(2u)`` (the same function:
+    ``(1 + tanh(u)) / 2 = sigmoid(2u)``) through that sigmoid."""
     inner = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)
-    t = tanh(inner)
-    y = 0.5 * x * (1.0 + t)
-    dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
-    return y, dy
+    slope = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * x * x)
+    if sigmoid is not None:
+        s = sigmoid(2.0 * inner)
+        return x * s, s + 2.0 * x * s * (1.0 - s) * slope
+    t = jnp.tanh(inner)
+    return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * slope
 
 
 def _sigmoid_linear(x, k):
@@ -113,35 +117,41 @@ def _gated(activation: str) -> bool:
     return ACTIVATIONS[activation][1] is not None
 
 
-# Whether kernels writing FP8 compute GELU's tanh by NVIDIA's ``tanh.approx.f32`` where they lower for
-# cuda (`with_ptx`): one special-function instruction for libdevice's ``tanhf`` (or the exponential
-# form); its error turns absolute in GELU's negative tail (docs/kernels.md). Kernels writing 16-bit
-# values keep the exact tanh. Read at trace time. Off until a GPU run has checked and timed it.
-GELU_TANH_APPROX = False
-_TANH_ACTIVATIONS = tuple(name for name, (act, _) in ACTIVATIONS.items() if act is _gelu)
+# Whether kernels writing FP8 compute GELU as ``x * sigmoid(2u)`` with NVIDIA's ``ex2.approx.ftz.f32`` and
+# ``rcp.approx.ftz.f32`` where they lower for cuda (`with_ptx`): two special-function instructions for
+# libdevice's ``tanhf`` (or an exponential and an IEEE division), within a few float32 ulps of the
+# exact value and, unlike ``1 + tanh(u)``, without cancellation in the negative tail. Read at trace time.
+GELU_PTX_SIGMOID = True
+_GELU_ACTIVATIONS = tuple(name for name, (act, _) in ACTIVATIONS.items() if act is _gelu)
+_LOG2_E = 1.4426950408889634
 
 
-def _tanh_approx(x):
-    [t] = plgpu.elementwise_inline_asm("tanh.approx.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+def _inline_f32(instruction: str, x):
+    [y] = plgpu.elementwise_inline_asm(f"{instruction} $0, $1;", args=[x], constraints="=f,f", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-    return t
+    return y
+
+
+def _sigmoid_ptx(z):
+    """``1 / (1 + 2^(-z log2 e))`` by ``ex2.approx.ftz.f32`` and ``rcp.approx.ftz.f32``."""
+    return _inline_f32("rcp.approx.ftz.f32", 1.0 + _inline_f32("ex2.approx.ftz.f32", z * -_LOG2_E))
 
 
 def fp8_output_activation(activation: str, ptx: bool) -> tuple[Callable, Callable | None]:
     """``ACTIVATIONS[activation]`` for a kernel whose output is FP8: with ``ptx`` (which
-    `with_fp8_activation_ptx` sets where `GELU_TANH_APPROX` is on and the lowering is for cuda),
-    GELU's tanh is ``tanh.approx.f32``."""
+    `with_fp8_activation_ptx` sets where `GELU_PTX_SIGMOID` is on and the lowering is for cuda),
+    GELU is ``x * sigmoid(2u)`` by `_sigmoid_ptx`."""
     act, gate_fn = ACTIVATIONS[activation]
-    if ptx and activation in _TANH_ACTIVATIONS:
-        act = functools.partial(_gelu, tanh=_tanh_approx)
+    if ptx and activation in _GELU_ACTIVATIONS:
+        act = functools.partial(_gelu, sigmoid=_sigmoid_ptx)
     return act, gate_fn
 
 
 def with_fp8_activation_ptx(activation: str, run: Callable[..., Any], *args: Any) -> Any:
     """``run(ptx, *args)`` for a kernel writing FP8 through `fp8_output_activation`: ``ptx`` per
-    lowering platform (`with_ptx`) where the activation has a tanh and `GELU_TANH_APPROX` is on, else
+    lowering platform (`with_ptx`) where the activation is a GELU and `GELU_PTX_SIGMOID` is on, else
     False (one kernel, no platform branch)."""
-    if GELU_TANH_APPROX and activation in _TANH_ACTIVATIONS:
+    if GELU_PTX_SIGMOID and activation in _GELU_ACTIVATIONS:
         return with_ptx(run, *args)
     return run(False, *args)
 

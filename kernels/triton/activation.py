@@ -17,7 +17,7 @@ import triton.language as tl
 from mtjax.dtypes import fp8_max
 from mtjax.kernels import activation as pallas_activation
 from mtjax.kernels.common import Launchers, check_size, reduce_tile_maxima
-from mtjax.kernels.triton.language import saturate, tanh, tanh_approx
+from mtjax.kernels.triton.language import saturate, sigmoid_ptx, tanh
 from mtjax.kernels.triton.runtime import launch, stand_in
 
 # The activation of each name as the kernels' ACT code (the activated half's function) and GATE code
@@ -38,19 +38,22 @@ def _sigmoid_linear(x, k):
 
 
 @triton.jit
-def activation_fn(x, ACT: tl.constexpr, APPROX_TANH: tl.constexpr = False):
+def activation_fn(x, ACT: tl.constexpr, PTX_SIGMOID: tl.constexpr = False):
     """``(act(x), act'(x))`` in float32, as `mtjax.kernels.activation.ACTIVATIONS` (gelu: sqrt(2 / pi)
     = 0.7978845608028654, cubic coefficient 0.044715; quick_gelu's 1.702; literals, which Triton's
-    compiler and interpreter both take inside a kernel). ``APPROX_TANH``: GELU's tanh by `tanh_approx`
-    (for kernels writing FP8; compiled only, the interpreter runs no PTX)."""
+    compiler and interpreter both take inside a kernel). ``PTX_SIGMOID``: GELU as ``x * sigmoid(2u)``
+    by `sigmoid_ptx` (for kernels writing FP8; compiled only, the interpreter runs no PTX)."""
     if ACT == 0:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        if APPROX_TANH:
-            t = tanh_approx(u)
+        slope = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+        if PTX_SIGMOID:
+            s = sigmoid_ptx(2.0 * u)
+            y = x * s
+            dy = s + 2.0 * x * s * (1.0 - s) * slope
         else:
             t = tanh(u)
-        y = 0.5 * x * (1.0 + t)
-        dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+            y = 0.5 * x * (1.0 + t)
+            dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * slope
     elif ACT == 2:
         y = tl.maximum(x, 0.0)
         dy = tl.where(x > 0.0, 1.0, 0.0)
@@ -123,12 +126,12 @@ def _store(ptr, offsets, value, mask, EXACT: tl.constexpr):
 def _forward_kernel(x_ptr, bias_ptr, scale_ptr, y_ptr, amax_ptr, M: tl.constexpr, HIDDEN: tl.constexpr,
                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr,
                     GATE: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, EXACT: tl.constexpr,
-                    FP8: tl.constexpr, FP8_MAX: tl.constexpr, APPROX_TANH: tl.constexpr):
+                    FP8: tl.constexpr, FP8_MAX: tl.constexpr, PTX_SIGMOID: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
-    y, _ = activation_fn(a, ACT, APPROX_TANH)
+    y, _ = activation_fn(a, ACT, PTX_SIGMOID)
     if GATED:
         g, _ = gate_fn(gate, GATE)
         y = y * g
@@ -160,7 +163,7 @@ def forward(x, bias, scale=None, *, activation: str, out_dtype=None, tile_overri
             out_shape=[jax.ShapeDtypeStruct((m, hidden), y_dtype),
                        jax.ShapeDtypeStruct(spec.grid if fp8 else (1,), jnp.float32)],
             grid=spec.grid, name=f"mtjax_triton_{activation}_fwd", num_warps=spec.num_warps, num_stages=1,
-            FP8=fp8, FP8_MAX=fp8_max(y_dtype) if fp8 else 1.0, APPROX_TANH=ptx, **_constexprs(spec, k, activation),
+            FP8=fp8, FP8_MAX=fp8_max(y_dtype) if fp8 else 1.0, PTX_SIGMOID=ptx, **_constexprs(spec, k, activation),
         )
 
     inputs = (x, stand_in() if bias is None else bias,
@@ -216,13 +219,13 @@ def _backward_fp8_half(grad, dx_ptr, dxt_ptr, dbias_ptr, rows, cols, mask, offse
 def _backward_fp8_kernel(x_ptr, bias_ptr, dy_ptr, scale_ptr, dx_ptr, dxt_ptr, amax_ptr, dbias_ptr, M: tl.constexpr,
                          HIDDEN: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         EXACT: tl.constexpr, FP8_MAX: tl.constexpr, APPROX_TANH: tl.constexpr):
+                         EXACT: tl.constexpr, FP8_MAX: tl.constexpr, PTX_SIGMOID: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows, cols, mask = _tile(pid_m, pid_n, M, HIDDEN, BLOCK_M, BLOCK_N)
     a, gate = _inputs(x_ptr, bias_ptr, rows, cols, mask, HIDDEN, K, HAS_BIAS, GATED, EXACT)
     dy = _load(dy_ptr, rows[:, None] * HIDDEN + cols[None, :], mask, EXACT)  # 0 where masked: so are the grads
-    y, dact = activation_fn(a, ACT, APPROX_TANH)
+    y, dact = activation_fn(a, ACT, PTX_SIGMOID)
     scale = tl.load(scale_ptr)
     if GATED:
         g, dg = gate_fn(gate, GATE)
@@ -252,7 +255,7 @@ def backward_fp8(x, bias, dy, scale, *, activation: str, out_dtype, tile_overrid
         return launch(
             _backward_fp8_kernel, *inputs, out_shape=out_shape, grid=spec.grid,
             name=f"mtjax_triton_{activation}_bwd_fp8", num_warps=spec.num_warps, num_stages=1,
-            FP8_MAX=fp8_max(out_dtype), APPROX_TANH=ptx, **_constexprs(spec, k, activation),
+            FP8_MAX=fp8_max(out_dtype), PTX_SIGMOID=ptx, **_constexprs(spec, k, activation),
         )
 
     dx_q, dx_q_t, amax, dbias = pallas_activation.with_fp8_activation_ptx(

@@ -85,7 +85,7 @@ def _load_gate(x_ptr, offsets, mask, bias_ptr, cols, K: tl.constexpr, EXACT: tl.
 def _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M: tl.constexpr, K: tl.constexpr,
                    EXACT: tl.constexpr, PROLOGUE: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                    HAS_SHIFT: tl.constexpr, ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr,
-                   APPROX_TANH: tl.constexpr):
+                   PTX_SIGMOID: tl.constexpr):
     """The float32 ``[rows, cols]`` tile of the prologue applied to ``x`` (PROLOGUE 0: none; 1: a norm
     with ``mean, rstd, gamma, beta`` at ``a..d``; 2: an activation with its bias at ``a``), 0 where
     masked."""
@@ -108,7 +108,7 @@ def _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M: tl.constexp
     elif PROLOGUE == 2:
         if HAS_SHIFT:
             x = x + _load_vector(a_ptr, cols, K, EXACT)[None, :]
-        x, _ = activation_fn(x, ACT, APPROX_TANH)
+        x, _ = activation_fn(x, ACT, PTX_SIGMOID)
         if GATED:
             g, _ = gate_fn(_load_gate(x_ptr, offsets, mask, a_ptr, cols, K, EXACT, HAS_SHIFT), GATE)
             x = x * g
@@ -122,13 +122,13 @@ def _tile_kernel(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, q_ptr, s_ptr, qt_ptr, st_ptr
                  ROWS: tl.constexpr, TILE: tl.constexpr, TRANSPOSE: tl.constexpr, EXACT: tl.constexpr,
                  FP8_MAX: tl.constexpr, POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr,
                  PROLOGUE: tl.constexpr, RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                 ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr, APPROX_TANH: tl.constexpr):
+                 ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr, PTX_SIGMOID: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
     rows = i * ROWS + tl.arange(0, ROWS)
     cols = j * TILE + tl.arange(0, TILE)
     x, mask = _prologue_tile(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, rows, cols, M, K, EXACT, PROLOGUE, RMS,
-                             ZERO_CENTERED, HAS_SHIFT, ACT, GATE, GATED, APPROX_TANH)
+                             ZERO_CENTERED, HAS_SHIFT, ACT, GATE, GATED, PTX_SIGMOID)
     scale, scale_inv = _tile_scales(_amax(x, 1), FP8_MAX, POWER_OF_TWO, AMAX_EPSILON)
     q = saturate(x * scale[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
     _store(q_ptr, rows[:, None] * K + cols[None, :], q, mask, EXACT)
@@ -141,7 +141,7 @@ def _tile_kernel(x_ptr, a_ptr, b_ptr, c_ptr, d_ptr, q_ptr, s_ptr, qt_ptr, st_ptr
 
 
 _NO_PROLOGUE = dict(PROLOGUE=0, RMS=False, ZERO_CENTERED=False, HAS_SHIFT=False, ACT=0, GATE=0, GATED=False,
-                    APPROX_TANH=False)
+                    PTX_SIGMOID=False)
 
 
 def _tile_launch(x, operands, k, out_dtype, *, name, transpose, fp8_max, power_of_two, amax_epsilon, num_warps,
@@ -206,7 +206,7 @@ def activation_tile_quantize(x: jax.Array, bias: jax.Array | None, out_dtype, *,
                             name="mtjax_triton_activation_tile_quantize", transpose=transpose, fp8_max=fp8_max,
                             power_of_two=power_of_two, amax_epsilon=amax_epsilon, num_warps=num_warps, PROLOGUE=2,
                             HAS_SHIFT=bool(bias), ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0),
-                            GATED=gated, APPROX_TANH=ptx)
+                            GATED=gated, PTX_SIGMOID=ptx)
 
     return with_fp8_activation_ptx(activation, run, x2, *([] if bias is None else [bias]))
 
@@ -235,7 +235,7 @@ def _store_grad_tiles(grad, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, out_c
 def _activation_grad_kernel(x_ptr, bias_ptr, dy_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, M: tl.constexpr,
                             HIDDEN: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr, FP8_MAX: tl.constexpr,
                             POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr, APPROX_TANH: tl.constexpr):
+                            ACT: tl.constexpr, GATE: tl.constexpr, GATED: tl.constexpr, PTX_SIGMOID: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1)
     rows = i * TILE + tl.arange(0, TILE)
@@ -253,7 +253,7 @@ def _activation_grad_kernel(x_ptr, bias_ptr, dy_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         dy = tl.load(dy_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         a = a + _load_vector(bias_ptr, cols, HIDDEN, EXACT)[None, :]
-    y, dact = activation_fn(a, ACT, APPROX_TANH)
+    y, dact = activation_fn(a, ACT, PTX_SIGMOID)
     if GATED:
         g, dg = gate_fn(_load_gate(x_ptr, offsets, mask, bias_ptr, cols, HIDDEN, EXACT, HAS_BIAS), GATE)
         _store_grad_tiles(dy * g * dact, q_ptr, s_ptr, qt_ptr, st_ptr, dbias_ptr, rows, cols, j, i, mask, M, WIDTH,
@@ -293,7 +293,7 @@ def activation_grad_tile_quantize(x: jax.Array, bias: jax.Array | None, dy: jax.
             M=m, HIDDEN=hidden, TILE=TILE, EXACT=m % TILE == 0 and hidden % TILE == 0, FP8_MAX=float(fp8_max),
             POWER_OF_TWO=bool(power_of_two), AMAX_EPSILON=float(amax_epsilon), HAS_BIAS=has_bias,
             ACT=CODES[activation], GATE=GATE_CODES.get(activation, 0), GATED=ACTIVATIONS[activation][1] is not None,
-            APPROX_TANH=ptx,
+            PTX_SIGMOID=ptx,
         )
 
     outs = with_fp8_activation_ptx(activation, run, x2, bias.reshape(-1) if has_bias else stand_in(), dy)

@@ -41,10 +41,14 @@ def tanh(x):
 
 
 @triton.jit
-def tanh_approx(x):
-    """``tanh`` of a float32 tensor by NVIDIA's ``tanh.approx.f32``: one special-function instruction,
-    error about 2^-11 of the result (docs/kernels.md: what that does to GELU's negative tail)."""
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+def sigmoid_ptx(x):
+    """``1 / (1 + exp(-x))`` of a float32 tensor by NVIDIA's ``ex2.approx.ftz.f32`` and
+    ``rcp.approx.ftz.f32``: two special-function instructions, within a few ulps (an overflowing
+    exponential gives 0, an underflowing one 1)."""
+    e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634], dtype=tl.float32,
+                                  is_pure=True, pack=1)
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit

@@ -327,12 +327,13 @@ def test_quantize_kernels_lower_for_cuda(shape):
     assert _triton_calls(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16)) == 5
 
 
-def test_gelu_fp8_kernels_lower_with_the_approximate_tanh_for_cuda(monkeypatch):
-    """The kernels writing GELU's output or gradient in FP8 (per-tensor and 1x128 tiles) take its tanh
-    from ``tanh.approx.f32`` when lowered for cuda with `GELU_TANH_APPROX` on; off, none does."""
+def test_gelu_fp8_kernels_lower_with_the_ptx_sigmoid_for_cuda(monkeypatch):
+    """The kernels writing GELU's output or gradient in FP8 (per-tensor and 1x128 tiles) compute it as
+    ``x * sigmoid(2u)`` by ``ex2.approx.ftz.f32`` and ``rcp.approx.ftz.f32`` when lowered for cuda with
+    `GELU_PTX_SIGMOID` on (the default); off, none does."""
     from mtjax.kernels import activation as activation_kernels
 
-    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", True)
+    assert activation_kernels.GELU_PTX_SIGMOID
 
     x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
     one = jnp.float32(1.0)
@@ -346,9 +347,10 @@ def test_gelu_fp8_kernels_lower_with_the_approximate_tanh_for_cuda(monkeypatch):
             return jax.jit(fn).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
-    assert text.count("__gpu$xla.gpu.triton") == 4 and text.count("tanh.approx.f32") == 4
-    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", False)
-    assert "tanh.approx" not in lowered()
+    assert text.count("__gpu$xla.gpu.triton") == 4
+    assert text.count("rcp.approx.ftz.f32") == text.count("ex2.approx.ftz.f32") == 4
+    monkeypatch.setattr(activation_kernels, "GELU_PTX_SIGMOID", False)
+    assert "approx.ftz" not in lowered()
 
 
 def test_block_scaled_dense_lowers_to_kernels_for_cuda():
@@ -391,10 +393,8 @@ def test_block_scaled_mlp_lowers_to_fused_casts_for_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 2048), (999, 4097)])
-def test_quantize_kernels_on_gpu(shape, monkeypatch):
-    from mtjax.kernels import activation as activation_kernels
+def test_quantize_kernels_on_gpu(shape):
 
-    monkeypatch.setattr(activation_kernels, "GELU_TANH_APPROX", True)  # GELU's gradient below: within its bounds
     x = _x(0, shape, jnp.bfloat16)
     for out_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
         got = ops.tile_quantize(x, out_dtype, transpose=True, power_of_two=True, implementation="pallas_triton")
