@@ -19,7 +19,8 @@ Three parts, every row timed in one process (``--quick``: tiny shapes for the CP
   (``lax.top_k``, ``jnp.argsort`` permutation, ``lax.ragged_dot``, scatter back, weighted sum), at the
   two MoE presets' layer shapes and 16384 tokens. FLOPs: ``6 * tokens * active MLP parameters``.
 - ``train``: AdamW train steps of ``moe-mixtral-1b`` and ``moe-deepseek-1b`` (batch 8 x 2048): mtjax
-  bf16, mtjax FP8 (``fp8_autocast``, the grouped GEMMs with current scaling) and `FlaxMoEGPT`, the
+  bf16, mtjax FP8 (``fp8_autocast``'s default recipe: delayed scaling, the grouped GEMMs' per-expert
+  kernel histories included) and `FlaxMoEGPT`, the
   stock-Flax model of the same sizes (its MoE MLP is `stock_moe_mlp`). Model FLOPs are the preset's
   ``flops_per_token`` (``6 * N_active`` + causal attention) for all, so MFU compares the same work.
 

@@ -19,7 +19,7 @@ from mtjax.flax.mlp import LayerNormMLP
 from mtjax.flax.normalization import input_norm
 from mtjax.flax.params import AxisNames, Dtype, Initializer, param_with_axes
 from mtjax.flax.transformer import TransformerLayer
-from mtjax.kernels.common import varying_axes
+from mtjax.kernels.common import vary_together
 from mtjax.ops.checks import is_finite_number
 from mtjax.sharding import expert as expert_parallel
 
@@ -55,22 +55,6 @@ def _mesh_axes_of(name: str | None) -> tuple[str, ...]:
     return (resolved,) if isinstance(resolved, str) else tuple(resolved)
 
 
-def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
-    """The arrays marked varying over every manual mesh axis any of them varies over.
-
-    Inside a ``shard_map`` a ``custom_vjp`` (the grouped GEMM) must return cotangents that vary
-    exactly as its inputs do: the kernels vary over ``ep``/``tp`` only, the rows over the batch axes
-    too, so both operands are made to vary over all of them; the transpose of that cast is the
-    ``psum`` of the kernels' gradient over the batch axes.
-    """
-    union = frozenset().union(*(varying_axes(a) for a in arrays))
-    out = []
-    for a in arrays:
-        missing = tuple(sorted(union - varying_axes(a)))
-        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-    return out
-
-
 def _meta_specs(meta: Mapping[str, jax.Array], ep_spec: str | None) -> dict[str, PartitionSpec]:
     """The ``shard_map`` specs of a grouped GEMM's delayed-scaling state: the ``kernel`` role's entries
     (a leading ``[experts]`` axis) live with their experts, the others are replicated."""
@@ -81,10 +65,12 @@ def _expert_gemm(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, meta: 
                  ) -> jax.Array:
     """``ops.grouped_gemm``, or under `mtjax.fp8.fp8_autocast` `mtjax.fp8.fp8_grouped_gemm` with the
     recipe (``meta``: its delayed-scaling state, else None)."""
-    x, kernel = _vary_alike(x, kernel)
     autocast = fp8.current_autocast()
     if autocast is None:
-        return ops.grouped_gemm(x, kernel, group_sizes)
+        # Inside a shard_map a custom_vjp's cotangents must vary as its inputs do: the kernels vary
+        # over ep/tp only, the rows over the batch axes too; the cast's transpose sums the kernels'
+        # gradient over the batch axes.
+        return ops.grouped_gemm(*vary_together(x, kernel), group_sizes)
     return fp8.fp8_grouped_gemm(x, kernel, group_sizes, meta, recipe=autocast.recipe, mesh_axes=autocast.mesh_axes)
 
 
@@ -405,7 +391,7 @@ class MoEBlock(nn.Module):
             y_sorted = expert_parallel.combine(y_local, dispatch_state, axis_name=ep_axis, rows=rows)
         if mlp_axes:  # partial sums of the second GEMM over the split expert columns
             y_sorted = jax.lax.psum(y_sorted, mlp_axes)
-        y = ops.unpermute(*_vary_alike(y_sorted, weights), state)
+        y = ops.unpermute(*vary_together(y_sorted, weights), state)
         return y.reshape(batch, length, hidden).astype(self.dtype), dropped.astype(jnp.int32)
 
 

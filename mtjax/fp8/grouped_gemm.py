@@ -38,7 +38,7 @@ from mtjax.fp8.scaling import (
     init_meta,
     roll_amax_history,
 )
-from mtjax.kernels.common import varying_axes
+from mtjax.kernels.common import vary_together, varying_axes
 from mtjax.kernels.grouped_gemm import BlockSizes
 
 
@@ -79,8 +79,8 @@ def _meta_scales_bwd(spec, residuals, amaxes):
     next_meta = {}
     for role, scale, observed in zip(ROLES, scales, amaxes):
         history = meta[f"{role}_amax_history"]
-        # never across the axes the state itself varies over (experts sharded over ``ep``)
-        axes = tuple(a for a in spec.mesh_axes if a not in varying_axes(history))
+        # Never across experts: the kernel role's amaxes are per expert, whichever device holds it.
+        axes = () if role == "kernel" else tuple(a for a in spec.mesh_axes if a not in varying_axes(history))
         next_meta[f"{role}_amax_history"] = roll_amax_history(history, lax.pmax(observed, axes) if axes else observed)
         next_meta[f"{role}_scale"] = scale
     return (next_meta,)
@@ -121,8 +121,10 @@ def fp8_grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
         and `BlockScaling`. Differentiating with respect to it gives the next state, not a gradient.
       recipe: `DelayedScaling` (default), `CurrentScaling` or `BlockScaling`; its format gives the
         FP8 dtypes of the operands and of the output gradient.
-      mesh_axes: mesh axes amaxes are max-reduced over where bound (see `fp8_autocast`; inside
-        ``shard_map`` every axis the data varies over and the state does not is reduced anyway).
+      mesh_axes: mesh axes the input and gradient amaxes are max-reduced over where bound (see
+        `fp8_autocast`); the kernel's are per expert and never reduced over them. Inside a
+        ``shard_map`` (with its default ``check_vma=True``, which the state's reductions need) every
+        axis the data varies over and the state does not is reduced anyway.
       block_sizes, implementation: as `mtjax.ops.grouped_gemm_fp8` (not `BlockScaling`'s).
     Returns:
       ``[M, N]`` in ``lhs.dtype``.
@@ -131,7 +133,13 @@ def fp8_grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     if not isinstance(recipe, RECIPE_TYPES):
         raise TypeError(f"fp8_grouped_gemm(recipe={recipe!r}): expected a DelayedScaling, CurrentScaling or "
                         "BlockScaling")
-    _check_meta(meta, recipe, jnp.shape(rhs)[0] if jnp.ndim(rhs) == 3 else -1)
+    if jnp.ndim(rhs) != 3:
+        raise ValueError(f"fp8_grouped_gemm: rhs has shape {jnp.shape(rhs)}; expected [G, K, N]")
+    _check_meta(meta, recipe, jnp.shape(rhs)[0])
+    mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    # Inside shard_map the custom_vjps return cotangents that vary as their inputs do: both operands
+    # vary over every axis either does (the cast's transpose sums a replicated kernel's gradient).
+    lhs, rhs = vary_together(lhs, rhs)
     forward, gradient = recipe.fp8_format.dtypes()
     if isinstance(recipe, BlockScaling):
         return ops.grouped_gemm_block_fp8(lhs, rhs, group_sizes, forward_dtype=forward, gradient_dtype=gradient,

@@ -92,3 +92,47 @@ def test_meta_and_recipe_are_checked():
         fp8.fp8_grouped_gemm(lhs, rhs, GROUP_SIZES, recipe="delayed")
     with pytest.raises(ValueError, match="num_groups"):
         fp8.init_grouped_meta(0)
+
+
+def test_margin_and_an_expert_without_weights():
+    """``margin`` halves each scale per unit; an all-zero expert keeps its previous scale (no amax to
+    take one from) instead of an infinite one."""
+    recipe = fp8.DelayedScaling(margin=2, amax_history_len=2)
+    lhs, rhs, dy = _operands(6)
+    rhs = rhs.at[1].set(0.0)
+    _, _, _, meta = _step(fp8.init_grouped_meta(4, 2), lhs, rhs, dy, recipe)
+    _, _, _, meta = _step(meta, lhs, rhs, dy, recipe)
+    amax = jnp.max(jnp.abs(rhs), axis=(1, 2))
+    np.testing.assert_allclose(meta["kernel_scale"][jnp.asarray([0, 2, 3])], (448.0 / amax[jnp.asarray([0, 2, 3])]) / 4,
+                               rtol=1e-6)
+    assert float(meta["kernel_scale"][1]) == 1.0
+    np.testing.assert_allclose(meta["input_scale"], 448.0 / jnp.max(jnp.abs(lhs)) / 4, rtol=1e-6)
+    np.testing.assert_allclose(meta["output_grad_scale"], 57344.0 / jnp.max(jnp.abs(dy)) / 4, rtol=1e-6)
+
+
+def test_inside_shard_map_the_state_sees_every_device():
+    """Called inside a ``shard_map`` with the rows split over ``dp`` and the kernel and state replicated:
+    the next state's input and gradient amaxes are the maxima over the devices, its kernel amaxes the
+    kernel's, replicated as the state is."""
+    from jax.sharding import PartitionSpec as P
+
+    devices = 4
+    mesh = jax.make_mesh((devices,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    recipe = fp8.DelayedScaling(amax_history_len=2)
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    _, rhs, _ = _operands(7)
+    lhs = jax.random.normal(keys[0], (devices, 32, 16)) * jnp.arange(1.0, devices + 1.0)[:, None, None]
+    dy = jax.random.normal(keys[1], (devices, 32, 8)) * jnp.arange(devices, 0.0, -1.0)[:, None, None]
+
+    def loss(lhs, rhs, meta, dy):
+        def body(lhs, rhs, meta, dy):
+            out = fp8.fp8_grouped_gemm(lhs[0], rhs, GROUP_SIZES, meta, recipe=recipe)
+            return jax.lax.psum(jnp.sum(out * dy[0]), "dp")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P(), P(), P("dp")), out_specs=P())(lhs, rhs, meta,
+                                                                                                       dy)
+
+    _, _, meta = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(lhs, rhs, fp8.init_grouped_meta(4, 2), dy)
+    np.testing.assert_array_equal(meta["input_amax_history"][0], jnp.max(jnp.abs(lhs)))
+    np.testing.assert_array_equal(meta["output_grad_amax_history"][0], jnp.max(jnp.abs(dy)))
+    np.testing.assert_array_equal(meta["kernel_amax_history"][:, 0], jnp.max(jnp.abs(rhs), axis=(1, 2)))

@@ -182,3 +182,11 @@ def test_amax_jump_is_the_newest_amax_over_the_largest_earlier_one():
             "fresh": {"input_amax_history": jnp.array([3.0, 0.0, 0.0, 0.0])}}
     assert float(fp8.amax_jump(meta)) == 1250.0
     assert float(fp8.amax_jump({})) == 0.0
+
+
+def test_histories_of_several_groups_roll_and_reduce_along_their_last_axis():
+    history = jnp.asarray([[3.0, 1.0, 0.0], [0.5, 4.0, 2.0]])
+    rolled = fp8.roll_amax_history(history, jnp.asarray([2.0, jnp.inf]))
+    np.testing.assert_array_equal(rolled, [[2.0, 3.0, 1.0], [0.0, 0.5, 4.0]])  # a non-finite amax enters as 0
+    np.testing.assert_array_equal(fp8.history_amax(history, "max"), [3.0, 4.0])
+    np.testing.assert_array_equal(fp8.history_amax(history, "most_recent"), [3.0, 0.5])
