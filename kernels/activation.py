@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mtjax.kernels.common import (
+    LOG2E,
     Launchers,
     check_kernel_fp8_dtype,
     check_size,
@@ -119,11 +120,12 @@ def _gated(activation: str) -> bool:
 
 # Whether kernels writing FP8 compute GELU as ``x * sigmoid(2u)`` with NVIDIA's ``ex2.approx.ftz.f32`` and
 # ``rcp.approx.ftz.f32`` where they lower for cuda (`with_ptx`): two special-function instructions for
-# libdevice's ``tanhf`` (or an exponential and an IEEE division), within a few float32 ulps of the
-# exact value and, unlike ``1 + tanh(u)``, without cancellation in the negative tail. Read at trace time.
-GELU_PTX_SIGMOID = True
+# libdevice's ``tanhf`` (or an exponential and an IEEE division). Relative error about ``|2u| * 2^-24``
+# (the exponential's argument rounded to float32), far below an FP8 step and, unlike ``1 + tanh(u)``,
+# without cancellation in the negative tail. Read at trace time. Off until a GPU run has checked and
+# timed it.
+GELU_PTX_SIGMOID = False
 _GELU_ACTIVATIONS = tuple(name for name, (act, _) in ACTIVATIONS.items() if act is _gelu)
-_LOG2_E = 1.4426950408889634
 
 
 def _inline_f32(instruction: str, x):
@@ -134,7 +136,7 @@ def _inline_f32(instruction: str, x):
 
 def _sigmoid_ptx(z):
     """``1 / (1 + 2^(-z log2 e))`` by ``ex2.approx.ftz.f32`` and ``rcp.approx.ftz.f32``."""
-    return _inline_f32("rcp.approx.ftz.f32", 1.0 + _inline_f32("ex2.approx.ftz.f32", z * -_LOG2_E))
+    return _inline_f32("rcp.approx.ftz.f32", 1.0 + _inline_f32("ex2.approx.ftz.f32", z * -LOG2E))
 
 
 def fp8_output_activation(activation: str, ptx: bool) -> tuple[Callable, Callable | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,8 @@ class Launchers:
 
 
 MAX_ELEMENTS = 2**31 - 1
+# exp(x) = 2^(x * LOG2E): the kernels exponentiate in base 2 (one special-function instruction).
+LOG2E = math.log2(math.e)
 # The widest row a kernel keeps in registers (f32 elements per row tile).
 MAX_ROW = 16384
 # The FP8 dtypes the kernels write (`mtjax.dtypes`); the fnuz ones go to the references.

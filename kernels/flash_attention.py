@@ -28,10 +28,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mtjax.kernels.common import MAX_ELEMENTS, Launchers, dropout_keep, pallas_call, vary_together, with_ptx
+from mtjax.kernels.common import (
+    LOG2E,
+    MAX_ELEMENTS,
+    Launchers,
+    dropout_keep,
+    pallas_call,
+    vary_together,
+    with_ptx,
+)
 from mtjax.kernels.common import pallas_triton as pltriton
 
-LOG2E = math.log2(math.e)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MIN_BLOCK = 16  # the smallest tile tl.dot accepts

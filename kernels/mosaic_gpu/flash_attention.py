@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtjax.kernels.common import Launchers, dropout_keep, interpret
+from mtjax.kernels.common import LOG2E, Launchers, dropout_keep, interpret
 from mtjax.kernels.mosaic_gpu.common import (
     BLOCK_ROWS,
     COMPUTE_REGISTERS,
@@ -57,7 +56,6 @@ from mtjax.kernels.mosaic_gpu.common import (
     swizzled,
 )
 
-LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128, 256)
 SPLIT_HEAD_DIM = 128  # above this, dK/dV split the head dimension between the compute warpgroups
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -43,8 +43,9 @@ def tanh(x):
 @triton.jit
 def sigmoid_ptx(x):
     """``1 / (1 + exp(-x))`` of a float32 tensor by NVIDIA's ``ex2.approx.ftz.f32`` and
-    ``rcp.approx.ftz.f32``: two special-function instructions, within a few ulps (an overflowing
-    exponential gives 0, an underflowing one 1)."""
+    ``rcp.approx.ftz.f32``: two special-function instructions, relative error about ``|x| * 2^-24``
+    (the argument rounded to float32; an overflowing exponential gives 0, an underflowing one 1).
+    ``-log2(e)`` is a literal: Triton's compiler and interpreter both take it inside a kernel."""
     e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634], dtype=tl.float32,
                                   is_pure=True, pack=1)
     return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32, is_pure=True,

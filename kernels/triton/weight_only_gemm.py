@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from mtjax.kernels.common import MAX_ELEMENTS
 from mtjax.kernels.triton.runtime import launch
 
 MAX_ROWS = 16
@@ -73,10 +75,12 @@ class GemvSpec:
         return triton.cdiv(self.n, BLOCK_N), self.split_k
 
 
-def unsupported(x_shape: Sequence[int], w_shape: Sequence[int], x_dtype, w_dtype) -> str | None:
+def unsupported(x_shape: Sequence[int], w_shape: Sequence[int], x_dtype: Any, w_dtype: Any) -> str | None:
     """Why the kernel cannot take these operands, or None."""
     if len(x_shape) != 2 or len(w_shape) != 2 or x_shape[1] != w_shape[1]:
         return f"x {tuple(x_shape)} and w {tuple(w_shape)} (the kernel takes x [M, K] and w [N, K])"
+    if w_shape[0] * w_shape[1] > MAX_ELEMENTS:
+        return f"w of {w_shape[0] * w_shape[1]} elements (the kernel's int32 offsets take at most {MAX_ELEMENTS})"
     if x_shape[0] > MAX_ROWS:
         return f"{x_shape[0]} rows (the kernel takes at most {MAX_ROWS}: a decode step's)"
     if jnp.dtype(w_dtype) not in WEIGHT_DTYPES:

@@ -89,28 +89,31 @@ def weight_only_gemm(lhs: jax.Array, rhs: jax.Array, scale: jax.Array, dimension
         channel, or a scalar.
       dimension_numbers: as ``lax.dot_general``'s, without batch dimensions.
       out_dtype: the result's dtype (default ``lhs.dtype``); the product accumulates in float32.
-      implementation: ``"xla"`` (the default) or ``"triton"`` (at most 16 rows of bfloat16 or float16).
+      implementation: ``"xla"`` (the default) or ``"triton"`` (at most 16 rows of bfloat16 or float16;
+        inference only: it has no derivative).
     """
     op = "weight_only_gemm"
+    floats = [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
     if not is_fp8(jnp.result_type(rhs)):
         raise TypeError(f"{op}: rhs has dtype {jnp.result_type(rhs)}; expected an FP8 dtype")
-    if not jnp.issubdtype(jnp.result_type(lhs), jnp.floating) or is_fp8(jnp.result_type(lhs)):
+    if jnp.result_type(lhs) not in floats:
         raise TypeError(f"{op}: lhs has dtype {jnp.result_type(lhs)}; expected bfloat16, float16 or float32")
+    out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in floats:
+        raise TypeError(f"{op}: out_dtype={out_dtype}; expected bfloat16, float16 or float32")
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if tuple(lhs_batch) or tuple(rhs_batch):
         raise ValueError(f"{op}: dimension_numbers={dimension_numbers} has batch dimensions; none are supported")
-    result = jax.eval_shape(lambda a, b: lax.dot_general(a, b.astype(a.dtype), dimension_numbers), lhs, rhs)
+    # lax's shape rule checks dimension_numbers against the operands
+    jax.eval_shape(lambda a, b: lax.dot_general(a, b.astype(a.dtype), dimension_numbers), lhs, rhs)
     rhs_free = tuple(jnp.shape(rhs)[d] for d in _free(rhs, tuple(rhs_contract)))
     try:
-        jnp.broadcast_shapes(jnp.shape(scale), rhs_free)
-        broadcasts = len(jnp.shape(scale)) <= len(rhs_free)
+        broadcasts = jnp.broadcast_shapes(jnp.shape(scale), rhs_free) == rhs_free
     except ValueError:
         broadcasts = False
     if not broadcasts:
         raise ValueError(f"{op}: scale has shape {jnp.shape(scale)}; expected a scalar or a shape broadcasting "
-                         f"against rhs's free axes {rhs_free}")
-    out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
-    del result  # lax's shape rule has checked dimension_numbers
+                         f"to rhs's free axes {rhs_free}")
     return backend.dispatch(op, lhs, rhs, jnp.asarray(scale, jnp.float32), implementation=implementation,
                             dimension_numbers=_static(dimension_numbers), out_dtype=out_dtype)
 

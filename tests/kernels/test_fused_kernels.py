@@ -400,12 +400,15 @@ def test_norm_kernels_on_gpu(shape, dtype):
 
 def test_gelu_sigmoid_form_is_the_tanh_form_without_its_cancellation():
     """``x * sigmoid(2u)``, the form the FP8 kernels compute GELU in on cuda (`GELU_PTX_SIGMOID`), and its
-    derivative equal the tanh form in float32 within a few ulps of float64 GELU; in the negative tail,
-    where ``1 + tanh(u)`` cancels, the sigmoid form stays within a few ulps of each value."""
+    derivative equal the tanh form in float32 within float32 rounding of float64 GELU; in the negative
+    tail, where ``1 + tanh(u)`` cancels, the sigmoid form keeps each value's relative error to that of
+    the exponential's argument rounded to float32 (about ``|2u| * 2^-24``), as `_sigmoid_ptx` does."""
     from mtjax.kernels.activation import _gelu
+    from mtjax.kernels.common import LOG2E
 
     x = jnp.concatenate([jnp.linspace(-12.0, 12.0, 20001, dtype=jnp.float32), jnp.float32([-30.0, 0.0, 30.0])])
-    sigmoid = lambda z: 1.0 / (1.0 + jnp.exp(-z))
+    # ex2.approx(z * -log2 e) with its argument rounded to float32, then an exact reciprocal
+    sigmoid = lambda z: 1.0 / (1.0 + jnp.exp2((z * -LOG2E).astype(jnp.float32)))
     y_s, dy_s = _gelu(x, sigmoid=sigmoid)
     y_t, dy_t = _gelu(x)
     x64 = np.asarray(x, np.float64)
@@ -421,19 +424,22 @@ def test_gelu_sigmoid_form_is_the_tanh_form_without_its_cancellation():
     tail = (x64 < -3) & (np.abs(y64) > 1e-30)
     rel_s = np.abs(np.asarray(y_s, np.float64)[tail] / y64[tail] - 1)
     rel_t = np.abs(np.asarray(y_t, np.float64)[tail] / y64[tail] - 1)
-    assert rel_s.max() < 1e-5 < rel_t.max()
+    assert rel_s.max() < 3e-5 and rel_t.max() > 1e-4
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", sorted(KERNEL_ACTIVATIONS))
-def test_activation_kernels_on_gpu(activation):
+def test_activation_kernels_on_gpu(activation, monkeypatch):
+    from mtjax.kernels import activation as activation_kernels
 
+    monkeypatch.setattr(activation_kernels, "GELU_PTX_SIGMOID", True)  # GELU's FP8 kernels below: the PTX sigmoid
     shape = (2, 1500) if ops.is_gated(activation) else (1500,)
     x = _random(0, (777,) + shape, jnp.bfloat16, 2.0)
     bias = _random(1, shape, jnp.bfloat16)
     check_kernel(lambda x, b, implementation: ops.activation(x, activation, b, implementation=implementation),
                  (x, bias), (0, 1), jnp.bfloat16, interpret=False)
-    # GELU's FP8 kernels compute x * sigmoid(2u) by ex2.approx and rcp.approx: within a few float32 ulps.
+    # GELU's FP8 kernels compute x * sigmoid(2u) by ex2.approx and rcp.approx: relative error about
+    # |2u| * 2^-24, and the amax is taken where GELU is nearly x.
     amax_rtol = 1e-5
     q, amax = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="pallas_triton")
     q_ref, amax_ref = ops.activation_fp8(x, activation, bias, scale=jnp.float32(50.0), implementation="xla")
