@@ -166,7 +166,9 @@ def decode_rows_of_batch(model_name: str, implementation: str, model, params, ba
         lowered = loop.lower(params, cache.pages, lengths0, lengths0, tables)
     step, _ = timing.compile_lowered(lowered, setting.xla_options)
     weights = tree_bytes(params)
-    peer = None if implementation == "mtjax bf16" else "mtjax bf16"
+    # a setting's row against the same weights without it; the others against bf16
+    peer = ("mtjax fp8 weights" if implementation.startswith("mtjax fp8 weights [") else
+            None if implementation == "mtjax bf16" else "mtjax bf16")
     rows = []
     state = (cache.pages, jnp.zeros((batch,), jnp.int32))
     for context in contexts:
@@ -244,6 +246,7 @@ def decode_rows(model_name: str, sizes: Sizes, settings: Sequence[variants.Setti
              ("mtjax fp8 kv", output_first_model, jnp.float8_e4m3fn, variants.DEFAULT),
              ("mtjax bf16 model layout", lambda: (model, params), cfg.dtype, variants.DEFAULT)]
     cases += [(f"mtjax bf16 [{s.label()}]", output_first_model, cfg.dtype, s) for s in settings]
+    cases += [(f"mtjax fp8 weights [{s.label()}]", lambda: fp8_model("auto"), cfg.dtype, s) for s in settings]
     for batch in sizes.batches:
         for label, make, kv_dtype, setting in cases:
             if label.endswith("fp8_gemm") and batch > WEIGHT_ONLY_MAX_ROWS:
@@ -534,14 +537,15 @@ def run(quick: bool, models: Sequence[str] | None = None, batches: Sequence[int]
       models: GPT presets (default `MODELS`; ``tiny`` with ``quick``).
       batches, contexts: the decode and kernel grid (default `BATCHES`, `CONTEXTS`).
       parts: any of `PARTS`.
-      settings: ``--variant`` settings: each adds ``mtjax bf16 [setting]`` decode rows (kernel choices
-        and XLA options; model and train fields do not apply to decoding).
+      settings: ``--variant`` settings: each adds ``mtjax bf16 [setting]`` and ``mtjax fp8 weights
+        [setting]`` decode rows (kernel choices, switches and XLA options; model and train fields do
+        not apply to decoding).
       profile_dir: profile every decode row's device time (`mtjax.bench.profile`), traces written here.
     """
     for setting in settings:
         if setting.model or setting.train or setting.recipe:
-            raise ValueError(f"mtjax bench decode: --variant {setting.label()}: only op=implementation and "
-                             "xla_* options apply to decoding")
+            raise ValueError(f"mtjax bench decode: --variant {setting.label()}: only op=implementation, "
+                             "switches and xla_* options apply to decoding")
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"mtjax bench decode: parts={unknown}; accepted: {list(PARTS)}")

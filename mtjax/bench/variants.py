@@ -8,7 +8,10 @@ the trained model and ``--variant compute_params=false`` trains without the comp
 the weights (`mtjax.train.state.compute_copy`) (both train suite only: the layer suite skips such
 settings); ``--variant recipe=block`` runs the FP8 row under another recipe (`mtjax.fp8.RECIPE_NAMES`: ``delayed``,
 the default, ``current`` or ``block``, `mtjax.fp8.BlockScaling`), with no bf16 row of its own (its
-speed-up is over the bf16 row of the same settings without the recipe). Rows are labelled
+speed-up is over the bf16 row of the same settings without the recipe); ``--variant
+fold_into_gemm=true`` (a name of `SWITCHES`) sets one of the kernels' module switches while tracing
+(all three suites), so an option that is off until measured is timed against its default in one
+run. Rows are labelled
 ``"mtjax [activation=xla,layernorm=xla]"``; the peers always run with defaults, so each such row
 shows what the setting does to a whole layer or train step.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,6 +39,7 @@ class Setting:
       model: `mtjax.models.GPTConfig` fields overridden (``{"scan_layers": False}``), train suite only.
       train: train-state options (`TRAIN_OPTIONS`: ``{"compute_params": False}``), train suite only.
       recipe: the FP8 recipe of the FP8 row, a name of `mtjax.fp8.RECIPE_NAMES` (``None``: `fp8_autocast`'s default).
+      switches: ``{name of SWITCHES: bool}`` set while tracing.
     """
 
     kernels: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -42,9 +47,10 @@ class Setting:
     model: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     train: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     recipe: str | None = None
+    switches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
     def label(self) -> str:
-        items = {**self.kernels, **self.xla_options, **self.model, **self.train,
+        items = {**self.kernels, **self.xla_options, **self.model, **self.train, **self.switches,
                  **({} if self.recipe is None else {"recipe": self.recipe})}
         return ",".join(f"{k}={_text(v)}" for k, v in sorted(items.items()))
 
@@ -52,6 +58,13 @@ class Setting:
 DEFAULT = Setting()
 # compute_params: keep the weights' compute-dtype copy in the train state (default true).
 TRAIN_OPTIONS = ("compute_params",)
+# Module switches of kernels and ops, read at trace time: ``--variant name=true|false``.
+SWITCHES = {
+    "fold_into_gemm": ("mtjax.ops.normalization", "FOLD_INTO_GEMM"),
+    "gelu_ptx_sigmoid": ("mtjax.kernels.activation", "GELU_PTX_SIGMOID"),
+    "dq_by_atomic_add": ("mtjax.kernels.triton.flash_attention", "DQ_BY_ATOMIC_ADD"),
+    "tma_row_limits": ("mtjax.kernels.triton.flash_attention", "TMA_ROW_LIMITS"),
+}
 
 
 def _text(value: Any) -> str:
@@ -77,7 +90,7 @@ def parse(spec: str) -> Setting:
     from mtjax.models import GPTConfig
 
     model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    kernels, options, model, train, recipe = {}, {}, {}, {}, None
+    kernels, options, model, train, recipe, switches = {}, {}, {}, {}, None, {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or not value:
@@ -95,18 +108,19 @@ def parse(spec: str) -> Setting:
             if value not in RECIPE_NAMES:
                 raise ValueError(f"--variant {spec!r}: recipe={value!r}; accepted: {RECIPE_NAMES}")
             recipe = value
-        elif key in TRAIN_OPTIONS:
-            train[key] = _value(value)
-            if not isinstance(train[key], bool):
+        elif key in TRAIN_OPTIONS or key in SWITCHES:
+            flag = _value(value)
+            if not isinstance(flag, bool):
                 raise ValueError(f"--variant {spec!r}: {key}={value!r}; expected true or false")
+            (train if key in TRAIN_OPTIONS else switches)[key] = flag
         else:
             raise ValueError(f"--variant {spec!r}: {key!r} is neither an op {backend.ops()}, an xla_* option, "
-                             f"a GPTConfig field {sorted(model_fields)}, a train option {TRAIN_OPTIONS} nor "
-                             f"recipe={'|'.join(RECIPE_NAMES)}")
-    if not (kernels or options or model or train or recipe):
+                             f"a GPTConfig field {sorted(model_fields)}, a train option {TRAIN_OPTIONS}, a switch "
+                             f"{sorted(SWITCHES)} nor recipe={'|'.join(RECIPE_NAMES)}")
+    if not (kernels or options or model or train or recipe or switches):
         raise ValueError(f"--variant {spec!r}: expected op=implementation, xla_option=value, "
-                         "config_field=value or train_option=value, comma-separated")
-    return Setting(kernels, options, model, train, recipe)
+                         "config_field=value, train_option=value or switch=true|false, comma-separated")
+    return Setting(kernels, options, model, train, recipe, switches)
 
 
 def label(fp8: bool, setting: Setting) -> str:
@@ -117,12 +131,27 @@ def label(fp8: bool, setting: Setting) -> str:
 
 @contextlib.contextmanager
 def mtjax_context(fp8: bool, setting: Setting) -> Iterator[None]:
-    """Enter around tracing (and init) of an mtjax row: ``fp8_autocast`` and the kernel choices."""
+    """Enter around tracing (and init) of an mtjax row: ``fp8_autocast``, the kernel choices and the
+    module switches (restored on exit)."""
     from mtjax.fp8 import fp8_autocast
 
     recipe = None if setting.recipe is None else recipe_by_name(setting.recipe)
-    with fp8_autocast(enabled=fp8, recipe=recipe), override(implementations=dict(setting.kernels)):
+    with fp8_autocast(enabled=fp8, recipe=recipe), override(implementations=dict(setting.kernels)), \
+            _switched(setting.switches):
         yield
+
+
+@contextlib.contextmanager
+def _switched(switches: Mapping[str, bool]) -> Iterator[None]:
+    modules = {name: importlib.import_module(SWITCHES[name][0]) for name in switches}
+    saved = {name: getattr(modules[name], SWITCHES[name][1]) for name in switches}
+    try:
+        for name, value in switches.items():
+            setattr(modules[name], SWITCHES[name][1], value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(modules[name], SWITCHES[name][1], value)
 
 
 def mtjax_xla_options(fp8: bool, setting: Setting) -> dict[str, Any]:

@@ -4,6 +4,7 @@ Speed is never asserted here: only that the pieces run, fit together and report 
 """
 
 import argparse
+import importlib
 import json
 
 import jax
@@ -189,9 +190,26 @@ def test_variant_settings_are_checked_and_labelled():
     assert variants.label(False, model) == "mtjax [remat_policy=dots,scan_layers=false]"
     train = variants.parse("compute_params=false")
     assert train.train == {"compute_params": False} and variants.label(False, train) == "mtjax [compute_params=false]"
-    for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", "", "compute_params=no"):
+    for bad in ("layernorm=nope", "nope=xla", "layernorm", "xla_gpu_x=", "", "compute_params=no", "fold_into_gemm=1"):
         with pytest.raises(ValueError, match="--variant"):
             variants.parse(bad)
+
+
+def test_variant_switches_are_set_while_tracing_and_restored():
+    from mtjax.kernels import activation
+    from mtjax.ops import normalization
+
+    setting = variants.parse("fold_into_gemm=true,gelu_ptx_sigmoid=true")
+    assert setting.switches == {"fold_into_gemm": True, "gelu_ptx_sigmoid": True}
+    assert variants.label(False, setting) == "mtjax [fold_into_gemm=true,gelu_ptx_sigmoid=true]"
+    before = normalization.FOLD_INTO_GEMM, activation.GELU_PTX_SIGMOID
+    with variants.mtjax_context(False, setting):
+        assert normalization.FOLD_INTO_GEMM is True and activation.GELU_PTX_SIGMOID is True
+    assert (normalization.FOLD_INTO_GEMM, activation.GELU_PTX_SIGMOID) == before
+    for name, (module, attribute) in variants.SWITCHES.items():  # every switch names a real flag
+        if module.startswith("mtjax.kernels.triton"):
+            pytest.importorskip("triton")
+        assert isinstance(getattr(importlib.import_module(module), attribute), bool), name
 
 
 def test_measure_steps_threads_the_state_through_back_to_back_steps():

@@ -17,7 +17,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_decode") / "decode.json"
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = parser.parse_args(["decode", "--quick", "--json", str(out)])
+    args = parser.parse_args(["decode", "--quick", "--json", str(out), "--variant", "fold_into_gemm=true"])
     saved = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)  # compile time of toy shapes; nothing here is timed
     try:
@@ -37,6 +37,11 @@ def test_every_kind_of_row(quick_run):
                        ("decode", "mtjax bf16 model layout"),
                        ("paged_attention", "pallas_triton"), ("paged_attention", "xla")]:
         assert (kind, impl) in timed, (kind, impl)
+    # a --variant adds rows of both weight formats, each against the same weights without the setting
+    for impl, peer in (("mtjax bf16 [fold_into_gemm=true]", "mtjax bf16"),
+                       ("mtjax fp8 weights [fold_into_gemm=true]", "mtjax fp8 weights")):
+        row = next(r for r in rows if r["implementation"] == impl and r["time_ms"] is not None)
+        assert row["peer"] == peer and row["speedup_vs_peer"] is not None
     penalized = next(r for r in rows if r["implementation"] == "mtjax engine penalties")
     assert penalized["peer"] == "mtjax engine" and penalized["speedup_vs_peer"] is not None
     prefill = next(r for r in rows if r["name"].startswith("prefill"))
@@ -72,5 +77,5 @@ def test_grid_parts_and_variants_are_checked():
         decode.run(True, batches=[0])
     from mtjax.bench import variants
 
-    with pytest.raises(ValueError, match="only op=implementation and xla_"):
+    with pytest.raises(ValueError, match="only op=implementation, switches and xla_"):
         decode.run(True, parts=["decode"], settings=[variants.parse("scan_layers=false")])
