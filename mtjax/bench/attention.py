@@ -5,6 +5,9 @@ forward+backward, bf16.
 FLOPs as in docs/performance.md: ``4·B·H·Tq·Tk·D`` forward (halved when causal), 3.5x that for
 forward+backward. The ``mtjax`` row is the implementation the default selection picks for the case
 (named in ``extra["chosen"]``), so its time is that implementation's; the peer of every mtjax row is cuDNN.
+Each ``--variant`` (kernel choices and switches, `mtjax.bench.variants`) adds an ``mtjax [setting]`` row:
+the default selection traced under the setting (``--variant dq_by_atomic_add=true``,
+``--variant attention=triton,tma_row_limits=false``).
 An implementation that fails (a kernel that does not compile, out of memory) gives a row with the
 error instead of numbers, and the run goes on.
 
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import backend, ops
+from mtjax.bench import variants
 from mtjax.bench.timing import error_row, measure, random_array, rotating, row
 from mtjax.kernels import flash_attention as fa
 from mtjax.kernels.mosaic_gpu import flash_attention as mosaic_attention
@@ -108,8 +112,9 @@ def _runnable(implementation: str) -> bool:
 IMPLEMENTATIONS = ("pallas_triton", "triton", "mosaic_gpu", "cudnn", "xla")
 
 
-def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
-    """The rows of one case: each runnable implementation, forward and forward+backward."""
+def case_rows(case: Case, *, runs: int = 10, settings: tuple[variants.Setting, ...] = ()) -> list[dict]:
+    """The rows of one case: each runnable implementation, forward and forward+backward, then the
+    default selection under each of ``settings``."""
     rows = []
     inputs = rotating(case.inputs)
     chosen = _chosen(case)
@@ -137,11 +142,28 @@ def case_rows(case: Case, *, runs: int = 10) -> list[dict]:
         if chosen in timings:
             rows.append(row("attention", name, "mtjax", timings[chosen], flops=flops, peer=peer,
                             ceiling="bf16_gemm_tflops", chosen=chosen, **extra))
+        for setting in settings:
+            label = f"mtjax [{setting.label()}]"
+            try:
+                with variants.mtjax_context(False, setting):  # traced (first call) under the setting
+                    timed = measure(_function(case, None, backward), inputs, runs=runs, min_sample_s=SAMPLE_S)
+            except Exception as err:  # noqa: BLE001 - a failing setting becomes a row; the run goes on
+                rows.append(error_row("attention", name, label, err, **extra))
+                continue
+            rows.append(row("attention", name, label, timed, flops=flops, peer=peer, ceiling="bf16_gemm_tflops",
+                            **extra))
     return rows
 
 
-def run(quick: bool) -> list[dict]:
-    return [r for case in (QUICK_CASES if quick else CASES) for r in case_rows(case, runs=5 if quick else 10)]
+def run(quick: bool, settings: tuple[variants.Setting, ...] = ()) -> list[dict]:
+    """Every case's rows (`case_rows`); ``settings``: ``--variant`` kernel choices and switches (model,
+    train and recipe settings do not apply)."""
+    for setting in settings:
+        if setting.model or setting.train or setting.recipe or setting.xla_options:
+            raise ValueError(f"mtjax bench attention: --variant {setting.label()}: only op=implementation and "
+                             "switches apply to the attention suite")
+    return [r for case in (QUICK_CASES if quick else CASES)
+            for r in case_rows(case, runs=5 if quick else 10, settings=tuple(settings))]
 
 
 def sweep(case: Case = HEADLINE) -> list[tuple[str, float, float]]:

@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train suite: GPT presets to train (default: gpt-1.3b; tiny with --quick); decode suite: "
                              "presets to decode (default: llama-1b gpt-1.3b; tiny with --quick)")
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,...]",
-                        help="layer, train and decode suites: also run mtjax with these kernel choices (OP=IMPL) and "
-                             "XLA options (xla_...=VALUE); repeatable, one extra pair of rows each")
+                        help="layer, train, decode and attention suites: also run mtjax with these kernel choices "
+                             "(OP=IMPL), module switches (SWITCH=true|false) and XLA options (xla_...=VALUE); "
+                             "repeatable, one extra pair of rows each")
     parser.add_argument("--train-rows", nargs="+", metavar="LABEL",
                         help="train suite: run only these rows, by label (mtjax, flax, 'mtjax fp8', 'flax fp8', "
                              "'mtjax fp8 [recipe=block]', ...), e.g. to fit a time-limited GPU call")
@@ -85,6 +86,8 @@ def _run_suite(name: str, args: argparse.Namespace, settings: list[variants.Sett
                           parts=args.moe_parts, gemm_experts=args.moe_gemm_experts, train_batch=args.moe_train_batch)
     if name == "gemm":
         return module.run(args.quick, sweep=args.sweep, layouts=args.layouts)
+    if name == "attention":
+        return module.run(args.quick, settings=tuple(settings))
     return module.run(args.quick)
 
 
