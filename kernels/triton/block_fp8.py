@@ -36,12 +36,14 @@ def _amax(x, axis: tl.constexpr):
 def _tile_scales(amax, FP8_MAX: tl.constexpr, POWER_OF_TWO: tl.constexpr, AMAX_EPSILON: tl.constexpr):
     """`block_quantize.tile_scales` of float32 amaxes (NaN amaxes stay NaN, as in jax.numpy)."""
     amax = tl.maximum(amax, AMAX_EPSILON, propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    # Triton's division (div.full.f32 on NVIDIA GPUs), not the IEEE one: XLA's GPU division and the
+    # Pallas kernels' give the same scales to the bit, which block-scaled GEMMs compare against.
+    scale = FP8_MAX / amax
     usable = (amax < float("inf")) & (amax > 0.0) & (scale < float("inf"))  # False for NaN
     scale = tl.where(usable, scale, 1.0)
     if POWER_OF_TWO:
         scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
-    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return scale, 1.0 / scale
 
 
 @triton.jit
