@@ -122,9 +122,8 @@ def _gated(activation: str) -> bool:
 # ``rcp.approx.ftz.f32`` where they lower for cuda (`with_ptx`): two special-function instructions for
 # libdevice's ``tanhf`` (or an exponential and an IEEE division). Relative error about ``|2u| * 2^-24``
 # (the exponential's argument rounded to float32), far below an FP8 step and, unlike ``1 + tanh(u)``,
-# without cancellation in the negative tail. Read at trace time. Off until a GPU run has checked and
-# timed it.
-GELU_PTX_SIGMOID = False
+# without cancellation in the negative tail (docs/performance.md: faster on the GPU). Read at trace time.
+GELU_PTX_SIGMOID = True
 _GELU_ACTIVATIONS = tuple(name for name, (act, _) in ACTIVATIONS.items() if act is _gelu)
 
 

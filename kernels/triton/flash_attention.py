@@ -340,13 +340,12 @@ def _fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Q_PAD: tl.constexpr, KV
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, dq_ptr, start,
-                 end, EDGE: tl.constexpr, Q_PAD: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, start, end,
+                 EDGE: tl.constexpr, Q_PAD: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_Q: tl.constexpr, Q_LEN: tl.constexpr, C: tl.constexpr, OFFSET: tl.constexpr,
                  KV_LEN: tl.constexpr, HAS_LO: tl.constexpr, LO: tl.constexpr, HAS_HI: tl.constexpr, HI: tl.constexpr,
                  SEGMENTS: tl.constexpr, SOFT_CAP: tl.constexpr, CAP2: tl.constexpr, CAP_SCALE: tl.constexpr,
-                 PRECISION: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr,
-                 DQ_ATOMIC: tl.constexpr):
+                 PRECISION: tl.constexpr, DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr):
     dims = tl.arange(0, HEAD_DIM)
     for i in tl.range(start, end):
         q_rows = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -368,22 +367,18 @@ def _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr,
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dp_t = _dropped(dp_t, seed, row_ids[None, :], cols[:, None], DROPOUT, THRESHOLD, KEEP_SCALE)
         ds_t = _soft_cap_grad(p_t * (dp_t - delta[None, :]), s_t, SOFT_CAP, CAP2)
-        ds_t = ds_t.to(q.dtype)
-        dk += tl.dot(ds_t, q, input_precision=PRECISION)
-        if DQ_ATOMIC:  # this key block's share of dq, added into the float32 accumulator
-            tl.atomic_add(dq_ptr + offsets, tl.dot(tl.trans(ds_t), k, input_precision=PRECISION), sem="relaxed")
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_seg_ptr, seed_ptr, dk_ptr, dv_ptr,
-                 dq_ptr,
                  Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, Q_LEN: tl.constexpr, KV_LEN: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_LO: tl.constexpr, LO: tl.constexpr, HAS_HI: tl.constexpr,
                  HI: tl.constexpr, SEGMENTS: tl.constexpr, SCALE: tl.constexpr, C: tl.constexpr,
                  SOFT_CAP: tl.constexpr, CAP2: tl.constexpr, CAP_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                 DROPOUT: tl.constexpr, THRESHOLD: tl.constexpr, KEEP_SCALE: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K
     b = tl.program_id(1)
     kv_h = tl.program_id(2)
@@ -402,17 +397,17 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr, kv_
     for g in range(GROUPS):
         h = kv_h * GROUPS + g
         dk, dv = _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr,
-                              dq_ptr, full_hi, hi, True, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET, KV_LEN,
+                              full_hi, hi, True, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET, KV_LEN,
                               HAS_LO, LO, HAS_HI, HI, SEGMENTS, SOFT_CAP, CAP2, CAP_SCALE, PRECISION, DROPOUT,
-                              THRESHOLD, KEEP_SCALE, DQ_ATOMIC)
+                              THRESHOLD, KEEP_SCALE)
         dk, dv = _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr,
-                              dq_ptr, lo, full_lo, True, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET, KV_LEN,
+                              lo, full_lo, True, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET, KV_LEN,
                               HAS_LO, LO, HAS_HI, HI, SEGMENTS, SOFT_CAP, CAP2, CAP_SCALE, PRECISION, DROPOUT,
-                              THRESHOLD, KEEP_SCALE, DQ_ATOMIC)
+                              THRESHOLD, KEEP_SCALE)
         dk, dv = _dkdv_blocks(dk, dv, k, v, cols, kv_seg, h, b, seed, q_ptr, do_ptr, lse_ptr, delta_ptr, q_seg_ptr,
-                              dq_ptr, full_lo, full_hi, False, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET,
+                              full_lo, full_hi, False, Q_PAD, HEADS, HEAD_DIM, BLOCK_Q, Q_LEN, C, OFFSET,
                               KV_LEN, HAS_LO, LO, HAS_HI, HI, SEGMENTS, SOFT_CAP, CAP2, CAP_SCALE, PRECISION, DROPOUT,
-                              THRESHOLD, KEEP_SCALE, DQ_ATOMIC)
+                              THRESHOLD, KEEP_SCALE)
     tl.store(dk_ptr + kv_offsets, (dk * SCALE).to(dk_ptr.dtype.element_ty))
     tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty))
 
@@ -554,12 +549,6 @@ def _forward(q, k, v, q_seg, kv_seg, seed, st):
     return out, lse
 
 
-# Whether the backward adds dq up atomically in the dK/dV kernel instead of running the dq kernel:
-# two fewer block GEMMs per block pair, at the cost of float32 atomic adds, whose order (and so the
-# sum's last bits) varies from run to run. Off until measured faster on the GPU (docs/kernels.md).
-DQ_BY_ATOMIC_ADD = False
-
-
 def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     batch, q_pad, heads, _ = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -569,18 +558,13 @@ def _backward(q, k, v, q_seg, kv_seg, seed, out, lse, do, st):
     do = do.astype(q.dtype)
     optional = _optional(q_seg, kv_seg, seed)
     constexprs = dict(_constexprs(q, k, st), SCALE=st.scale)
-    atomic = DQ_BY_ATOMIC_ADD  # else the dq output is a one-element stand-in the kernel never writes
-    dq_shape = q.shape if atomic else (1,)
-    dk, dv, dq_sum = launch(
+    dk, dv = launch(
         _dkdv_kernel, q, k, v, do, lse, delta, *optional,
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(dq_shape, jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(kv_pad // b.dkdv_block_k, batch, kv_heads), name="mtjax_triton_flash_attention_dkdv",
-        num_warps=b.dkdv_num_warps, num_stages=b.dkdv_num_stages, zeroed_outputs=(2,) if atomic else (),
-        BLOCK_Q=b.dkdv_block_q, BLOCK_K=b.dkdv_block_k, DQ_ATOMIC=atomic, **constexprs,
+        num_warps=b.dkdv_num_warps, num_stages=b.dkdv_num_stages,
+        BLOCK_Q=b.dkdv_block_q, BLOCK_K=b.dkdv_block_k, **constexprs,
     )
-    if atomic:
-        return (dq_sum * st.scale).astype(q.dtype), dk, dv
     [dq] = launch(
         _dq_kernel, q, k, v, do, lse, delta, *optional,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],

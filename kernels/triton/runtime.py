@@ -10,8 +10,7 @@ tests check every kernel against its reference.
 Conventions of every kernel launched here: its parameters are the input arrays, then the output
 arrays, then ``tl.constexpr`` parameters (passed as keywords). No runtime scalars (jax-triton 0.3
 passes Python floats as float64 arguments, 0.4 bakes them in as constants; constexprs behave the same
-in both) and no aliased outputs. Every kernel writes every element of its outputs, except those it
-asks for zeroed (``zeroed_outputs``), which it adds into.
+in both) and no aliased or pre-zeroed outputs: every kernel writes every element of its outputs.
 """
 
 from __future__ import annotations
@@ -180,25 +179,19 @@ def compile_launch(record: Launch, capability: int = 90) -> Any:
 
 
 def launch(kernel: Any, *inputs: jax.Array, out_shape: Sequence[jax.ShapeDtypeStruct], grid: tuple[int, ...],
-           name: str, num_warps: int = 4, num_stages: int = 1, zeroed_outputs: Sequence[int] = (),
-           **constexprs: Any) -> list[jax.Array]:
+           name: str, num_warps: int = 4, num_stages: int = 1, **constexprs: Any) -> list[jax.Array]:
     """Run the ``@triton.jit`` ``kernel`` on ``inputs`` over ``grid``; returns its outputs (one array per
-    entry of ``out_shape``). ``constexprs`` are its ``tl.constexpr`` parameters. The outputs at the
-    indices ``zeroed_outputs`` start as zeros (for kernels that accumulate into them atomically); the
-    others start undefined."""
+    entry of ``out_shape``). ``constexprs`` are its ``tl.constexpr`` parameters."""
     out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
     grid = tuple(int(g) for g in grid)
     if min(grid) < 1:
         raise ValueError(f"{name}: empty launch grid {grid}")
-    if any(not 0 <= i < len(out_shape) for i in zeroed_outputs):
-        raise ValueError(f"{name}: zeroed_outputs {tuple(zeroed_outputs)} must index the {len(out_shape)} outputs")
     for launches in _recorders:
         launches.append(Launch(kernel, name, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs),
                                tuple(out_shape), grid, num_warps, num_stages, dict(constexprs)))
     if interpret():
         return list(jax.pure_callback(
-            functools.partial(_run_interpreted, kernel, out_shape=out_shape, grid=grid, constexprs=constexprs,
-                              zeroed_outputs=tuple(zeroed_outputs)),
+            functools.partial(_run_interpreted, kernel, out_shape=out_shape, grid=grid, constexprs=constexprs),
             out_shape, *inputs))
     jt = _jax_triton()
     if isinstance(jt, str) and _recorders:  # recorded for compile_launch only
@@ -206,8 +199,7 @@ def launch(kernel: Any, *inputs: jax.Array, out_shape: Sequence[jax.ShapeDtypeSt
     if isinstance(jt, str):
         raise RuntimeError(f"{name}: native Triton kernels need jax-triton: {jt}")
     outs = jt.triton_call(*inputs, kernel=kernel, grid=grid, name=name, num_warps=num_warps, num_stages=num_stages,
-                          compute_capability=compute_capability(), out_shape=out_shape,
-                          zeroed_outputs=tuple(zeroed_outputs), **constexprs)
+                          compute_capability=compute_capability(), out_shape=out_shape, **constexprs)
     return list(outs)
 
 
@@ -331,8 +323,7 @@ def _unwritten(shape: jax.ShapeDtypeStruct) -> np.ndarray:
     return np.full(int(np.prod(shape.shape)) * dtype.itemsize, 0xFF, np.uint8).view(dtype).reshape(shape.shape)
 
 
-def _run_interpreted(kernel: Any, *arrays: np.ndarray, out_shape, grid, constexprs,
-                     zeroed_outputs=()) -> list[np.ndarray]:
+def _run_interpreted(kernel: Any, *arrays: np.ndarray, out_shape, grid, constexprs) -> list[np.ndarray]:
     from triton.runtime import interpreter
 
     class HostGrid(interpreter.GridExecutor):
@@ -345,7 +336,7 @@ def _run_interpreted(kernel: Any, *arrays: np.ndarray, out_shape, grid, constexp
             pass
 
     inputs = [np.ascontiguousarray(a) for a in arrays]
-    outputs = [np.zeros(s.shape, s.dtype) if i in zeroed_outputs else _unwritten(s) for i, s in enumerate(out_shape)]
+    outputs = [_unwritten(s) for s in out_shape]
     interpreted = interpreter.InterpretedFunction(kernel.fn)
     # The kernels rely on IEEE semantics (exp overflowing to inf in a saturating tanh, -inf logits).
     with _interpreter_lock, _interpreting(kernel), np.errstate(all="ignore"):

@@ -6,8 +6,7 @@ FLOPs as in docs/performance.md: ``4·B·H·Tq·Tk·D`` forward (halved when cau
 forward+backward. The ``mtjax`` row is the implementation the default selection picks for the case
 (named in ``extra["chosen"]``), so its time is that implementation's; the peer of every mtjax row is cuDNN.
 Each ``--variant`` (kernel choices and switches, `mtjax.bench.variants`) adds an ``mtjax [setting]`` row:
-the default selection traced under the setting (``--variant dq_by_atomic_add=true``,
-``--variant attention=triton,tma_row_limits=false``).
+the default selection traced under the setting (``--variant attention=triton,tma_row_limits=false``).
 An implementation that fails (a kernel that does not compile, out of memory) gives a row with the
 error instead of numbers, and the run goes on.
 

@@ -62,7 +62,6 @@ TRAIN_OPTIONS = ("compute_params",)
 SWITCHES = {
     "fold_into_gemm": ("mtjax.ops.normalization", "FOLD_INTO_GEMM"),
     "gelu_ptx_sigmoid": ("mtjax.kernels.activation", "GELU_PTX_SIGMOID"),
-    "dq_by_atomic_add": ("mtjax.kernels.triton.flash_attention", "DQ_BY_ATOMIC_ADD"),
     "tma_row_limits": ("mtjax.kernels.triton.flash_attention", "TMA_ROW_LIMITS"),
 }
 

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtjax import fp8, ops
+from mtjax import fp8
 
 WEIGHT_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(WEIGHT_DTYPE).max)
@@ -246,14 +246,28 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
     if mode == "auto":
         mode = "dequantize" if math.prod(lhs_free) <= WEIGHT_ONLY_MAX_ROWS else "fp8_gemm"
     if mode == "dequantize":
-        return ops.weight_only_gemm(lhs, w8, w_scale, dimension_numbers, out_dtype=out_dtype)
-    x = lhs.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=tuple(lhs_contract), keepdims=True)
-    x_scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    x8 = (x / x_scale).astype(WEIGHT_DTYPE)
-    y = lax.dot_general(x8, w8, dimension_numbers, preferred_element_type=jnp.float32)
-    y = y * x_scale.reshape(lhs_free + (1,) * len(rhs_free))
+        w = w8.astype(lhs.dtype)
+        if _float32_range(lhs.dtype) and jnp.dtype(out_dtype).itemsize <= jnp.dtype(lhs.dtype).itemsize:
+            # A result in the input's dtype (its tiles accumulate in float32): asking a float32 result
+            # of a 16-bit dot makes XLA widen both operands to float32 first, a slower GEMM on the same
+            # bytes. float16 keeps the float32 result: the products of the unscaled kernel (its
+            # channels stretched to the E4M3 range) can pass float16's largest value.
+            y = lax.dot_general(lhs, w, dimension_numbers).astype(jnp.float32)
+        else:
+            y = lax.dot_general(lhs, w, dimension_numbers, preferred_element_type=jnp.float32)
+    else:
+        x = lhs.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x), axis=tuple(lhs_contract), keepdims=True)
+        x_scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+        x8 = (x / x_scale).astype(WEIGHT_DTYPE)
+        y = lax.dot_general(x8, w8, dimension_numbers, preferred_element_type=jnp.float32)
+        y = y * x_scale.reshape(lhs_free + (1,) * len(rhs_free))
     return (y * w_scale).astype(out_dtype)
+
+
+def _float32_range(dtype: Any) -> bool:
+    """Whether ``dtype`` holds float32's range of magnitudes (bfloat16 and float32; not float16)."""
+    return jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
 
 
 def fp8_weights_interceptor(mode: str = "auto"):

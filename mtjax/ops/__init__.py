@@ -54,7 +54,6 @@ from mtjax.ops.router import (
     update_expert_bias,
 )
 from mtjax.ops.softmax import softmax
-from mtjax.ops.weight_only_gemm import weight_only_gemm
 
 __all__ = [
     "ACTIVATIONS", "MASK_TYPES", "Activation", "activation", "activation_fp8", "activation_grad_fp8",
@@ -70,5 +69,5 @@ __all__ = [
     "update_expert_bias",
     "LAYERNORM_TYPES", "Norm", "PAGE_DTYPES", "layernorm", "norm_fp8", "norm_tile_fp8", "paged_attention", "quantize",
     "residual_norm", "rmsnorm", "softmax",
-    "softmax_cross_entropy", "weight_only_gemm",
+    "softmax_cross_entropy",
 ]

@@ -142,23 +142,6 @@ def test_rmsnorm_folds_into_the_weight_only_dot(monkeypatch, dtype, rtol):
     np.testing.assert_allclose(logits[True], logits[False], rtol=rtol, atol=rtol * np.abs(logits[False]).max())
 
 
-def test_weight_only_dots_on_the_triton_kernel(interpret):
-    """A decode-sized call of a bfloat16 model with its weight-only dots on the native Triton kernel
-    (chosen by name, Triton's interpreter on the CPU): the logits of XLA's dots of the widened weights,
-    within bfloat16 rounding (the kernel keeps float32 sums where XLA rounds each product to bfloat16)."""
-    from mtjax.config import override
-    from mtjax.kernels.triton import runtime
-
-    model, params, tokens = tiny(dtype=jnp.bfloat16)
-    model8, params8 = fp8_weights.quantize_weights(model, params)
-    few = tokens[:1, :fp8_weights.WEIGHT_ONLY_MAX_ROWS]
-    want = np.asarray(model8.apply({"params": params8}, few), np.float32)
-    with override(implementations={"weight_only_gemm": "triton"}), runtime.record_launches() as launches:
-        got = np.asarray(model8.apply({"params": params8}, few), np.float32)
-    assert len(launches) == 10  # 5 projections x 2 layers
-    assert relative_error(want, got) < 1e-2
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_weight_only_dot_in_16_bit_inputs(dtype):
     """The weight-only dot of 16-bit inputs against float32: within FP8 rounding, and finite in float16,

@@ -330,7 +330,7 @@ def test_quantize_kernels_lower_for_cuda(shape):
 def test_gelu_fp8_kernels_lower_with_the_ptx_sigmoid_for_cuda(monkeypatch):
     """The kernels writing GELU's output or gradient in FP8 (per-tensor and 1x128 tiles) compute it as
     ``x * sigmoid(2u)`` by ``ex2.approx.ftz.f32`` and ``rcp.approx.ftz.f32`` when lowered for cuda with
-    `GELU_PTX_SIGMOID` on; off (the default until measured), none does."""
+    `GELU_PTX_SIGMOID` on (the default); off, none does."""
     from mtjax.kernels import activation as activation_kernels
 
     monkeypatch.setattr(activation_kernels, "GELU_PTX_SIGMOID", True)
@@ -393,10 +393,7 @@ def test_block_scaled_mlp_lowers_to_fused_casts_for_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 2048), (999, 4097)])
-def test_quantize_kernels_on_gpu(shape, monkeypatch):
-    from mtjax.kernels import activation as activation_kernels
-
-    monkeypatch.setattr(activation_kernels, "GELU_PTX_SIGMOID", True)  # GELU's FP8 kernels below: the PTX sigmoid
+def test_quantize_kernels_on_gpu(shape):
     x = _x(0, shape, jnp.bfloat16)
     for out_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
         got = ops.tile_quantize(x, out_dtype, transpose=True, power_of_two=True, implementation="pallas_triton")
