@@ -51,6 +51,11 @@ def widen_fp8(q: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
     return jax.lax.optimization_barrier(q).astype(dtype)
 
 
+def has_float32_range(dtype: Any) -> bool:
+    """Whether ``dtype`` holds float32's range of magnitudes (bfloat16 and float32; not float16)."""
+    return jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+
+
 def fp8_max(dtype: Any) -> float:
     """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2, 240 for E4M3 fnuz)."""
     return float(jnp.finfo(check_fp8_dtype("fp8_max", dtype)).max)

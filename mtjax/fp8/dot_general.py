@@ -85,9 +85,9 @@ class _GemmSpec:
                    x_dtype=x_dtype, w_dtype=w_dtype, out_dtype=out_dtype, implementation=implementation)
 
 
-def _delayed_scale(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dtype: Any) -> jax.Array:
-    """The scale a role quantizes with under `DelayedScaling`: known before the tensor is seen."""
-    recipe = spec.recipe
+def _delayed_scale(role: str, meta: Mapping[str, jax.Array], recipe: DelayedScaling, dtype: Any) -> jax.Array:
+    """The scale a role quantizes with under `DelayedScaling`: known before the tensor is seen (one per
+    group where the role's history has a leading group axis)."""
     history = meta[f"{role}_amax_history"]
     return compute_scale(history_amax(history, recipe.amax_compute_algo), meta[f"{role}_scale"], fp8_max(dtype),
                          recipe.margin)
@@ -99,7 +99,7 @@ def _delayed_cast(role: str, meta: Mapping[str, jax.Array], spec: _GemmSpec, dty
     comes from the role's history, ``cast(scale) -> (q, q transposed, amax, *extra)`` writes the FP8
     tensor (a cast_transpose, or a kernel fused with the op producing it), and its amax, max-reduced
     over ``spec.reduce_axes``, enters the next state."""
-    scale = _delayed_scale(role, meta, spec, dtype)
+    scale = _delayed_scale(role, meta, spec.recipe, dtype)
     q, q_t, observed, *extra = cast(scale)
     history = roll_amax_history(meta[f"{role}_amax_history"], _reduce_max(observed, spec.reduce_axes))
     return (q, q_t, scale, {f"{role}_amax_history": history, f"{role}_scale": scale}, *extra)

@@ -25,16 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax import ops
-from mtjax.dtypes import fp8_max
 from mtjax.fp8.context import current_autocast
+from mtjax.fp8.dot_general import _delayed_scale
 from mtjax.fp8.recipes import RECIPE_TYPES, BlockScaling, CurrentScaling, DelayedScaling, Recipe, _check_int
 from mtjax.fp8.scaling import (
     FP8_COLLECTION,
     META_KEYS,
     ROLES,
     _bound_axes,
-    compute_scale,
-    history_amax,
     init_meta,
     roll_amax_history,
 )
@@ -67,10 +65,7 @@ def _meta_scales(meta, spec):
 
 
 def _meta_scales_fwd(meta, spec):
-    recipe = spec.recipe
-    scales = tuple(compute_scale(history_amax(meta[f"{role}_amax_history"], recipe.amax_compute_algo),
-                                 meta[f"{role}_scale"], fp8_max(dtype), recipe.margin)
-                   for role, dtype in zip(ROLES, spec.dtypes))
+    scales = tuple(_delayed_scale(role, meta, spec.recipe, dtype) for role, dtype in zip(ROLES, spec.dtypes))
     return scales, (meta, scales)
 
 

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mtjax import fp8
+from mtjax.dtypes import has_float32_range
 
 WEIGHT_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(WEIGHT_DTYPE).max)
@@ -247,7 +248,7 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
         mode = "dequantize" if math.prod(lhs_free) <= WEIGHT_ONLY_MAX_ROWS else "fp8_gemm"
     if mode == "dequantize":
         w = w8.astype(lhs.dtype)
-        if _float32_range(lhs.dtype) and jnp.dtype(out_dtype).itemsize <= jnp.dtype(lhs.dtype).itemsize:
+        if has_float32_range(lhs.dtype) and jnp.dtype(out_dtype).itemsize <= jnp.dtype(lhs.dtype).itemsize:
             # A result in the input's dtype (its tiles accumulate in float32): asking a float32 result
             # of a 16-bit dot makes XLA widen both operands to float32 first, a slower GEMM on the same
             # bytes. float16 keeps the float32 result: the products of the unscaled kernel (its
@@ -263,11 +264,6 @@ def fp8_weight_dot_general(weight_scale: jax.Array, lhs: jax.Array, rhs: jax.Arr
         y = lax.dot_general(x8, w8, dimension_numbers, preferred_element_type=jnp.float32)
         y = y * x_scale.reshape(lhs_free + (1,) * len(rhs_free))
     return (y * w_scale).astype(out_dtype)
-
-
-def _float32_range(dtype: Any) -> bool:
-    """Whether ``dtype`` holds float32's range of magnitudes (bfloat16 and float32; not float16)."""
-    return jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
 
 
 def fp8_weights_interceptor(mode: str = "auto"):

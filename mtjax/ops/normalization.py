@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from mtjax import backend
-from mtjax.dtypes import fp8_max
+from mtjax.dtypes import fp8_max, has_float32_range
 from mtjax.kernels import block_quantize as block_kernels
 from mtjax.kernels import layer_norm as norm_kernels
 from mtjax.kernels import residual_norm as residual_norm_kernels
@@ -46,8 +46,8 @@ LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 # row scale after the product, `Norm.folded_dot` (docs/inference-kernels.md).
 FOLD_MAX_ROWS = 8
 # Whether `Norm.folds_into_gemm` lets a GEMM fold the norm at all (off: the norm runs in front of the
-# GEMM at any row count); read at trace time. Off until a GPU run shows the decode step faster
-# (docs/inference-kernels.md).
+# GEMM at any row count); read at trace time. Off: on the GPU it slowed the bf16 decode step and sped
+# up the FP8-weights one (docs/inference-kernels.md).
 FOLD_INTO_GEMM = False
 
 
@@ -285,7 +285,7 @@ class Norm:
         """Whether a GEMM of ``norm(x)`` runs as `folded_dot`: an RMSNorm of at most `FOLD_MAX_ROWS` rows
         of a dtype with float32's range (float16's could not hold the unnormalized product)."""
         return (FOLD_INTO_GEMM and self.layernorm_type == "rmsnorm"
-                and jnp.finfo(x.dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+                and has_float32_range(x.dtype)
                 and math.prod(jnp.shape(x)[:-1]) <= FOLD_MAX_ROWS)
 
     def folded_dot(self, x: jax.Array, dot: Callable[[jax.Array], jax.Array]) -> jax.Array:
